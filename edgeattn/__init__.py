@@ -1,0 +1,40 @@
+"""edgeattn: linear-attention language models from training to edge devices.
+
+Importing this package never imports torch: the base install (numpy, onnxruntime, typer) runs
+exported models. Training, export and kernels need the ``train`` extra and import torch themselves.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# Mixer names, in the order of the source notes. `aft_full` has no fixed-size state (training only).
+MIXERS: tuple[str, ...] = (
+    "linear",  # Linear Transformer, elu+1 feature map, normalized
+    "performer",  # FAVOR+ positive orthogonal random features, normalized
+    "retnet",  # multi-scale retention, fixed per-head decay
+    "gla",  # Gated Linear Attention, data-dependent per-key-dimension decay
+    "aft",  # Attention-Free Transformer, learned per-channel decay
+    "aft_local",  # AFT with a learned window bias over the last W tokens
+    "flash",  # FLASH / GAU with mixed-chunk attention
+    "softmax",  # causal softmax with a growing KV cache (the baseline)
+    "swa",  # sliding-window softmax with attention sinks (fixed ring buffer)
+    "aft_full",  # AFT with learned pairwise biases, training only
+)
+
+_LAZY = {
+    "EdgeConfig": "edgeattn.models",
+    "EdgeLM": "edgeattn.models",
+    "open_session": "edgeattn.runtimes",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'edgeattn' has no attribute {name!r}")
+
+
+__all__ = ["MIXERS", "EdgeConfig", "EdgeLM", "open_session", "__version__"]

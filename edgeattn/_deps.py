@@ -1,0 +1,31 @@
+"""Optional dependencies: import them with a message that names the extra to install."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_EXTRA = {
+    "torch": "train",
+    "triton": "train",
+    "onnx": "train",
+    "onnxscript": "train",
+    "safetensors": "train",
+    "matplotlib": "bench",
+    "tensorrt": "tensorrt",
+}
+
+
+class MissingDependency(ImportError):
+    pass
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` or raise an ImportError saying which extra provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        extra = _EXTRA.get(module.split(".")[0], "train")
+        raise MissingDependency(
+            f"{module} is needed for this; install it with: pip install 'edgeattn[{extra}]'"
+        ) from e

@@ -1,0 +1,71 @@
+"""EdgeConfig: the model's whole description, saved next to the weights as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from edgeattn import MIXERS
+
+
+@dataclass
+class EdgeConfig:
+    vocab_size: int = 256  # byte-level by default: no tokenizer to download
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4  # head size d_model // n_heads for queries, keys and values
+    mixer: str | list[str] = "gla"  # one name for every layer, or one name per layer (hybrid stacks)
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden size = mlp_ratio * d_model, rounded up to a multiple of 32
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    chunk_size: int = 64  # chunk of the chunkwise form used for training and prefill
+    init_std: float = 0.02
+    # family options (read only by the mixers that use them)
+    feature_dim: int = 64  # performer: random features per head
+    gate_low_rank: int = 16  # gla: rank of the gate projection x W1 W2
+    gate_logit_normalizer: int = 16  # gla: alpha_t = sigmoid(x W1 W2 + b) ** (1 / 16)
+    window: int = 64  # swa: attention window; aft_local: window-bias length W
+    n_sinks: int = 4  # swa: first tokens always attended (attention sinks)
+    flash_chunk: int = 64  # flash: group size of mixed-chunk attention
+    flash_expansion: float = 2.0  # flash: GAU hidden size = expansion * d_model
+    flash_qk_dim: int = 128  # flash: size s of the shared Z
+    max_seq_len: int = 2048  # softmax: KV-cache bound of an exported baseline; aft_full: bias size
+    extra: dict = field(default_factory=dict)  # free-form, kept through save/load
+
+    def __post_init__(self) -> None:
+        names = self.mixers
+        if len(names) != self.n_layers:
+            raise ValueError(f"mixer must be one name or {self.n_layers} names (one per layer), got {len(names)}")
+        for name in names:
+            if name not in MIXERS:
+                raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def mixers(self) -> list[str]:
+        """One mixer name per layer."""
+        if isinstance(self.mixer, str):
+            return [n.strip() for n in self.mixer.split(",")] if "," in self.mixer else [self.mixer] * self.n_layers
+        return list(self.mixer)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EdgeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown EdgeConfig fields: {', '.join(unknown)}")
+        return cls(**d)

@@ -1,0 +1,141 @@
+"""The gated linear recurrence that Linear Transformer, Performer, RetNet and GLA reduce to.
+
+    S_t = exp(g_t) * S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t
+
+One core, four forms (naive loop, recurrent loop of the exported step, chunkwise, fully parallel),
+and on CUDA the Triton kernels of ``edgeattn.kernels`` (chosen in ``edgeattn.ops.backend``).
+"""
+
+from __future__ import annotations
+
+from edgeattn._deps import require
+from edgeattn.ops.backend import resolve_backend
+from edgeattn.ops.common.chunk import chunk_gated_recurrence, parallel_gated_recurrence
+from edgeattn.ops.common.naive import naive_gated_recurrence
+from edgeattn.ops.common.step import gated_recurrence_step
+from edgeattn.ops.utils import check_chunk_size, check_dims, check_log_gate, check_mode, check_rank
+
+torch = require("torch")
+Tensor = torch.Tensor
+
+__all__ = ["gated_linear_attention", "gated_recurrence_step", "expand_gate"]
+
+
+def expand_gate(g: Tensor | None, B: int, T: int, H: int, K: int) -> Tensor | None:
+    """Any accepted gate layout -> [B, T, H, G], G = 1 (whole head) or K (per key row)."""
+    if g is None:
+        return None
+    layout = "[H], [B, T, H] or [B, T, H, K]"
+    if g.dim() == 1:
+        check_dims("g", g, (H,), "[H]")
+        return g.view(1, 1, H, 1).expand(B, T, H, 1)
+    if g.dim() == 3:
+        check_dims("g", g, (B, T, H), "[B, T, H]")
+        return g.unsqueeze(-1)
+    if g.dim() == 4:
+        check_dims("g", g, (B, T, H, K), "[B, T, H, K]")
+        return g
+    raise ValueError(f"g must have shape {layout}, got {tuple(g.shape)}")
+
+
+def _check_state(name: str, s: Tensor, shape: tuple[int, ...], layout: str, dtype) -> Tensor:
+    check_dims(name, s, shape, layout)
+    return s.to(dtype)
+
+
+def gated_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    initial_state: Tensor | tuple[Tensor, Tensor] | None = None,
+    output_final_state: bool = False,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    backend: str | None = None,
+):
+    """Gated linear attention over ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``.
+
+    ``g`` is a log-space gate (<= 0): ``[H]`` (constant per head, RetNet), ``[B, T, H]`` (per head and
+    token) or ``[B, T, H, K]`` (per key dimension, GLA); None means no decay. ``scale`` defaults to
+    ``K ** -0.5``. With ``normalize=True`` the output is ``(q S) / (q . z + eps)`` and no scale applies;
+    the state is then a pair ``(S [B, H, K, V], z [B, H, K])``, otherwise ``S``. States are float32.
+
+    Returns ``(o [B, T, H, V] in q's dtype, final_state or None)``. ``backend`` ("auto", "torch",
+    "triton") picks the chunk implementation; see ``edgeattn.ops.backend``.
+    """
+    check_mode(mode, ("naive", "parallel", "chunk", "recurrent"))
+    check_rank("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_dims("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
+    check_rank("v", v, 4, "[B, T, H, V]")
+    check_dims("v", v, (B, T, H, None), "[B, T, H, V] (B, T, H as q)")
+    V = v.shape[-1]
+    check_chunk_size(chunk_size)
+    # Accumulate in float32 (float64 inputs stay float64, for references).
+    acc = torch.promote_types(q.dtype, torch.float32)
+    gate = expand_gate(g, B, T, H, K)
+    if gate is not None:
+        check_log_gate("g", gate)
+    if scale is None:
+        scale = K**-0.5
+    S0 = z0 = None
+    if initial_state is not None:
+        if normalize:
+            if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
+                raise ValueError("initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True")
+            S0 = _check_state("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]", acc)
+            z0 = _check_state("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]", acc)
+        else:
+            S0 = _check_state("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]", acc)
+
+    out_dtype = q.dtype
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    gate = None if gate is None else gate.to(acc)
+
+    if mode == "naive":
+        state0 = (S0, z0) if normalize else S0
+        o, state = naive_gated_recurrence(
+            qf, kf, vf, gate, scale=scale, normalize=normalize, eps=eps, initial_state=state0
+        )
+        return o.to(out_dtype), (state if output_final_state else None)
+
+    if mode == "recurrent":
+        S = S0 if S0 is not None else qf.new_zeros(B, H, K, V)
+        z = (z0 if z0 is not None else qf.new_zeros(B, H, K)) if normalize else None
+        outs = []
+        for t in range(T):
+            o_t, S, z = gated_recurrence_step(
+                qf[:, t], kf[:, t], vf[:, t], None if gate is None else gate[:, t], S, z, scale=scale, eps=eps
+            )
+            outs.append(o_t)
+        o = torch.stack(outs, dim=1) if outs else vf.new_zeros(B, 0, H, V)
+        state = (S, z) if normalize else S
+        return o.to(out_dtype), (state if output_final_state else None)
+
+    # chunk / parallel: the normalizer z is the state of v extended by a column of ones.
+    if normalize:
+        vf = torch.cat([vf, vf.new_ones(B, T, H, 1)], dim=-1)
+        if S0 is not None or z0 is not None:
+            S0 = S0 if S0 is not None else vf.new_zeros(B, H, K, V)
+            z0 = z0 if z0 is not None else vf.new_zeros(B, H, K)
+            S0 = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)
+    if mode == "parallel":
+        o, S = parallel_gated_recurrence(qf, kf, vf, gate, initial_state=S0)
+    elif resolve_backend(q.device.type, backend) == "triton":
+        from edgeattn.kernels import chunk_gated_recurrence_triton
+
+        o, S = chunk_gated_recurrence_triton(qf, kf, vf, gate, initial_state=S0, chunk_size=chunk_size)
+    else:
+        o, S = chunk_gated_recurrence(qf, kf, vf, gate, initial_state=S0, chunk_size=chunk_size)
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + eps)
+        state = (S[..., :V], S[..., V])
+    else:
+        o = o * scale
+        state = S
+    return o.to(out_dtype), (state if output_final_state else None)

@@ -1,0 +1,19 @@
+import os
+
+# Triton runs here only as an interpreter; it must be told so before it is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+try:
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+except ImportError:  # the base install runs a subset of the suite
+    torch = None
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    if torch is not None:
+        torch.manual_seed(0)

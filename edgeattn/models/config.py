@@ -35,7 +35,9 @@ class EdgeConfig:
     def __post_init__(self) -> None:
         names = self.mixers
         if len(names) != self.n_layers:
-            raise ValueError(f"mixer must be one name or {self.n_layers} names (one per layer), got {len(names)}")
+            raise ValueError(
+                f"mixer must be one name or {self.n_layers} names (one per layer), got {len(names)}"
+            )
         for name in names:
             if name not in MIXERS:
                 raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
@@ -49,7 +51,11 @@ class EdgeConfig:
     def mixers(self) -> list[str]:
         """One mixer name per layer."""
         if isinstance(self.mixer, str):
-            return [n.strip() for n in self.mixer.split(",")] if "," in self.mixer else [self.mixer] * self.n_layers
+            return (
+                [n.strip() for n in self.mixer.split(",")]
+                if "," in self.mixer
+                else [self.mixer] * self.n_layers
+            )
         return list(self.mixer)
 
     @property

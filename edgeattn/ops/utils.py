@@ -1,4 +1,4 @@
-"""Argument checks shared by the ops. Every failure is a ValueError naming the argument and the shape it expects."""
+"""Argument checks shared by the ops: each failure is a ValueError naming the argument and its expected shape."""
 
 from __future__ import annotations
 
@@ -33,12 +33,21 @@ def check_dims(name: str, x: Tensor, expected: Sequence[int | None], layout: str
             raise ValueError(f"{name} must have shape {want_txt}, got {tuple(x.shape)}")
 
 
+def tracing() -> bool:
+    """True while torch.export / torch.compile / the ONNX exporter traces: value checks are skipped then."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def check_log_gate(name: str, g: Tensor) -> None:
-    """Log-space gates must be <= 0 (a decay in (0, 1]); NaN is refused too."""
+    """Log-space gates must be <= 0 (a decay in (0, 1]); NaN is refused too. Skipped while tracing."""
+    if tracing():
+        return
     if torch.isnan(g).any():
         raise ValueError(f"{name} holds NaN; log-gates must be finite and <= 0")
     if (g > 0).any():
-        raise ValueError(f"{name} is a log-space gate and must be <= 0, got a maximum of {g.max().item():.4g}")
+        raise ValueError(
+            f"{name} is a log-space gate and must be <= 0, got a maximum of {g.max().item():.4g}"
+        )
 
 
 def check_chunk_size(chunk_size: int) -> None:

@@ -87,7 +87,9 @@ def gated_linear_attention(
     if initial_state is not None:
         if normalize:
             if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
-                raise ValueError("initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True")
+                raise ValueError(
+                    "initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True"
+                )
             S0 = _check_state("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]", acc)
             z0 = _check_state("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]", acc)
         else:

@@ -1,7 +1,7 @@
 """Ground truth: the gated linear recurrence as an explicit per-token loop, straight from the formula.
 
-    S_t = exp(g_t) * S_{t-1} + k_t^T v_t          o_t = scale * q_t S_t
-    z_t = exp(g_t) * z_{t-1} + k_t                o_t = (q_t S_t) / (q_t . z_t + eps)   (normalize=True)
+S_t = exp(g_t) * S_{t-1} + k_t^T v_t          o_t = scale * q_t S_t
+z_t = exp(g_t) * z_{t-1} + k_t                o_t = (q_t S_t) / (q_t . z_t + eps)   (normalize=True)
 """
 
 from __future__ import annotations

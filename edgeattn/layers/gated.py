@@ -1,0 +1,184 @@
+"""The four families built on the gated linear recurrence: Linear Transformer, Performer, RetNet, GLA.
+
+They share one mixer: project to heads, map features and gates (the only per-family part), run the
+recurrence (chunk form for T > 1, the exported single step for T == 1), then an output block.
+"""
+
+from __future__ import annotations
+
+from edgeattn._deps import require
+from edgeattn.layers.base import Mixer, StateSpec, register_mixer
+from edgeattn.ops.common import gated_linear_attention, gated_recurrence_step
+from edgeattn.ops.linear import elu1
+from edgeattn.ops.performer import favor_features, orthogonal_random_features
+from edgeattn.ops.retnet import retnet_log_gammas
+
+torch = require("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+
+class GatedRecurrenceMixer(Mixer):
+    normalize: bool = False  # Linear Transformer and Performer divide by q . z
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        D, H = cfg.d_model, cfg.n_heads
+        self.n_heads, self.head_dim = H, cfg.head_dim
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, D, bias=False)
+        self.v_proj = nn.Linear(D, D, bias=False)
+        self.o_proj = nn.Linear(D, D, bias=False)
+
+    @property
+    def key_dim(self) -> int:
+        """Size of the feature-mapped keys (the K of the state [B, H, K, V])."""
+        return self.head_dim
+
+    def features(self, q, k):
+        return q, k
+
+    def gate(self, x):
+        """Log-space gate: None, [H] or [B, T, H, K]."""
+        return None
+
+    def output(self, o, x):
+        """o: [B, T, H, V] -> [B, T, D]."""
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+    def state_spec(self, batch_size: int) -> list[StateSpec]:
+        H, K, V = self.n_heads, self.key_dim, self.head_dim
+        specs = [StateSpec("recurrent_state", (batch_size, H, K, V))]
+        if self.normalize:
+            specs.append(StateSpec("normalizer", (batch_size, H, K)))
+        return specs
+
+    def forward(self, x, state=None):
+        B, T, _ = x.shape
+        H, Dh = self.n_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, H, Dh)
+        v = self.v_proj(x).view(B, T, H, Dh)
+        q, k = self.features(q, k)
+        g = self.gate(x)
+        if state is None:
+            state = self.init_state(B, x.device)
+        else:
+            self.check_state(state, B)
+        scale = None if self.normalize else self.key_dim**-0.5
+        if T == 1:
+            if g is not None:
+                g = g.view(1, H, 1).expand(B, H, 1) if g.dim() == 1 else g[:, 0]
+            o, S, z = gated_recurrence_step(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                g,
+                state["recurrent_state"],
+                state.get("normalizer"),
+                scale=1.0 if scale is None else scale,
+            )
+            o = o.unsqueeze(1)
+        else:
+            init = (
+                (state["recurrent_state"], state["normalizer"])
+                if self.normalize
+                else state["recurrent_state"]
+            )
+            o, final = gated_linear_attention(
+                q,
+                k,
+                v,
+                g,
+                scale=scale,
+                normalize=self.normalize,
+                initial_state=init,
+                output_final_state=True,
+                chunk_size=self.cfg.chunk_size,
+            )
+            S, z = final if self.normalize else (final, None)
+        new_state = {"recurrent_state": S}
+        if self.normalize:
+            new_state["normalizer"] = z
+        return self.output(o.to(x.dtype), x), new_state
+
+
+@register_mixer("linear")
+class LinearAttention(GatedRecurrenceMixer):
+    """Linear Transformer: elu+1 features, normalized, no decay."""
+
+    normalize = True
+
+    def features(self, q, k):
+        return elu1(q), elu1(k)
+
+
+@register_mixer("performer")
+class Performer(GatedRecurrenceMixer):
+    """FAVOR+: positive orthogonal random features, fixed after construction (a buffer, so it is saved)."""
+
+    normalize = True
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        gen = torch.Generator().manual_seed(1234 + layer_idx)
+        self.register_buffer("projection", orthogonal_random_features(cfg.feature_dim, self.head_dim, gen))
+
+    @property
+    def key_dim(self) -> int:
+        return self.cfg.feature_dim
+
+    def features(self, q, k):
+        return favor_features(q, self.projection, is_query=True), favor_features(k, self.projection)
+
+
+class _HeadNormGate(nn.Module):
+    """Per-head normalization of the recurrence output, times swish(x W_g), then the output projection."""
+
+    def __init__(self, d_model: int, n_heads: int, eps: float):
+        super().__init__()
+        self.n_heads, self.eps = n_heads, eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.g_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, o, x):  # o: [B, T, H, V]
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = o.reshape(*o.shape[:2], -1) * self.weight
+        return o * F.silu(self.g_proj(x))
+
+
+@register_mixer("retnet")
+class RetNet(GatedRecurrenceMixer):
+    """Multi-scale retention: gamma_h = 1 - 2^(-5-h), per-head group norm, swish gate."""
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        self.register_buffer("log_gamma", retnet_log_gammas(cfg.n_heads), persistent=False)
+        self.norm_gate = _HeadNormGate(cfg.d_model, cfg.n_heads, cfg.norm_eps)
+
+    def gate(self, x):
+        return self.log_gamma
+
+    def output(self, o, x):
+        return self.o_proj(self.norm_gate(o, x))
+
+
+@register_mixer("gla")
+class GLA(GatedRecurrenceMixer):
+    """Gated Linear Attention: alpha_t = sigmoid(x W1 W2 + b)^(1/16) per key dimension, output gate."""
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        D = cfg.d_model
+        self.gk_down = nn.Linear(D, cfg.gate_low_rank, bias=False)
+        self.gk_up = nn.Linear(cfg.gate_low_rank, D, bias=True)
+        self.norm_gate = _HeadNormGate(D, cfg.n_heads, cfg.norm_eps)
+
+    def gate(self, x):
+        B, T, _ = x.shape
+        logits = self.gk_up(self.gk_down(x))
+        # log sigmoid written as -softplus(-x): exports without Log(Sigmoid) underflowing to -inf.
+        return (-F.softplus(-logits) / self.cfg.gate_logit_normalizer).view(B, T, self.n_heads, self.head_dim)
+
+    def output(self, o, x):
+        return self.o_proj(self.norm_gate(o, x))

@@ -1,0 +1,180 @@
+"""EdgeLM: pre-norm blocks (RMSNorm, mixer, RMSNorm, SwiGLU MLP) over byte embeddings.
+
+    logits, state = model(input_ids)              # [B, T] int64 -> [B, T, vocab]
+    logits, state = model(next_ids, state=state)  # continues exactly
+
+The state is a list with one dict of named tensors per layer (see ``Mixer.state_spec``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from edgeattn._deps import require
+from edgeattn.layers import build_mixer
+from edgeattn.models.config import EdgeConfig
+
+torch = require("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ratio: float):
+        super().__init__()
+        hidden = 32 * -(-int(dim * ratio) // 32)  # rounded up to a multiple of 32
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: EdgeConfig, layer_idx: int, mixer: str):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(mixer, cfg, layer_idx)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio)
+
+    def forward(self, x, state):
+        y, state = self.mixer(self.norm1(x), state)
+        x = x + y
+        return x + self.mlp(self.norm2(x)), state
+
+
+class EdgeLM(nn.Module):
+    def __init__(self, cfg: EdgeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, name) for i, name in enumerate(cfg.mixers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # Residual projections start small so that deep stacks begin close to the identity (GPT-2).
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "w_down.weight")):
+                nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def _init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+
+    @property
+    def mixers(self):
+        return [b.mixer for b in self.blocks]
+
+    def init_state(self, batch_size: int = 1, device=None) -> list[dict]:
+        return [m.init_state(batch_size, device) for m in self.mixers]
+
+    def state_spec(self, batch_size: int = 1):
+        return [m.state_spec(batch_size) for m in self.mixers]
+
+    def check_input_ids(self, input_ids) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = (
+                tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            )
+            raise ValueError(f"input_ids must have shape [B, T], got {shape}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(
+                    f"input_ids must lie in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]"
+                )
+
+    def forward(self, input_ids, state=None):
+        """input_ids: [B, T] -> (logits [B, T, vocab], new state). ``state=None`` starts from zeros."""
+        self.check_input_ids(input_ids)
+        if state is not None and (not isinstance(state, list | tuple) or len(state) != len(self.blocks)):
+            raise ValueError(f"state must be a list of {len(self.blocks)} per-layer dicts (from this model)")
+        x = self.embed(input_ids)
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, None if state is None else state[i])
+            new_state.append(s)
+        return self.lm_head(self.norm(x)), new_state
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- checkpoints: a directory with safetensors weights and a JSON config, written atomically ----
+
+    def save(self, path: str | os.PathLike) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+            if self.cfg.tie_embeddings:
+                tensors.pop("lm_head.weight", None)
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            (tmp / CONFIG).write_text(self.cfg.to_json())
+            if path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, map_location: str = "cpu") -> EdgeLM:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+            raise ValueError(f"{path} is not an edgeattn checkpoint (needs {CONFIG} and {WEIGHTS})")
+        try:
+            cfg = EdgeConfig.from_dict(json.loads((path / CONFIG).read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path / CONFIG} is not a valid config: {e}") from e
+        model = cls(cfg)
+        try:
+            tensors = load_file(str(path / WEIGHTS), device=map_location)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path / WEIGHTS} is corrupt: {e}") from e
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(
+                f"{path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.common import gated_linear_attention, gated_recurrence_step
+from edgeattn.ops.common.fused import fused_enabled, fused_linear_attention
 from edgeattn.ops.linear import elu1
 from edgeattn.ops.performer import favor_features, orthogonal_random_features
 from edgeattn.ops.retnet import retnet_log_gammas
@@ -66,7 +67,9 @@ class GatedRecurrenceMixer(Mixer):
         else:
             self.check_state(state, B)
         scale = None if self.normalize else self.key_dim**-0.5
-        if T == 1:
+        if fused_enabled():
+            o, S, z = self._fused(q, k, v, g, state)
+        elif T == 1:
             if g is not None:
                 g = g.view(1, H, 1).expand(B, H, 1) if g.dim() == 1 else g[:, 0]
             o, S, z = gated_recurrence_step(
@@ -102,6 +105,18 @@ class GatedRecurrenceMixer(Mixer):
             new_state["normalizer"] = z
         return self.output(o.to(x.dtype), x), new_state
 
+    def _fused(self, q, k, v, g, state):
+        """The recurrence as ONNX Runtime's fused op (export target `onnxruntime`). The normalizer is
+        the same recurrence run on a value of ones: a second, [K, 1]-state op."""
+        B, T, H, _ = q.shape
+        if g is not None and g.dim() == 1:
+            g = g.view(1, 1, H, 1).expand(B, T, H, 1)
+        scale = 1.0 if self.normalize else self.key_dim**-0.5
+        o, S = fused_linear_attention(q, k, v, g, state["recurrent_state"], scale=scale)
+        if not self.normalize:
+            return o, S, None
+        den, z = fused_linear_attention(q, k, v.new_ones(B, T, H, 1), g, state["normalizer"].unsqueeze(-1), scale=1.0)
+        return o / (den + 1e-6), S, z.squeeze(-1)
 
 @register_mixer("linear")
 class LinearAttention(GatedRecurrenceMixer):

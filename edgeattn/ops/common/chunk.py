@@ -8,7 +8,7 @@ difference that is <= 0, so gates down to -1e4 per step underflow to 0 instead o
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.utils import pad_time
+from edgeattn.ops.utils import pad_time, tracing
 
 torch = require("torch")
 
@@ -56,7 +56,8 @@ def chunk_gated_recurrence(q, k, v, g, *, initial_state, chunk_size):
         A = _scores(q, k, None).masked_fill(~causal, 0.0)
         q_in, k_out, chunk_decay = q, k, None
     else:
-        b = split(pad_time(g, C)).double().cumsum(-2)  # [B, H, N, C, G]
+        # float64 sums in PyTorch; float32 in exported graphs (TensorRT has no float64).
+        b = split(pad_time(g, C)).to(torch.float32 if tracing() else torch.float64).cumsum(-2)  # [B, H, N, C, G]
         A = _scores(q, k, _decay_matrix(b, causal, q.dtype))
         q_in = q * b.to(q.dtype).exp()  # reads the state left by the previous chunk
         k_out = k * (b[..., -1:, :] - b).to(q.dtype).exp()  # decays to the end of its chunk

@@ -1,0 +1,208 @@
+"""EdgeLM -> an artifact directory: step.onnx, prefill.onnx and the edgeattn.json manifest.
+
+Both graphs take ``input_ids`` and every state tensor (``past_key_values.{layer}.{name}``) and return
+``logits`` and every new state tensor (``present.{layer}.{name}``), as in onnxruntime-genai. The step
+graph is the mixers' pure single-token step; the prefill graph is their chunkwise form over C tokens.
+
+Targets:
+- ``onnxruntime``: the gated recurrences become ONNX Runtime's fused ``com.microsoft.LinearAttention``
+  (needs onnxruntime >= 1.31); everything else is plain ONNX.
+- ``portable``: standard ops only at opset 17, no Loop/Scan, no float64: what TensorRT 10 parses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from edgeattn import __version__
+from edgeattn._deps import require
+from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+
+torch = require("torch")
+
+TARGETS = ("onnxruntime", "portable")
+PRECISIONS = ("fp32", "fp16", "int8")
+OPSET = 17
+FUSED_MIN_ORT = "1.31.0"
+CHECKPOINT_DIR = "checkpoint"
+
+
+class GraphModule(torch.nn.Module):
+    """EdgeLM with its state flattened into positional tensors, in the manifest's order."""
+
+    def __init__(self, model, batch_size: int):
+        super().__init__()
+        self.model = model
+        self.specs = model.state_spec(batch_size)
+
+    def forward(self, input_ids, *flat_state):
+        state, i = [], 0
+        for layer_specs in self.specs:
+            state.append({s.name: flat_state[i + j] for j, s in enumerate(layer_specs)})
+            i += len(layer_specs)
+        logits, new_state = self.model(input_ids, state)
+        flat = [new_state[layer][s.name] for layer, specs in enumerate(self.specs) for s in specs]
+        return (logits, *flat)
+
+
+def state_entries(model, batch_size: int) -> list[dict]:
+    return [
+        {
+            "input": f"past_key_values.{layer}.{s.name}",
+            "output": f"present.{layer}.{s.name}",
+            "layer": layer,
+            "name": s.name,
+            "shape": list(s.shape),
+            "dtype": s.dtype,
+        }
+        for layer, specs in enumerate(model.state_spec(batch_size))
+        for s in specs
+    ]
+
+
+def check_exportable(model) -> None:
+    names = model.cfg.mixers
+    if "aft_full" in names:
+        raise ValueError(
+            "mixer 'aft_full' has learned pairwise biases and no fixed-size state, so it cannot be exported "
+            "as a recurrent graph; train with mixer 'aft' (learned decay) or 'aft_local' instead"
+        )
+
+
+def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str) -> None:
+    from edgeattn.ops.common.fused import fused_onnxruntime_op
+
+    model = module.model
+    ids = torch.zeros(batch_size, tokens, dtype=torch.long)
+    # Dynamic state sizes (a growing KV cache) are traced at a small non-zero length.
+    example = []
+    for e in entries:
+        shape = [3 if isinstance(d, str) else d for d in e["shape"]]
+        example.append(torch.zeros(shape, dtype=getattr(torch, e["dtype"])))
+    dynamic = {}
+    for e in entries:
+        dims = {i: d for i, d in enumerate(e["shape"]) if isinstance(d, str)}
+        if dims:
+            dynamic[e["input"]] = dims
+            dynamic[e["output"]] = {i: f"{d}_out" for i, d in dims.items()}
+    with warnings.catch_warnings(), fused_onnxruntime_op(target == "onnxruntime"), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (ids, *example),
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=["input_ids", *[e["input"] for e in entries]],
+            output_names=["logits", *[e["output"] for e in entries]],
+            dynamic_axes=dynamic or None,
+            custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
+            do_constant_folding=True,
+        )
+    del model
+
+
+def fingerprint(checkpoint: Path) -> str:
+    h = hashlib.sha256()
+    h.update((checkpoint / "config.json").read_bytes())
+    h.update(sha256_file(checkpoint / "model.safetensors").encode())
+    return h.hexdigest()
+
+
+def export_model(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    target: str = "onnxruntime",
+    precision: str = "fp32",
+    batch_size: int = 1,
+    prefill_chunk: int = 64,
+    force: bool = False,
+    include_checkpoint: bool = True,
+) -> Path:
+    """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
+
+    The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
+    complete, so an interrupted export leaves no ``out`` behind.
+    """
+    from edgeattn.models import EdgeLM
+
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if batch_size < 1 or prefill_chunk < 2:
+        raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
+    model = EdgeLM.load(checkpoint).eval()
+    check_exportable(model)
+    cfg = model.cfg
+    entries = state_entries(model, batch_size)
+    softmax_like = any(isinstance(d, str) for e in entries for d in e["shape"])
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        module = GraphModule(model, batch_size).eval()
+        _export_graph(module, 1, batch_size, entries, tmp / "step.onnx", target)
+        _export_graph(module, prefill_chunk, batch_size, entries, tmp / "prefill.onnx", target)
+        if precision != "fp32":
+            from edgeattn.export.precision import convert_precision
+
+            for name in ("step.onnx", "prefill.onnx"):
+                convert_precision(tmp / name, precision, entries)
+        files = ["step.onnx", "prefill.onnx"]
+        if include_checkpoint:
+            shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
+            files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
+        import onnxruntime
+
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint(checkpoint),
+            "producer": f"edgeattn {__version__}",
+            "model": cfg.to_dict(),
+            "vocab_size": cfg.vocab_size,
+            "batch_size": batch_size,
+            "target": target,
+            "precision": precision,
+            "opset": OPSET,
+            "requires": {"onnxruntime": FUSED_MIN_ORT if target == "onnxruntime" else "1.16.0"},
+            "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+            "max_length": cfg.max_seq_len if softmax_like else None,
+            "inputs": {"input_ids": "input_ids"},
+            "outputs": {"logits": "logits"},
+            "graphs": {
+                "step": {"path": "step.onnx", "tokens": 1},
+                "prefill": {"path": "prefill.onnx", "tokens": prefill_chunk},
+            },
+            "state": entries,
+            "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
+            "files": {f: {} for f in files},
+        }
+        write_manifest(tmp, manifest)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_manifest_json(out: Path) -> dict:
+    return json.loads((out / MANIFEST).read_text())

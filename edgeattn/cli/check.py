@@ -1,0 +1,56 @@
+"""`edgeattn check DIR`: compare an artifact with its PyTorch model, list its ops, check TensorRT compatibility."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgeattn.cli._common import cli_errors
+
+
+@cli_errors
+def check(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory written by `edgeattn export`.")],
+    tokens: Annotated[int, typer.Option(min=2, help="Tokens to compare (prefill chunks, then single steps).")] = 300,
+    tolerance: Annotated[float | None, typer.Option(help="Max relative logit difference (default by precision).")] = None,
+    text: Annotated[Path | None, typer.Option(help="Text file to feed (default: Python's os.py).")] = None,
+    threads: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Run the artifact and its PyTorch model side by side; exit 1 on a mismatch."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from edgeattn.export.check import check_artifact
+
+    if text is not None and not text.is_file():
+        raise ValueError(f"text file {text} does not exist")
+    report = check_artifact(artifact, tokens, tolerance, text.read_bytes() if text else None, threads)
+    console = Console()
+    table = Table(title=f"{artifact}: artifact vs PyTorch")
+    for col in ("graph", "tokens", "max |diff|", "relative", "ops"):
+        table.add_column(col)
+    for g, r in report.graphs.items():
+        ops = ", ".join(f"{k}x{v}" for k, v in sorted(r["ops"].items()))
+        table.add_row(g, str(r["tokens"]), f"{r['max_abs']:.3g}", f"{r['rel']:.3g}", ops)
+    console.print(table)
+    console.print(
+        f"bits per byte: torch {report.bpb['torch']:.4f}, artifact {report.bpb['artifact']:.4f} "
+        f"(difference {report.bpb['artifact'] - report.bpb['torch']:+.4f})"
+    )
+    if report.tensorrt is not None:
+        if report.tensorrt:
+            console.print("TensorRT 10 compatibility: [red]problems[/red]")
+            for p in report.tensorrt:
+                console.print(f"  - {p}")
+        else:
+            console.print("TensorRT 10 compatibility: [green]every op and attribute is supported[/green]")
+    if not report.ok:
+        console.print(f"[red]MISMATCH[/red]: relative difference above {report.tolerance:g}")
+        raise typer.Exit(1)
+    console.print(f"[green]OK[/green]: within {report.tolerance:g}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check)

@@ -1,0 +1,54 @@
+"""`edgeattn export CKPT --out DIR`: a checkpoint to an artifact directory (step + prefill ONNX graphs)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgeattn.cli._common import cli_errors
+
+
+class Target(str, Enum):
+    onnxruntime = "onnxruntime"
+    portable = "portable"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+
+
+@cli_errors
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory written by `edgeattn train`.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
+    target: Annotated[Target, typer.Option(help="onnxruntime: fused contrib op; portable: standard ops for TensorRT.")] = Target.onnxruntime,
+    precision: Annotated[Precision, typer.Option(help="Weights and activations; the state stays float32.")] = Precision.fp32,
+    batch: Annotated[int, typer.Option(help="Static batch size of the graphs.")] = 1,
+    prefill_chunk: Annotated[int, typer.Option(help="Tokens per call of prefill.onnx.")] = 64,
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    cpp_example: Annotated[bool, typer.Option("--cpp-example", help="Print the commands that build the C++ example against OUT.")] = False,
+) -> None:
+    """Export a checkpoint as ONNX step and prefill graphs with explicit state, plus edgeattn.json."""
+    from edgeattn.export.exporter import export_model
+
+    if not checkpoint.exists():
+        raise ValueError(f"checkpoint {checkpoint} does not exist")
+    path = export_model(
+        checkpoint, out, target=target.value, precision=precision.value, batch_size=batch,
+        prefill_chunk=prefill_chunk, force=force,
+    )
+    size = sum(p.stat().st_size for p in path.rglob("*.onnx"))
+    typer.echo(f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)")
+    if cpp_example:
+        typer.echo("build and run the C++ example:")
+        typer.echo("  bash scripts/fetch_onnxruntime_headers.sh && cmake -S edgeattn/runtimes/cpp -B build/cpp && cmake --build build/cpp -j2")
+        typer.echo(f"  build/cpp/generate {path} --prompt 'def ' -n 200")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export)

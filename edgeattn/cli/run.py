@@ -1,0 +1,67 @@
+"""`edgeattn run DIR --prompt TEXT`: stream generated text from an artifact (base install: no torch needed)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgeattn.cli._common import cli_errors
+
+
+class Backend(str, Enum):
+    onnxruntime = "onnxruntime"
+    torch = "torch"
+    tensorrt = "tensorrt"
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+@cli_errors
+def run(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory written by `edgeattn export`.")],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "def ",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=0)] = 200,
+    backend: Annotated[Backend, typer.Option()] = Backend.onnxruntime,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
+    seed: Annotated[int | None, typer.Option()] = None,
+    threads: Annotated[int | None, typer.Option(help="Intra-op threads.")] = None,
+    state_in: Annotated[Path | None, typer.Option(help="Resume from a state file (same model).")] = None,
+    state_out: Annotated[Path | None, typer.Option(help="Save the state after generating.")] = None,
+) -> None:
+    """Generate text token by token, keeping the fixed-size state inside the runtime."""
+    from edgeattn.runtimes import open_session
+
+    if state_in is not None and not state_in.is_file():
+        raise ValueError(f"state file {state_in} does not exist")
+    sess = open_session(artifact, backend=backend.value, threads=threads)
+    if state_in is not None:
+        sess.load_state(state_in)
+    start = time.perf_counter()
+    for piece in sess.generate_text(
+        prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    ):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    if state_out is not None:
+        sess.save_state(state_out)
+    typer.echo("")
+    typer.echo(
+        f"[{backend.value}] {max_new_tokens} tokens in {elapsed:.2f} s ({max_new_tokens / max(elapsed, 1e-9):.1f} tokens/s), "
+        f"prompt {len(prompt.encode())} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)

@@ -1,0 +1,90 @@
+"""Run an artifact and the PyTorch model it came from side by side, graph by graph."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Relative logit tolerance (max |diff| / max |logit|) per precision.
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-2, "int8": 0.3}
+
+
+def default_text(n_bytes: int) -> bytes:
+    """Python source every machine has: the standard library's os module."""
+    with open(os.__file__, "rb") as f:
+        return f.read(n_bytes)
+
+
+def bits_per_byte(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Mean next-token cross entropy in bits; logits [T, V] predict targets [T]."""
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-logp[np.arange(len(targets)), targets].mean() / math.log(2))
+
+
+@dataclass
+class CheckReport:
+    graphs: dict[str, dict] = field(default_factory=dict)  # name -> {max_abs, rel, ops}
+    bpb: dict[str, float] = field(default_factory=dict)  # "torch" / "artifact"
+    tensorrt: list[str] | None = None
+    tolerance: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(g["rel"] <= self.tolerance for g in self.graphs.values() if g["tokens"])
+
+
+def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Logits of every position: prefill graph over full chunks, then the step graph token by token."""
+    C = sess.manifest.prefill_tokens
+    n_full = ids.shape[1] // C if ids.shape[1] > C else 0
+    out = {"prefill": [], "step": []}
+    sess.reset()
+    for c in range(n_full):
+        out["prefill"].append(sess._run("prefill", ids[:, c * C : (c + 1) * C]))
+        sess.position += C
+    for t in range(n_full * C, ids.shape[1]):
+        out["step"].append(sess._run("step", ids[:, t : t + 1]))
+        sess.position += 1
+    return {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
+
+
+def check_artifact(artifact, tokens: int = 300, tolerance: float | None = None, text: bytes | None = None,
+                   threads: int | None = None) -> CheckReport:
+    import onnx
+
+    from edgeattn.export.compat import tensorrt_report
+    from edgeattn.runtimes import open_session
+
+    art = open_session(artifact, backend="onnxruntime", threads=threads)
+    ref = open_session(artifact, backend="torch", threads=threads)
+    m = art.manifest
+    if m.max_length is not None:
+        tokens = min(tokens, m.max_length)
+    data = (text if text is not None else default_text(tokens + 1))[: tokens + 1]
+    if len(data) < 2:
+        raise ValueError("the check text needs at least 2 bytes")
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None].repeat(m.batch_size, 0)
+    inp, targets = ids[:, :-1], ids[0, 1:]
+    got, want = run_logits(art, inp), run_logits(ref, inp)
+    report = CheckReport(tolerance=DEFAULT_TOLERANCE[m.precision] if tolerance is None else tolerance)
+    for g in ("prefill", "step"):
+        ops = Counter(n.op_type for n in onnx.load(str(m.graph_path(g))).graph.node)
+        a, b = got[g], want[g]
+        diff = float(np.abs(a - b).max()) if a.size else 0.0
+        scale = float(np.abs(b).max()) if b.size else 1.0
+        report.graphs[g] = {"tokens": a.shape[1], "max_abs": diff, "rel": diff / max(scale, 1e-12), "ops": dict(ops)}
+    full_got = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
+    full_want = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)[0]
+    report.bpb = {"torch": bits_per_byte(full_want, targets), "artifact": bits_per_byte(full_got, targets)}
+    if m.target == "portable":
+        report.tensorrt = sorted(
+            set(tensorrt_report(onnx.load(str(m.graph_path("step")))))
+            | set(tensorrt_report(onnx.load(str(m.graph_path("prefill")))))
+        )
+    return report

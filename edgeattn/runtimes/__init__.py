@@ -1,0 +1,40 @@
+"""Runtimes behind one Session API: ``open_session(artifact_dir, backend=...)``.
+
+Backends: "onnxruntime" (base install), "torch" (train extra: the checkpoint stored in the artifact),
+"tensorrt" (tensorrt extra, NVIDIA GPUs and Jetson). The backend is always chosen by argument.
+"""
+
+from __future__ import annotations
+
+import os
+
+from edgeattn.export.manifest import Manifest
+from edgeattn.runtimes.base import Session
+
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
+
+
+def open_session(
+    artifact_dir: str | os.PathLike,
+    backend: str = "onnxruntime",
+    *,
+    threads: int | None = None,
+    device: str | None = None,
+) -> Session:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    manifest = Manifest.load(artifact_dir)
+    if backend == "onnxruntime":
+        from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
+
+        return OnnxRuntimeSession(manifest, threads=threads, device=device)
+    if backend == "torch":
+        from edgeattn.runtimes.torch import TorchSession
+
+        return TorchSession(manifest, threads=threads, device=device)
+    from edgeattn.runtimes.tensorrt import TensorRTSession
+
+    return TensorRTSession(manifest, device=device)
+
+
+__all__ = ["BACKENDS", "Session", "open_session"]

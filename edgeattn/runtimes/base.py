@@ -1,0 +1,165 @@
+"""One Session API over every backend (Polygraphy-style): the backends only run graphs and hold state.
+
+    sess = open_session(artifact_dir, backend="onnxruntime")
+    logits = sess.prefill(ids)     # [B, T] -> [B, vocab], logits of the last token
+    logits = sess.step(ids)        # [B, 1] -> [B, vocab]
+    sess.reset(); state = sess.get_state(); sess.set_state(state)
+    sess.save_state(path); sess.load_state(path)
+    text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import numpy as np
+
+from edgeattn.export.manifest import Manifest
+from edgeattn.runtimes.sampling import sample_next
+
+
+class Session(ABC):
+    backend: str = ""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.position = 0  # tokens consumed since the last reset
+
+    # ---- what a backend implements ----
+
+    @abstractmethod
+    def _run(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        """Run graph "step" or "prefill" on ids [B, T], advancing the state; return logits [B, T, V]."""
+
+    @abstractmethod
+    def _get_state(self) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def _set_state(self, state: dict[str, np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def _reset_state(self) -> None: ...
+
+    # ---- the API ----
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be an integer array of shape [B, T], got {ids.dtype} {ids.shape}")
+        B = self.manifest.batch_size
+        if ids.shape[0] != B:
+            raise ValueError(f"this artifact was exported for batch {B}, got ids of batch {ids.shape[0]}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.manifest.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {self.manifest.vocab_size}), got values in [{ids.min()}, {ids.max()}]"
+            )
+        limit = self.manifest.max_length
+        if limit is not None and self.position + ids.shape[1] > limit:
+            raise ValueError(
+                f"{self.position + ids.shape[1]} tokens exceed this softmax baseline's maximum of {limit} "
+                "(its KV cache grows with every token); use a linear-attention model for longer contexts"
+            )
+        return ids.astype(np.int64, copy=False)
+
+    def prefill(self, ids) -> np.ndarray:
+        """Consume ids [B, T]: full chunks through the prefill graph, the rest one step at a time."""
+        ids = self._check_ids(ids)
+        C = self.manifest.prefill_tokens
+        T = ids.shape[1]
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        logits = None
+        n_full = T // C
+        for c in range(n_full):
+            logits = self._run("prefill", ids[:, c * C : (c + 1) * C])
+            self.position += C
+        for t in range(n_full * C, T):
+            logits = self._run("step", ids[:, t : t + 1])
+            self.position += 1
+        return logits[:, -1]
+
+    def step(self, ids) -> np.ndarray:
+        ids = self._check_ids(ids)
+        if ids.shape[1] != 1:
+            raise ValueError(f"step takes one token per sequence, ids of shape [B, 1]; got {ids.shape}")
+        logits = self._run("step", ids)
+        self.position += 1
+        return logits[:, -1]
+
+    def reset(self) -> None:
+        self._reset_state()
+        self.position = 0
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Copies of the state tensors, keyed by their graph input names."""
+        return self._get_state()
+
+    def set_state(self, state: dict[str, np.ndarray], position: int | None = None) -> None:
+        expected = {e.input: e for e in self.manifest.state}
+        if set(state) != set(expected):
+            raise ValueError(f"state must hold exactly {sorted(expected)}; got {sorted(state)}")
+        for name, e in expected.items():
+            arr = np.asarray(state[name])
+            ok = arr.ndim == len(e.shape) and all(isinstance(d, str) or d == s for d, s in zip(e.shape, arr.shape))
+            if not ok:
+                raise ValueError(f"state {name!r} must have shape {list(e.shape)}, got {list(arr.shape)}")
+        self._set_state({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
+        if position is not None:
+            self.position = int(position)
+
+    def save_state(self, path: str | os.PathLike) -> None:
+        from edgeattn.runtimes.state_file import save_state
+
+        save_state(path, self.get_state(), fingerprint=self.manifest.fingerprint, position=self.position)
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        from edgeattn.runtimes.state_file import load_state
+
+        tensors, meta = load_state(path)
+        if meta.get("fingerprint") != self.manifest.fingerprint:
+            raise ValueError(f"{path} is a state of another model (its fingerprint differs from this artifact's)")
+        self.set_state(tensors, position=int(meta.get("position", 0)))
+
+    def generate_ids(
+        self,
+        prompt_ids,
+        max_new_tokens: int = 128,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids one at a time (batch 1), continuing from the current state."""
+        if self.manifest.batch_size != 1:
+            raise ValueError("generate needs an artifact exported with --batch 1")
+        rng = np.random.default_rng(seed)
+        ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
+        logits = self.prefill(ids) if ids.shape[1] else None
+        if logits is None:
+            raise ValueError("the prompt is empty")
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[0], temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+            yield nxt
+            logits = self.step(np.array([[nxt]], dtype=np.int64))
+
+    def generate(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> str:
+        """Byte-level text generation: the prompt's UTF-8 bytes are the token ids."""
+        return "".join(self.generate_text(prompt, max_new_tokens, **kwargs))
+
+    def generate_text(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
+        """Like ``generate`` but yields text pieces as they complete (multi-byte characters held back)."""
+        data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for tok in self.generate_ids(data, max_new_tokens, **kwargs):
+            piece = decoder.decode(bytes([tok]))
+            if piece:
+                yield piece
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail

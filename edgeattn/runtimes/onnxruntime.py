@@ -1,0 +1,120 @@
+"""ONNX Runtime backend. The state never leaves ONNX Runtime between tokens: each fixed-size state tensor
+lives in two pre-allocated OrtValues, and each graph has two IOBindings (A -> B and B -> A), so a step
+only writes the token id and runs. A growing KV cache (the softmax baseline) is fed back from the
+outputs ONNX Runtime allocated."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from edgeattn.export.manifest import Manifest
+from edgeattn.runtimes.base import Session
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def pick_providers(device: str | None = None) -> list[str]:
+    """CUDA when onnxruntime-gpu and a GPU are present (or asked for), CPU otherwise."""
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if device == "cuda":
+        raise ValueError("device 'cuda' needs onnxruntime-gpu and a GPU: pip install 'edgeattn[gpu]'")
+    return ["CPUExecutionProvider"]
+
+
+class OnnxRuntimeSession(Session):
+    backend = "onnxruntime"
+
+    def __init__(self, manifest: Manifest, *, threads: int | None = None, device: str | None = None):
+        super().__init__(manifest)
+        need = manifest.data.get("requires", {}).get("onnxruntime", "0")
+        if _version_tuple(ort.__version__) < _version_tuple(need):
+            raise ValueError(
+                f"this artifact (target {manifest.target!r}) needs onnxruntime >= {need} for its fused "
+                f"com.microsoft.LinearAttention op, found {ort.__version__}; upgrade onnxruntime or "
+                "re-export with --target portable"
+            )
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        providers = pick_providers(device)
+        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        try:
+            self.sessions = {
+                g: ort.InferenceSession(str(manifest.graph_path(g)), so, providers=providers)
+                for g in ("step", "prefill")
+            }
+        except Exception as e:  # ORT raises its own exception types for invalid graphs
+            raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
+        self.dynamic = any(e.dynamic for e in manifest.state)
+        B, V = manifest.batch_size, manifest.vocab_size
+        self._ids = {g: self._alloc((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}
+        self._logits = {g: self._alloc((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
+        if self.dynamic:
+            self._state = None
+            self._reset_state()
+            return
+        # Two buffers per state tensor; bindings[g][p] reads buffer p and writes buffer 1 - p.
+        self._bufs = [[self._alloc(e.shape, np.float32) for _ in range(2)] for e in manifest.state]
+        self._cur = 0
+        self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
+
+    def _tokens(self, graph: str) -> int:
+        return 1 if graph == "step" else self.manifest.prefill_tokens
+
+    def _alloc(self, shape, dtype) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype), self.device, 0)
+
+    def _bind(self, graph: str, p: int):
+        io = self.sessions[graph].io_binding()
+        io.bind_ortvalue_input(self.manifest.input_ids_name, self._ids[graph])
+        io.bind_ortvalue_output(self.manifest.logits_name, self._logits[graph])
+        for e, bufs in zip(self.manifest.state, self._bufs):
+            io.bind_ortvalue_input(e.input, bufs[p])
+            io.bind_ortvalue_output(e.output, bufs[1 - p])
+        return io
+
+    def _run(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        self._ids[graph].update_inplace(np.ascontiguousarray(ids))
+        if not self.dynamic:
+            self.sessions[graph].run_with_iobinding(self._bindings[graph][self._cur])
+            self._cur = 1 - self._cur
+            return self._logits[graph].numpy().copy()  # numpy() is a view of the bound buffer
+        io = self.sessions[graph].io_binding()
+        io.bind_ortvalue_input(self.manifest.input_ids_name, self._ids[graph])
+        io.bind_ortvalue_output(self.manifest.logits_name, self._logits[graph])
+        for e, val in zip(self.manifest.state, self._state):
+            io.bind_ortvalue_input(e.input, val)
+            io.bind_output(e.output, self.device)
+        self.sessions[graph].run_with_iobinding(io)
+        self._state = io.get_outputs()[1:]
+        return self._logits[graph].numpy().copy()
+
+    def _current(self) -> list[ort.OrtValue]:
+        return self._state if self.dynamic else [bufs[self._cur] for bufs in self._bufs]
+
+    def _get_state(self) -> dict[str, np.ndarray]:
+        return {e.input: v.numpy().copy() for e, v in zip(self.manifest.state, self._current())}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> None:
+        if self.dynamic:
+            self._state = [ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state]
+            return
+        for e, v in zip(self.manifest.state, self._current()):
+            v.update_inplace(state[e.input])
+
+    def _reset_state(self) -> None:
+        zeros = {e.input: np.zeros([0 if isinstance(d, str) else d for d in e.shape], np.float32) for e in self.manifest.state}
+        self._set_state(zeros)

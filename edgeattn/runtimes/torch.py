@@ -1,0 +1,45 @@
+"""PyTorch backend: the checkpoint stored in the artifact, run eagerly. The reference for `check`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeattn._deps import require
+from edgeattn.export.manifest import Manifest
+from edgeattn.runtimes.base import Session
+
+
+class TorchSession(Session):
+    backend = "torch"
+
+    def __init__(self, manifest: Manifest, *, threads: int | None = None, device: str | None = None):
+        super().__init__(manifest)
+        self.torch = torch = require("torch")
+        from edgeattn.models import EdgeLM
+
+        ckpt = manifest.data.get("checkpoint")
+        if not ckpt:
+            raise ValueError(f"{manifest.root} was exported without its checkpoint; the torch backend needs it")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = device or "cpu"
+        self.model = EdgeLM.load(manifest.root / ckpt).to(self.device).eval()
+        self.specs = [(e.input, e.layer, e.name) for e in manifest.state]
+        self._reset_state()
+
+    def _run(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        with self.torch.no_grad():
+            logits, self._state = self.model(self.torch.from_numpy(ids).to(self.device), self._state)
+        return logits.float().cpu().numpy()
+
+    def _get_state(self) -> dict[str, np.ndarray]:
+        return {name: self._state[layer][key].cpu().numpy().copy() for name, layer, key in self.specs}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> None:
+        new = [dict() for _ in self.model.mixers]
+        for name, layer, key in self.specs:
+            new[layer][key] = self.torch.from_numpy(np.array(state[name])).to(self.device)
+        self._state = new
+
+    def _reset_state(self) -> None:
+        self._state = self.model.init_state(self.manifest.batch_size, self.device)

@@ -46,6 +46,7 @@ class OnnxRuntimeSession(Session):
             )
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3  # errors only: fp16 graphs make the optimizer chatty
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1

@@ -57,7 +57,7 @@ class _LinearAttentionOp(torch.autograd.Function):
         if decay is not None and not (hasattr(decay, "node") and decay.node().mustBeNone()):
             inputs.append(decay)
             rule = "gated"
-        return g.op(
+        out, present = g.op(
             "com.microsoft::LinearAttention",
             *inputs,
             q_num_heads_i=num_heads,
@@ -66,6 +66,10 @@ class _LinearAttentionOp(torch.autograd.Function):
             update_rule_s=rule,
             outputs=2,
         )
+        # The output has the packed value's shape and the new state the old one's.
+        out.setType(v.type())
+        present.setType(state.type())
+        return out, present
 
 
 def fused_linear_attention(q, k, v, g, state, *, scale: float):

@@ -1,0 +1,161 @@
+"""`edgeattn export`, `run` and `check` through CliRunner: the happy path and every bad input (exit 2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from edgeattn.cli import check, export, run
+from tests.export_helpers import PREFILL, make_checkpoint
+
+runner = CliRunner()
+app = typer.Typer()
+for _mod in (export, run, check):
+    _mod.register(app)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("c") / "gla", "gla")
+
+
+@pytest.fixture(scope="module")
+def artifact(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("a") / "art"
+    res = invoke("export", ckpt, "--out", out, "--prefill-chunk", PREFILL)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def assert_bad_input(res, message):
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert message in lines[0], res.output
+    assert "Traceback" not in res.output
+
+
+def test_export_run_check_happy_path(artifact, tmp_path):
+    files = json.loads((artifact / "edgeattn.json").read_text())["files"]
+    assert {"step.onnx", "prefill.onnx"} <= set(files)
+    res = invoke("run", artifact, "--prompt", "def ", "-n", 20, "--seed", 0, "--state-out", tmp_path / "s.st")
+    assert res.exit_code == 0, res.output
+    assert "tokens/s" in res.output.splitlines()[-1] and "peak RSS" in res.output.splitlines()[-1]
+    res2 = invoke("run", artifact, "--prompt", "x", "-n", 5, "--state-in", tmp_path / "s.st")
+    assert res2.exit_code == 0, res2.output
+    res = invoke("check", artifact, "--tokens", 100)
+    assert res.exit_code == 0, res.output
+    assert "prefill" in res.output and "step" in res.output and "OK" in res.output
+
+
+def test_check_portable_reports_tensorrt_compatibility(ckpt, tmp_path):
+    out = tmp_path / "p"
+    assert invoke("export", ckpt, "--out", out, "--target", "portable", "--prefill-chunk", PREFILL).exit_code == 0
+    res = invoke("check", out, "--tokens", 50)
+    assert res.exit_code == 0 and "TensorRT 10 compatibility" in res.output
+
+
+def test_check_exits_non_zero_on_a_mismatch(ckpt, tmp_path):
+    out = tmp_path / "p"
+    assert invoke("export", ckpt, "--out", out, "--prefill-chunk", PREFILL).exit_code == 0
+    other = make_checkpoint(tmp_path / "other", "gla", seed=7)  # swap the reference weights for others
+    for name in ("model.safetensors",):
+        (out / "checkpoint" / name).write_bytes((other / name).read_bytes())
+    data = json.loads((out / "edgeattn.json").read_text())
+    from edgeattn.export.manifest import sha256_file
+
+    data["files"]["checkpoint/model.safetensors"]["sha256"] = sha256_file(out / "checkpoint" / "model.safetensors")
+    (out / "edgeattn.json").write_text(json.dumps(data))
+    res = invoke("check", out, "--tokens", 40)
+    assert res.exit_code == 1 and "MISMATCH" in res.output
+
+
+def test_export_bad_inputs(ckpt, tmp_path):
+    assert_bad_input(invoke("export", tmp_path / "missing", "--out", tmp_path / "o"), "does not exist")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    (corrupt / "model.safetensors").write_bytes(b"junk")
+    assert_bad_input(invoke("export", corrupt, "--out", tmp_path / "o"), "config")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert_bad_input(invoke("export", ckpt, "--out", busy), "--force")
+    assert (busy / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "o").exists()
+    assert invoke("export", ckpt, "--out", busy, "--force", "--prefill-chunk", PREFILL).exit_code == 0
+    assert (busy / "edgeattn.json").exists() and not (busy / "keep.txt").exists()
+
+
+def test_run_bad_inputs(artifact, ckpt, tmp_path):
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(artifact, edited)
+    with open(edited / "prefill.onnx", "ab") as f:
+        f.write(b"\0")
+    assert_bad_input(invoke("run", edited, "-n", 1), "sha256")
+
+    future = tmp_path / "future"
+    shutil.copytree(artifact, future)
+    data = json.loads((future / "edgeattn.json").read_text())
+    data["format_version"] = 2
+    (future / "edgeattn.json").write_text(json.dumps(data))
+    assert_bad_input(invoke("run", future, "-n", 1), "format_version 2")
+
+    old_ort = tmp_path / "old_ort"
+    shutil.copytree(artifact, old_ort)
+    data = json.loads((old_ort / "edgeattn.json").read_text())
+    data["requires"]["onnxruntime"] = "99.0.0"
+    (old_ort / "edgeattn.json").write_text(json.dumps(data))
+    assert_bad_input(invoke("run", old_ort, "-n", 1), "--target portable")
+
+    assert_bad_input(invoke("run", tmp_path / "nothing", "-n", 1), "not an artifact directory")
+    assert_bad_input(invoke("run", artifact, "-n", 1, "--state-in", tmp_path / "none.st"), "does not exist")
+    (tmp_path / "junk.st").write_bytes(b"\x01\x02")
+    res = invoke("run", artifact, "-n", 1, "--state-in", tmp_path / "junk.st")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+    other = make_checkpoint(tmp_path / "other", "gla", seed=3)
+    other_art = tmp_path / "other_art"
+    assert invoke("export", other, "--out", other_art, "--prefill-chunk", PREFILL).exit_code == 0
+    assert invoke("run", other_art, "-n", 2, "--state-out", tmp_path / "other.st").exit_code == 0
+    assert_bad_input(invoke("run", artifact, "-n", 1, "--state-in", tmp_path / "other.st"), "another model")
+
+
+def test_run_refuses_out_of_vocabulary_prompts_and_too_long_softmax_prompts(tmp_path):
+    small = make_checkpoint(tmp_path / "small_vocab", "gla", vocab_size=128)
+    art = tmp_path / "a"
+    assert invoke("export", small, "--out", art, "--prefill-chunk", PREFILL).exit_code == 0
+    assert_bad_input(invoke("run", art, "--prompt", "caf\u00e9", "-n", 1), "[0, 128)")
+    soft = make_checkpoint(tmp_path / "soft", "softmax", max_seq_len=32)
+    art = tmp_path / "s"
+    assert invoke("export", soft, "--out", art, "--prefill-chunk", PREFILL).exit_code == 0
+    assert_bad_input(invoke("run", art, "--prompt", "x" * 40, "-n", 1), "maximum of 32")
+
+
+def test_run_and_state_files_work_without_torch(artifact, tmp_path):
+    """On a device only the base install exists: importing torch must not be needed."""
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+from typer.testing import CliRunner
+from edgeattn.cli.main import app
+r = CliRunner().invoke(app, ["run", {str(artifact)!r}, "-n", "8", "--seed", "1", "--state-out", {str(tmp_path / "a.st")!r}])
+assert r.exit_code == 0, r.output
+r = CliRunner().invoke(app, ["run", {str(artifact)!r}, "-n", "4", "--state-in", {str(tmp_path / "a.st")!r}])
+assert r.exit_code == 0, r.output
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

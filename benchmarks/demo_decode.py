@@ -1,0 +1,98 @@
+"""Per-token decode latency and resident memory at 128 and 8192 generated tokens: an artifact next to a
+softmax KV-cache baseline of the same size.
+
+What it measures: each artifact runs in a fresh process (clean memory figures) that generates
+--tokens tokens one step at a time through the ONNX Runtime session; latency is the mean of the 32
+steps ending at each mark, resident memory (RSS) is read at each mark. The baseline is a softmax model
+with the artifact's config (random weights: speed and memory do not depend on them). Why: a linear-
+attention model's latency and memory stay flat while the KV cache grows with every token.
+
+    python benchmarks/demo_decode.py ARTIFACT [--tokens 8192] [--marks 128,8192] [--threads 2]
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = r"""
+import json, resource, sys, time
+import numpy as np
+from edgeattn.runtimes import open_session
+art, threads, marks = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
+sess = open_session(art, threads=threads)
+rng = np.random.default_rng(0)
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+times, out = [], {}
+ids = np.zeros((1, 1), dtype=np.int64)
+for t in range(1, max(marks) + 1):
+    t0 = time.perf_counter()
+    logits = sess.step(ids)
+    times.append(time.perf_counter() - t0)
+    ids[0, 0] = int(np.argmax(logits[0]))
+    if t in marks:
+        window = times[-32:]
+        out[t] = {"ms_per_token": 1e3 * sum(window) / len(window), "rss_mib": rss() / 2**20}
+print(json.dumps(out))
+"""
+
+
+def softmax_baseline(artifact: Path, root: Path, max_len: int) -> Path:
+    from edgeattn.export import Manifest, export_model
+    from edgeattn.models import EdgeConfig, EdgeLM
+
+    cfg = dict(Manifest.load(artifact).data["model"])
+    cfg.update(mixer="softmax", max_seq_len=max_len)
+    ckpt = EdgeLM(EdgeConfig.from_dict(cfg)).save(root / "softmax_ckpt")
+    return export_model(ckpt, root / "softmax", prefill_chunk=Manifest.load(artifact).prefill_tokens)
+
+
+def run(art: Path, threads: int, marks: list[int]) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-c", WORKER, str(art), str(threads), ",".join(map(str, marks))],
+        capture_output=True, text=True,
+    )
+    if res.returncode:
+        raise SystemExit(f"worker failed on {art}: {res.stderr.strip().splitlines()[-1]}")
+    return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--marks", default="128,8192")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    marks = [int(m) for m in args.marks.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = softmax_baseline(args.artifact, Path(tmp), max(marks) + 64)
+        results = {"artifact": run(args.artifact, args.threads, marks), "softmax": run(base, args.threads, marks)}
+    name = args.artifact.name
+    print(f"decode through ONNX Runtime, {args.threads} threads (each model in its own process)")
+    print(f"{'model':<22}" + "".join(f"{f'ms/tok @{m}':>14}{f'RSS MiB @{m}':>15}" for m in marks))
+    for key, label in (("artifact", name), ("softmax", "softmax baseline")):
+        row = results[key]
+        print(f"{label:<22}" + "".join(f"{row[m]['ms_per_token']:>14.2f}{row[m]['rss_mib']:>15.1f}" for m in marks))
+    lo, hi = min(marks), max(marks)
+    summary = {
+        key: {
+            "ms_per_token": {str(m): r[m]["ms_per_token"] for m in marks},
+            "rss_mib": {str(m): r[m]["rss_mib"] for m in marks},
+            "latency_ratio": r[hi]["ms_per_token"] / r[lo]["ms_per_token"],
+            "rss_growth_mib": r[hi]["rss_mib"] - r[lo]["rss_mib"],
+        }
+        for key, r in results.items()
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

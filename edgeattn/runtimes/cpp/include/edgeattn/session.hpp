@@ -1,0 +1,163 @@
+// edgeattn C++ runtime: run an exported artifact (edgeattn.json + step.onnx + prefill.onnx) with ONNX Runtime.
+//
+//   edgeattn::Session sess("artifacts/gla-tiny");            // reads + verifies the manifest, opens both graphs
+//   std::vector<float> logits = sess.prefill({72, 105});     // logits of the last token, [vocab]
+//   edgeattn::Sampler sampler({/*temperature*/ 0.8f, /*top_k*/ 40, /*top_p*/ 0.95f, /*seed*/ 1});
+//   int64_t token = sampler.sample(logits);
+//   logits = sess.step(token);
+//   sess.save_state("chat.state");  ...  sess.load_state("chat.state");
+//
+// The state lives in two ONNX Runtime buffers per state tensor, bound once with IoBinding; each call reads one set
+// and writes the other, then the roles swap. No state is copied per token. The artifact format is described in
+// docs/artifact-format.md; state files are the safetensors files of edgeattn/runtimes/state_file.py.
+//
+// Every error is an edgeattn::Error (a std::runtime_error) with a one-line message; nothing aborts.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace edgeattn {
+
+// ---- errors ---------------------------------------------------------------------------------------------------
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Missing, unreadable or invalid edgeattn.json, a format_version newer than this runtime, graphs that do not match it.
+struct ManifestError : Error {
+  using Error::Error;
+};
+// A file listed in the manifest is missing or its sha256 differs.
+struct IntegrityError : Error {
+  using Error::Error;
+};
+// A state file that is not one, is corrupt, belongs to another model, or has other names/shapes.
+struct StateFileError : Error {
+  using Error::Error;
+};
+// A bad argument: token out of range, empty prompt, max_length exceeded, bad sampling settings.
+struct InputError : Error {
+  using Error::Error;
+};
+// ONNX Runtime failed (the message says which call and why).
+struct RuntimeError : Error {
+  using Error::Error;
+};
+
+// ---- manifest -------------------------------------------------------------------------------------------------
+
+constexpr int kFormatVersion = 1;  // the newest artifact and state-file format this runtime reads
+
+struct StateEntry {
+  std::string input;   // past_key_values.{layer}.{name}
+  std::string output;  // present.{layer}.{name}
+  int layer = 0;
+  std::string name;
+  std::vector<std::variant<int64_t, std::string>> shape;  // a string is a dynamic dimension
+  std::string dtype;
+  bool dynamic() const;
+  std::vector<int64_t> fixed_shape() const;  // throws ManifestError for a dynamic entry
+};
+
+struct GraphInfo {
+  std::string path;  // relative to the artifact directory
+  int64_t tokens = 0;
+};
+
+struct Manifest {
+  std::string dir;
+  int format_version = 0;
+  std::string fingerprint;
+  int64_t vocab_size = 0;
+  int64_t batch_size = 0;
+  std::string target, precision;
+  int64_t max_length = -1;  // -1: unbounded
+  std::string input_ids_name = "input_ids";
+  std::string logits_name = "logits";
+  GraphInfo step;
+  GraphInfo prefill;  // tokens == 0: the artifact has no prefill graph
+  std::vector<StateEntry> state;
+  std::vector<std::pair<std::string, std::string>> files;  // name -> sha256 hex
+
+  // Parse dir/edgeattn.json; with verify, check every listed file's sha256 (IntegrityError on a mismatch).
+  static Manifest load(const std::string& dir, bool verify = true);
+};
+
+std::string sha256_hex(const std::string& path);  // lower-case hex digest of a file
+
+// ---- session --------------------------------------------------------------------------------------------------
+
+struct SessionOptions {
+  int threads = 0;            // ONNX Runtime intra-op threads per graph; 0 lets ONNX Runtime choose
+  bool verify_files = true;   // check the sha256 of every file listed in the manifest
+  int log_level = 3;          // ONNX Runtime's OrtLoggingLevel: 2 warning, 3 error
+};
+
+// The ONNX Runtime CPU arena's statistics, summed over the step and prefill sessions. `available` is false when
+// built against headers older than ONNX Runtime 1.23 (no Ort::Allocator::GetStats).
+struct MemoryStats {
+  bool available = false;
+  int64_t in_use = 0;
+  int64_t max_in_use = 0;
+  int64_t total_allocated = 0;  // bytes the arenas reserved from the system
+  int64_t num_allocs = 0;
+};
+
+class Session {
+ public:
+  explicit Session(const std::string& artifact_dir, const SessionOptions& options = {});
+  ~Session();
+  Session(Session&&) noexcept;
+  Session& operator=(Session&&) noexcept;
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Consume tokens: full chunks through prefill.onnx, the rest through step.onnx. Returns the last token's logits.
+  std::vector<float> prefill(const std::vector<int64_t>& tokens);
+  // Consume one token; returns its logits [vocab].
+  std::vector<float> step(int64_t token);
+  // Back to the initial (all-zero) state at position 0.
+  void reset();
+
+  // Write / read the state as a safetensors state file (docs/artifact-format.md). load_state refuses a state
+  // of another model (fingerprint) or with other tensor names or shapes, and leaves the session unchanged then.
+  void save_state(const std::string& path) const;
+  void load_state(const std::string& path);
+
+  int64_t position() const;  // tokens consumed since the initial state
+  int64_t vocab_size() const;
+  const Manifest& manifest() const;
+  MemoryStats memory_stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- sampling -------------------------------------------------------------------------------------------------
+
+struct SamplingOptions {
+  float temperature = 0.0f;  // <= 0: greedy (argmax, lowest id on ties)
+  int top_k = 0;             // keep the k most likely tokens; 0: all
+  float top_p = 1.0f;        // keep the smallest set whose probability reaches top_p; 1: all
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingOptions& options = {});
+  int64_t sample(const std::vector<float>& logits);
+
+ private:
+  SamplingOptions opt_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int64_t>> scratch_;
+};
+
+}  // namespace edgeattn

@@ -1,0 +1,158 @@
+// edgeattn.json: parse, check and verify (docs/artifact-format.md).
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "edgeattn/session.hpp"
+
+namespace edgeattn {
+namespace {
+
+using json = nlohmann::json;
+
+std::string join_path(const std::string& dir, const std::string& name) {
+  if (dir.empty() || dir.back() == '/') return dir + name;
+  return dir + "/" + name;
+}
+
+// Typed field access that names the field in the error.
+struct Fields {
+  const std::string& where;
+
+  const json& get(const json& obj, const char* key) const {
+    auto it = obj.find(key);
+    if (it == obj.end()) throw ManifestError(where + " lacks the key \"" + key + "\"");
+    return *it;
+  }
+  std::string str(const json& obj, const char* key) const {
+    const json& v = get(obj, key);
+    if (!v.is_string()) throw ManifestError(where + ": \"" + key + "\" must be a string");
+    return v.get<std::string>();
+  }
+  int64_t integer(const json& obj, const char* key) const {
+    const json& v = get(obj, key);
+    if (!v.is_number_integer()) throw ManifestError(where + ": \"" + key + "\" must be an integer");
+    return v.get<int64_t>();
+  }
+  const json& object(const json& obj, const char* key) const {
+    const json& v = get(obj, key);
+    if (!v.is_object()) throw ManifestError(where + ": \"" + key + "\" must be an object");
+    return v;
+  }
+};
+
+GraphInfo parse_graph(const Fields& f, const json& graphs, const char* name) {
+  const json& g = f.object(graphs, name);
+  GraphInfo info{f.str(g, "path"), f.integer(g, "tokens")};
+  if (info.tokens < 1) throw ManifestError(f.where + ": graphs." + name + ".tokens must be >= 1");
+  return info;
+}
+
+}  // namespace
+
+bool StateEntry::dynamic() const {
+  for (const auto& d : shape)
+    if (std::holds_alternative<std::string>(d)) return true;
+  return false;
+}
+
+std::vector<int64_t> StateEntry::fixed_shape() const {
+  std::vector<int64_t> out;
+  for (const auto& d : shape) {
+    if (std::holds_alternative<std::string>(d))
+      throw ManifestError("state " + input + " has the dynamic dimension \"" + std::get<std::string>(d) + "\"");
+    out.push_back(std::get<int64_t>(d));
+  }
+  return out;
+}
+
+Manifest Manifest::load(const std::string& dir, bool verify) {
+  const std::string path = join_path(dir, "edgeattn.json");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ManifestError("no manifest at " + path + ": not an exported edgeattn artifact");
+  std::stringstream text;
+  text << in.rdbuf();
+  json data;
+  try {
+    data = json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    throw ManifestError(path + " is not valid JSON (byte " + std::to_string(e.byte) + ")");
+  }
+  if (!data.is_object() || !data.contains("format") || data["format"] != "edgeattn")
+    throw ManifestError(path + " is not an edgeattn manifest (\"format\" must be \"edgeattn\")");
+
+  Fields f{path};
+  Manifest m;
+  m.dir = dir;
+  m.format_version = static_cast<int>(f.integer(data, "format_version"));
+  if (m.format_version > kFormatVersion)
+    throw ManifestError(path + " has format_version " + std::to_string(m.format_version) +
+                        "; this edgeattn runtime reads up to " + std::to_string(kFormatVersion) +
+                        ": upgrade edgeattn");
+  m.fingerprint = f.str(data, "fingerprint");
+  m.vocab_size = f.integer(data, "vocab_size");
+  m.batch_size = f.integer(data, "batch_size");
+  if (m.vocab_size < 1) throw ManifestError(path + ": vocab_size must be >= 1");
+  if (data.contains("target") && data["target"].is_string()) m.target = data["target"];
+  if (data.contains("precision") && data["precision"].is_string()) m.precision = data["precision"];
+  if (data.contains("max_length") && !data["max_length"].is_null()) m.max_length = f.integer(data, "max_length");
+  if (data.contains("inputs") && data["inputs"].contains("input_ids"))
+    m.input_ids_name = f.str(data["inputs"], "input_ids");
+  if (data.contains("outputs") && data["outputs"].contains("logits"))
+    m.logits_name = f.str(data["outputs"], "logits");
+
+  const json& graphs = f.object(data, "graphs");
+  m.step = parse_graph(f, graphs, "step");
+  if (m.step.tokens != 1) throw ManifestError(path + ": graphs.step.tokens must be 1");
+  if (graphs.contains("prefill")) m.prefill = parse_graph(f, graphs, "prefill");
+
+  const json& state = f.get(data, "state");
+  if (!state.is_array()) throw ManifestError(path + ": \"state\" must be a list");
+  for (const json& s : state) {
+    if (!s.is_object()) throw ManifestError(path + ": every \"state\" entry must be an object");
+    StateEntry e;
+    e.input = f.str(s, "input");
+    e.output = f.str(s, "output");
+    e.layer = static_cast<int>(f.integer(s, "layer"));
+    e.name = f.str(s, "name");
+    e.dtype = f.str(s, "dtype");
+    if (e.dtype != "float32") throw ManifestError(path + ": state " + e.input + " has dtype " + e.dtype + ", not float32");
+    const json& shape = f.get(s, "shape");
+    if (!shape.is_array()) throw ManifestError(path + ": state " + e.input + " shape must be a list");
+    for (const json& d : shape) {
+      if (d.is_number_integer() && d.get<int64_t>() >= 0)
+        e.shape.emplace_back(d.get<int64_t>());
+      else if (d.is_string())
+        e.shape.emplace_back(d.get<std::string>());
+      else
+        throw ManifestError(path + ": state " + e.input + " has a bad dimension " + d.dump());
+    }
+    m.state.push_back(std::move(e));
+  }
+
+  const json& files = f.object(data, "files");
+  for (auto it = files.begin(); it != files.end(); ++it) {
+    if (!it.value().is_object()) throw ManifestError(path + ": files." + it.key() + " must be an object");
+    m.files.emplace_back(it.key(), Fields{path}.str(it.value(), "sha256"));
+  }
+  // A graph that is not listed under "files" could not be verified: refuse it rather than run it unchecked.
+  for (const GraphInfo* g : {&m.step, &m.prefill}) {
+    if (g->tokens == 0) continue;
+    bool listed = false;
+    for (const auto& file : m.files) listed = listed || file.first == g->path;
+    if (!listed) throw ManifestError(path + ": " + g->path + " is not listed under \"files\", so it cannot be verified");
+  }
+
+  if (verify) {
+    for (const auto& [name, expected] : m.files) {
+      const std::string file = join_path(dir, name);
+      if (sha256_hex(file) != expected)
+        throw IntegrityError(file + " does not match its sha256 in edgeattn.json: the file is corrupt or was edited");
+    }
+  }
+  return m;
+}
+
+}  // namespace edgeattn

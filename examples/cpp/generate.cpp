@@ -1,0 +1,225 @@
+// generate: text generation with an exported edgeattn artifact, from C++.
+//
+//   generate ARTIFACT_DIR --prompt TEXT [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+//            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy]
+//
+// Byte-level: the prompt's bytes are the token ids and each generated token is printed as one byte (vocab <= 256).
+// stdout gets the prompt and then the text as it is produced; stderr gets the speed, the ONNX Runtime arena's
+// peak bytes in use (at generated token 128 and at the last one), and a final JSON line for programs.
+//
+// --state-in resumes from a state file before the prompt; --state-out saves the state after the prompt and every
+// printed token. --dump-logits writes a float32 .npy [n, vocab]: row i holds the logits token i was drawn from.
+// Temperature 0 (the default) is greedy. Any error: one line on stderr and exit code 1 (2 for bad arguments).
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "edgeattn/session.hpp"
+
+namespace {
+
+const char* kUsage =
+    "usage: generate ARTIFACT_DIR --prompt TEXT [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
+    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE]";
+
+bool g_printed = false;  // stdout has text without a final newline
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Args {
+  std::string artifact, prompt, state_in, state_out, dump_logits;
+  bool has_prompt = false;
+  int64_t n = 200;
+  int threads = 0;
+  edgeattn::SamplingOptions sampling;
+};
+
+template <typename T>
+T parse_number(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    T out;
+    if constexpr (std::is_floating_point_v<T>)
+      out = static_cast<T>(std::stod(value, &used));
+    else if constexpr (std::is_unsigned_v<T>)
+      out = static_cast<T>(std::stoull(value, &used));
+    else
+      out = static_cast<T>(std::stoll(value, &used));
+    if (used == value.size()) return out;
+  } catch (const std::exception&) {
+  }
+  throw UsageError("bad value for " + flag + ": '" + value + "'");
+}
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    if (flag == "-h" || flag == "--help") {
+      std::printf("%s\n", kUsage);
+      std::exit(0);
+    }
+    if (flag.rfind("-", 0) != 0) {
+      if (!a.artifact.empty()) throw UsageError("unexpected argument '" + flag + "'");
+      a.artifact = flag;
+      continue;
+    }
+    if (auto eq = flag.find('='); eq != std::string::npos && flag.rfind("--", 0) == 0) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) throw UsageError(flag + " needs a value");
+      value = argv[++i];
+    }
+    if (flag == "--prompt") a.prompt = value, a.has_prompt = true;
+    else if (flag == "-n") a.n = parse_number<int64_t>(flag, value);
+    else if (flag == "--temperature") a.sampling.temperature = parse_number<float>(flag, value);
+    else if (flag == "--top-k") a.sampling.top_k = parse_number<int>(flag, value);
+    else if (flag == "--top-p") a.sampling.top_p = parse_number<float>(flag, value);
+    else if (flag == "--seed") a.sampling.seed = parse_number<uint64_t>(flag, value);
+    else if (flag == "--state-in") a.state_in = value;
+    else if (flag == "--state-out") a.state_out = value;
+    else if (flag == "--threads") a.threads = parse_number<int>(flag, value);
+    else if (flag == "--dump-logits") a.dump_logits = value;
+    else throw UsageError("unknown option " + flag);
+  }
+  if (a.artifact.empty()) throw UsageError("missing ARTIFACT_DIR");
+  if (!a.has_prompt || a.prompt.empty())
+    throw UsageError("--prompt TEXT is required (generation starts from the logits of its last token)");
+  if (a.n < 1) throw UsageError("-n must be >= 1");
+  if (a.threads < 0) throw UsageError("--threads must be >= 0");
+  return a;
+}
+
+// A float32 .npy [rows, cols] written row by row.
+class NpyWriter {
+ public:
+  NpyWriter(const std::string& path, int64_t rows, int64_t cols) : path_(path), f_(std::fopen(path.c_str(), "wb")) {
+    if (!f_) throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+    std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " +
+                       std::to_string(cols) + "), }";
+    const size_t total = (10 + dict.size() + 1 + 63) / 64 * 64;  // magic + version + length + dict + '\n'
+    dict.append(total - 10 - dict.size() - 1, ' ');
+    dict += '\n';
+    const uint16_t len = static_cast<uint16_t>(dict.size());
+    const unsigned char head[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<unsigned char>(len & 0xff),
+                                    static_cast<unsigned char>(len >> 8)};
+    write(head, sizeof(head));
+    write(dict.data(), dict.size());
+  }
+  ~NpyWriter() {
+    if (f_) std::fclose(f_);
+  }
+  void row(const std::vector<float>& values) { write(values.data(), values.size() * sizeof(float)); }
+  void close() {
+    FILE* f = f_;
+    f_ = nullptr;
+    if (std::fclose(f) != 0) throw std::runtime_error("cannot write " + path_);
+  }
+
+ private:
+  void write(const void* data, size_t n) {
+    if (std::fwrite(data, 1, n, f_) != n) throw std::runtime_error("cannot write " + path_);
+  }
+  std::string path_;
+  FILE* f_;
+};
+
+std::string peak_str(int64_t bytes) { return bytes < 0 ? "unavailable" : std::to_string(bytes) + " bytes"; }
+std::string json_int(int64_t v) { return v < 0 ? "null" : std::to_string(v); }
+
+int run(const Args& a) {
+  using clock = std::chrono::steady_clock;
+  edgeattn::SessionOptions options;
+  options.threads = a.threads;
+  edgeattn::Session sess(a.artifact, options);
+  if (sess.vocab_size() > 256)
+    throw std::runtime_error("this example is byte-level (vocab <= 256); the artifact has vocab_size " +
+                             std::to_string(sess.vocab_size()));
+  edgeattn::Sampler sampler(a.sampling);
+  if (!a.state_in.empty()) sess.load_state(a.state_in);
+
+  std::vector<int64_t> prompt;
+  for (unsigned char c : a.prompt) prompt.push_back(c);
+  std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
+  std::fflush(stdout);
+  g_printed = true;
+
+  const auto t0 = clock::now();
+  std::vector<float> logits = sess.prefill(prompt);
+  const auto t1 = clock::now();
+
+  NpyWriter* dump = nullptr;
+  std::unique_ptr<NpyWriter> dump_owner;
+  if (!a.dump_logits.empty()) dump = (dump_owner = std::make_unique<NpyWriter>(a.dump_logits, a.n, sess.vocab_size())).get();
+
+  int64_t peak_at_128 = -1;
+  for (int64_t i = 1; i <= a.n; ++i) {
+    if (dump) dump->row(logits);
+    const int64_t token = sampler.sample(logits);
+    const char byte = static_cast<char>(token);
+    std::fwrite(&byte, 1, 1, stdout);
+    std::fflush(stdout);
+    logits = sess.step(token);  // every printed token is consumed, so --state-out covers the whole text
+    if (i == 128) {
+      auto stats = sess.memory_stats();
+      peak_at_128 = stats.available ? stats.max_in_use : -1;
+    }
+  }
+  const auto t2 = clock::now();
+  if (dump) dump->close();
+  if (!a.state_out.empty()) sess.save_state(a.state_out);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  g_printed = false;
+
+  const auto stats = sess.memory_stats();
+  const int64_t peak_last = stats.available ? stats.max_in_use : -1;
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  const double tps = a.n / decode_s;
+  std::fprintf(stderr, "%lld tokens in %.4f s: %.1f tokens/s (%.2f us/token); prompt %zu tokens in %.4f s\n",
+               static_cast<long long>(a.n), decode_s, tps, 1e6 * decode_s / a.n, prompt.size(), prefill_s);
+  std::fprintf(stderr, "onnxruntime peak bytes in use: %s at token 128, %s at token %lld\n",
+               a.n >= 128 ? peak_str(peak_at_128).c_str() : "n/a", peak_str(peak_last).c_str(),
+               static_cast<long long>(a.n));
+  std::fprintf(stderr,
+               "{\"tokens\": %lld, \"prompt_tokens\": %zu, \"decode_s\": %.6f, \"prefill_s\": %.6f, "
+               "\"tokens_per_s\": %.2f, \"us_per_token\": %.3f, \"peak_bytes_at_128\": %s, \"peak_bytes_at_last\": %s, "
+               "\"position\": %lld}\n",
+               static_cast<long long>(a.n), prompt.size(), decode_s, prefill_s, tps, 1e6 * decode_s / a.n,
+               json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), static_cast<long long>(sess.position()));
+  return 0;
+}
+
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse_args(argc, argv));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "generate: %s (see --help)\n", one_line(e.what()).c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    if (g_printed) std::fputc('\n', stdout);  // end the partial text line
+    std::fflush(stdout);
+    std::fprintf(stderr, "generate: error: %s\n", one_line(e.what()).c_str());
+    return 1;
+  }
+}

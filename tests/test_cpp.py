@@ -1,0 +1,275 @@
+"""The C++ runtime (edgeattn/runtimes/cpp) and its example examples/cpp/generate.cpp on a synthetic artifact.
+
+Set-up, once per session: scripts/fetch_onnxruntime_headers.sh (a no-op once .third_party/ has the headers),
+CMake configure and build in build/cpp-tests (incremental). Skipped only without cmake or a C++ compiler.
+The reference is tests/artifact_fixture.OrtDriver: onnxruntime's Python API driven by the manifest alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeattn.runtimes.state_file import load_state, save_state
+from tests.artifact_fixture import OrtDriver, build_artifact, make_weights, reference_step, zero_state
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "cpp-tests"
+PROMPT = b"The quick brown fox"  # 19 tokens: 4 prefill chunks of 4, then 3 steps
+
+
+# ----------------------------------------------------------------------------------------------------------
+# set-up
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _run_setup(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-4000:]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def generate() -> Path:
+    """The built example binary."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"the C++ runtime needs {' and '.join(missing)}, not found on PATH")
+    _run_setup(["bash", "scripts/fetch_onnxruntime_headers.sh"], "fetching the ONNX Runtime headers")
+    _run_setup(
+        ["cmake", "-S", "edgeattn/runtimes/cpp", "-B", str(BUILD), f"-DEDGEATTN_PYTHON={sys.executable}"],
+        "cmake configure",
+    )
+    _run_setup(["cmake", "--build", str(BUILD), "-j2"], "cmake build")
+    return BUILD / "generate"
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory) -> Path:
+    pytest.importorskip("onnx", reason="the synthetic artifact is built with onnx (the 'train' extra)")
+    return build_artifact(tmp_path_factory.mktemp("artifact"))
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess, prompt: bytes):
+        self.proc = proc
+        self.returncode = proc.returncode
+        self.stderr = proc.stderr.decode(errors="replace")
+        out = proc.stdout
+        self.tokens = list(out[len(prompt) : -1]) if proc.returncode == 0 else None
+        lines = [ln for ln in self.stderr.splitlines() if ln.startswith("{")]
+        self.report = json.loads(lines[-1]) if lines else None
+
+
+def run(binary: Path, artifact_dir, prompt: bytes = PROMPT, *args, check: bool = True) -> Result:
+    cmd = [str(binary), str(artifact_dir), "--prompt", prompt, "--threads", "1", *map(str, args)]
+    res = Result(subprocess.run(cmd, capture_output=True, timeout=120), prompt)
+    if check:
+        assert res.returncode == 0, res.stderr
+        assert res.proc.stdout.startswith(prompt)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the fixture itself
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_fixture_graphs_match_numpy_reference(artifact):
+    """step.onnx and prefill.onnx compute the numpy reference step, so the C++ checks check real math."""
+    w = make_weights(0)
+    drv = OrtDriver(artifact)
+    state = zero_state()
+    ids = list(PROMPT)
+    for t in ids[:-1]:
+        _, state = reference_step(w, t, state)
+    ref_logits, state = reference_step(w, ids[-1], state)
+    got = drv.prefill(ids)  # 4 prefill chunks + 3 steps
+    np.testing.assert_allclose(got, ref_logits, rtol=1e-4, atol=1e-4)
+    for name, ref in state.items():
+        np.testing.assert_allclose(drv.state[name], ref, rtol=1e-4, atol=1e-5)
+    assert drv.position == len(ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the C++ runtime against the Python driver
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_python(generate, artifact, tmp_path):
+    logits_file = tmp_path / "logits.npy"
+    res = run(generate, artifact, PROMPT, "-n", 200, "--dump-logits", logits_file)
+    tokens, rows = OrtDriver(artifact).greedy(list(PROMPT), 200)
+    assert res.tokens == tokens
+    assert len(set(tokens)) > 10  # the synthetic model does not just repeat itself
+    np.testing.assert_allclose(np.load(logits_file), rows, rtol=1e-5, atol=1e-5)
+    assert res.report["tokens"] == 200 and res.report["position"] == len(PROMPT) + 200
+
+
+def test_sampling(generate, artifact):
+    greedy = run(generate, artifact, PROMPT, "-n", 50).tokens
+    # top-k 1 and a tiny top-p keep only the most likely token: greedy again, at any temperature
+    assert (
+        run(generate, artifact, PROMPT, "-n", 50, "--temperature", 1.5, "--top-k", 1, "--seed", 3).tokens
+        == greedy
+    )
+    assert (
+        run(generate, artifact, PROMPT, "-n", 50, "--temperature", 1.5, "--top-p", 1e-6, "--seed", 3).tokens
+        == greedy
+    )
+    a = run(generate, artifact, PROMPT, "-n", 50, "--temperature", 1.0, "--seed", 1).tokens
+    b = run(generate, artifact, PROMPT, "-n", 50, "--temperature", 1.0, "--seed", 1).tokens
+    c = run(generate, artifact, PROMPT, "-n", 50, "--temperature", 1.0, "--seed", 2).tokens
+    d = run(
+        generate, artifact, PROMPT, "-n", 50, "--temperature", 0.8, "--top-k", 20, "--top-p", 0.9, "--seed", 1
+    )
+    assert a == b and a != c and a != greedy
+    assert len(d.tokens) == 50
+
+
+def test_python_state_resumes_in_cpp(generate, artifact, tmp_path):
+    drv = OrtDriver(artifact)
+    drv.greedy(list(b"Once upon a time"), 37)  # 16 prompt tokens + 37 generated, all consumed
+    state_file = tmp_path / "py.state"
+    drv.save_state(state_file)
+    tokens, rows = drv.greedy(list(b" and then"), 60)
+
+    logits_file = tmp_path / "logits.npy"
+    res = run(
+        generate, artifact, b" and then", "-n", 60, "--state-in", state_file, "--dump-logits", logits_file
+    )
+    assert res.tokens == tokens
+    np.testing.assert_allclose(np.load(logits_file), rows, rtol=1e-5, atol=1e-5)
+    assert res.report["position"] == 16 + 37 + 9 + 60
+
+
+def test_cpp_state_loads_in_python(generate, artifact, tmp_path):
+    state_file = tmp_path / "cpp.state"
+    res = run(generate, artifact, PROMPT, "-n", 30, "--state-out", state_file)
+    tensors, meta = load_state(state_file)
+    assert meta["fingerprint"] == json.loads((artifact / "edgeattn.json").read_text())["fingerprint"]
+    assert int(meta["position"]) == len(PROMPT) + 30
+
+    drv = OrtDriver(artifact)  # the same tokens through the driver give the same state
+    drv.prefill(list(PROMPT))
+    for t in res.tokens:
+        drv.step(t)
+    for name, t in drv.state.items():
+        np.testing.assert_allclose(tensors[name], t, rtol=1e-6, atol=1e-6)
+
+    resumed = OrtDriver(artifact)
+    resumed.load_state(state_file)
+    assert resumed.position == len(PROMPT) + 30
+    expected, _ = drv.greedy(list(b"!"), 20)  # continuing the driver that ran the same tokens
+    assert resumed.greedy(list(b"!"), 20)[0] == expected
+    assert run(generate, artifact, b"!", "-n", 20, "--state-in", state_file).tokens == expected
+
+
+def test_memory_is_constant_per_token(generate, artifact):
+    short = run(generate, artifact, PROMPT, "-n", 200).report
+    long = run(generate, artifact, PROMPT, "-n", 2000).report
+    assert long["peak_bytes_at_last"] is not None, (
+        "built without ONNX Runtime memory statistics (headers < 1.23)"
+    )
+    assert long["peak_bytes_at_last"] > 0
+    assert long["peak_bytes_at_last"] == long["peak_bytes_at_128"] == short["peak_bytes_at_last"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad inputs: a non-zero exit and a one-line message
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _edit_manifest(root: Path, **changes) -> None:
+    path = root / "edgeattn.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _bad_case(name: str, root: Path, artifact: Path):
+    """(artifact dir, extra args, prompt, expected message) for one kind of bad input."""
+    if name == "missing manifest":
+        root.mkdir()
+        return root, [], PROMPT, "no manifest"
+    if name == "not an artifact directory":
+        return root / "nowhere", [], PROMPT, "no manifest"
+    if name == "future format version":
+        build_artifact(root, format_version=2)
+        return root, [], PROMPT, "format_version 2"
+    if name == "sha256 mismatch":
+        shutil.copytree(artifact, root)
+        with open(root / "step.onnx", "ab") as f:
+            f.write(b"\0")
+        return root, [], PROMPT, "does not match its sha256"
+    if name == "missing graph file":
+        shutil.copytree(artifact, root)
+        (root / "prefill.onnx").unlink()
+        return root, [], PROMPT, "prefill.onnx is missing"
+    if name == "invalid manifest json":
+        shutil.copytree(artifact, root)
+        (root / "edgeattn.json").write_text("{ not json")
+        return root, [], PROMPT, "not valid JSON"
+    if name == "dynamic state (KV cache)":
+        shutil.copytree(artifact, root)
+        state = json.loads((root / "edgeattn.json").read_text())["state"]
+        state[1]["shape"] = [1, 2, "past_length", 4]
+        _edit_manifest(root, state=state)
+        return root, [], PROMPT, "dynamic dimension"
+    if name == "state of another model":
+        state = root.with_suffix(".state")
+        drv = OrtDriver(artifact)
+        save_state(state, drv.state, "0" * 64, 0)
+        return artifact, ["--state-in", state], PROMPT, "another model"
+    if name == "state with other tensors":
+        state = root.with_suffix(".state")
+        drv = OrtDriver(artifact)
+        tensors = dict(drv.state)
+        tensors["past_key_values.1.recurrent_state"] = np.zeros((1, 2, 4, 5), np.float32)
+        save_state(state, tensors, drv.fingerprint, 0)
+        return artifact, ["--state-in", state], PROMPT, "has shape [1, 2, 4, 5]"
+    if name == "corrupt state file":
+        state = root.with_suffix(".state")
+        state.write_bytes(b"\x10\0\0\0\0\0\0\0garbage!garbage!")
+        return artifact, ["--state-in", state], PROMPT, "not an edgeattn state file"
+    if name == "token out of range":
+        build_artifact(root, vocab_size=128)
+        return root, [], "café".encode(), "token 195 is out of range"
+    raise AssertionError(name)
+
+
+BAD_CASES = [
+    "missing manifest",
+    "not an artifact directory",
+    "future format version",
+    "sha256 mismatch",
+    "missing graph file",
+    "invalid manifest json",
+    "dynamic state (KV cache)",
+    "state of another model",
+    "state with other tensors",
+    "corrupt state file",
+    "token out of range",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_fails_with_one_line(generate, artifact, tmp_path, case):
+    root, args, prompt, message = _bad_case(case, tmp_path / "bad", artifact)
+    res = run(generate, root, prompt, "-n", 5, *args, check=False)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("generate: error: ") and message in lines[0], lines[0]
+
+
+def test_bad_arguments(generate, artifact):
+    for args in (["-n", "x"], ["--bogus", "1"], ["--top-p", "0"]):
+        res = run(generate, artifact, PROMPT, *args, check=False)
+        assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr

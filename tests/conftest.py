@@ -8,7 +8,8 @@ import pytest  # noqa: E402
 try:
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # One thread: most tests are per-token loops of small ops, where a second thread only adds overhead.
+    torch.set_num_threads(1)
 except ImportError:  # the base install runs a subset of the suite
     torch = None
 

@@ -1,5 +1,22 @@
 """Functional attention ops. Every op returns ``(o, final_state)``; see DESIGN.md "Functional ops"."""
 
+from edgeattn.ops.aft import aft, aft_full
 from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.flash import mixed_chunk_attention
+from edgeattn.ops.linear import elu1, linear_attention
+from edgeattn.ops.performer import favor_features, performer_attention
+from edgeattn.ops.retnet import retention
+from edgeattn.ops.softmax import softmax_attention
 
-__all__ = ["gated_linear_attention"]
+__all__ = [
+    "aft",
+    "aft_full",
+    "elu1",
+    "favor_features",
+    "gated_linear_attention",
+    "linear_attention",
+    "mixed_chunk_attention",
+    "performer_attention",
+    "retention",
+    "softmax_attention",
+]

@@ -1,0 +1,140 @@
+"""The machine under test: a description for results.json and the two rates the theory floors use.
+
+``describe()`` reads only the standard library, psutil and package metadata (no torch, no GPU library);
+``measure_bandwidth()`` and ``measure_matmul()`` time numpy on this machine at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import numpy as np
+
+LIBRARIES = (
+    "edgeattn",
+    "numpy",
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "tensorrt",
+    "torch",
+    "matplotlib",
+    "psutil",
+)
+
+
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo on x86, the device-tree model on Jetson and other ARM boards."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    board = _device_tree_model()
+    return board or platform.processor() or platform.machine()
+
+
+def _device_tree_model() -> str | None:
+    try:
+        with open("/proc/device-tree/model", "rb") as f:
+            return f.read().rstrip(b"\0").decode(errors="replace").strip() or None
+    except OSError:
+        return None
+
+
+def gpus() -> list[dict]:
+    """NVIDIA GPUs from nvidia-smi (name, memory); on a Jetson (integrated GPU, no nvidia-smi) the board."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            ).stdout
+            found = []
+            for line in out.strip().splitlines():
+                name, mem, driver = (p.strip() for p in line.split(","))
+                mem_bytes = int(float(mem) * 2**20) if mem.replace(".", "").isdigit() else None
+                found.append({"name": name, "memory_bytes": mem_bytes, "driver": driver})
+            if found:
+                return found
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    board = _device_tree_model()
+    if board and "jetson" in board.lower():
+        return [{"name": f"{board} (integrated, shares system memory)", "memory_bytes": None, "driver": None}]
+    return []
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions from package metadata: reading them imports nothing."""
+    out = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def describe() -> dict:
+    import psutil
+
+    try:
+        providers = __import__("onnxruntime").get_available_providers()
+    except ImportError:
+        providers = []
+    return {
+        "cpu": cpu_model(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cores_logical": os.cpu_count(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "memory_bytes": psutil.virtual_memory().total,
+        "gpus": gpus(),
+        "onnxruntime_providers": providers,
+        "libraries": library_versions(),
+        "python_executable": sys.executable,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 3, slices: int = 4) -> float:
+    """Streaming read rate in bytes/s: numpy sum over a ``mib`` MiB float32 array, timed in ``slices`` parts
+    (each well above a last-level cache at the default size), best part over ``repeats`` passes. Short
+    timings are less likely to be cut by another process on a shared machine."""
+    a = np.ones(max(1, mib) * 2**20 // 4, dtype=np.float32)
+    a.sum()  # fault the pages in before timing
+    n = max(1, a.size // slices)
+    best = float("inf")
+    for _ in range(repeats):
+        for i in range(0, a.size - n + 1, n):
+            part = a[i : i + n]
+            t0 = time.perf_counter()
+            part.sum()
+            best = min(best, time.perf_counter() - t0)
+    return n * 4 / best
+
+
+def measure_matmul(n: int = 1024, repeats: int = 5) -> float:
+    """float32 matmul rate in FLOP/s: numpy (BLAS, all its threads) n x n @ n x n, best of ``repeats``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best

@@ -39,9 +39,9 @@ def test_registered_as_flash_with_its_state_spec():
     assert MIXER_REGISTRY["flash"] is FLASH and isinstance(layer, FLASH)
     e, s = 64, 16  # flash_expansion 2 * d_model 32, flash_qk_dim
     specs = {spec.name: spec for spec in layer.state_spec(3)}
-    assert list(specs) == ["linear_state", "key_quad", "key_lin", "value", "position"]
-    assert specs["linear_state"].shape == (3, s, e)
-    assert specs["key_quad"].shape == specs["key_lin"].shape == (3, C, s)
+    assert list(specs) == ["linear_state", "chunk_state", "key_quad", "value", "position"]
+    assert specs["linear_state"].shape == specs["chunk_state"].shape == (3, s, e)
+    assert specs["key_quad"].shape == (3, C, s)
     assert specs["value"].shape == (3, C, e)
     assert specs["position"].shape == (3,)
     state = layer.init_state(3)

@@ -25,7 +25,9 @@ def _one_thread():
 
 def make_inputs(B, T, C, positions=None, dtype=torch.float32, seed=0):
     """Leaves: q_quad, k_quad, q_lin, k_lin, v, rel_bias and (with ``positions``, one per row) a random
-    mid-chunk state whose buffers are zero from the position on, as every form returns them."""
+    mid-chunk state whose buffers are zero from the position on, as every form returns them. Its
+    chunk_state is random in every row, position 0 included: every form must add it to the chunk
+    the state ends in."""
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(B, T, S, generator=gen) for _ in range(4)] + [torch.randn(B, T, E, generator=gen)]
     rel_bias = torch.randn(C, generator=gen)
@@ -35,7 +37,7 @@ def make_inputs(B, T, C, positions=None, dtype=torch.float32, seed=0):
         filled = (torch.arange(C) < pos[:, None]).float().unsqueeze(-1)  # [B, C, 1]
         init = FlashState(
             torch.randn(B, S, E, generator=gen),
-            torch.randn(B, C, S, generator=gen) * filled,
+            torch.randn(B, S, E, generator=gen),
             torch.randn(B, C, S, generator=gen) * filled,
             torch.randn(B, C, E, generator=gen) * filled,
             pos,
@@ -185,6 +187,21 @@ def test_traced_step_works_at_every_position():
                 assert_close(f"traced step at {positions}", a, b, 1e-6)
 
 
+def test_step_cost_has_no_chunk_sized_fold():
+    """The step's matmuls cost O(C (S + E) + S E) per token: the chunk is folded from its running sum
+    (an S x E outer product per token), never re-summed from buffered keys (C S E)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    B, C, S_, E_ = 1, 64, 128, 512
+    x = [torch.randn(B, S_) for _ in range(4)] + [torch.randn(B, E_)]
+    zero = [torch.zeros(B, S_, E_), torch.zeros(B, S_, E_), torch.zeros(B, C, S_), torch.zeros(B, C, E_)]
+    for p in (0.0, C - 1.0):  # an ordinary token and the one that folds the chunk
+        state = FlashState(*zero, torch.tensor([p]))
+        with FlopCounterMode(display=False) as counter:
+            mixed_chunk_step(*x, state, quad_scale=0.1, lin_scale=0.1, rel_bias=torch.zeros(C))
+        assert counter.get_total_flops() <= 2 * B * (C * (S_ + E_) + S_ * E_ + C * C)
+
+
 def test_traced_chunk_form_works_at_every_position():
     """The chunk form traced with a state at position 0 (as the prefill graph is) takes any position."""
     C, B, T = 8, 2, 12
@@ -233,7 +250,15 @@ def _bad_state(C):
         (lambda a: {"initial_state": _bad_state(8)[:4]}, r"initial_state must be a tuple \(linear_state"),
         (
             lambda a: {"initial_state": _bad_state(8)._replace(key_quad=torch.zeros(2, 16, S))},
-            r"initial_state\[1\] \(key_quad\) must have shape \[B, chunk_size, S\]",
+            r"initial_state\[2\] \(key_quad\) must have shape \[B, chunk_size, S\]",
+        ),
+        (
+            lambda a: {"initial_state": _bad_state(8)._replace(chunk_state=torch.zeros(2, 8, S))},
+            r"initial_state\[1\] \(chunk_state\) must have shape \[B, S, E\]",
+        ),
+        (
+            lambda a: {"initial_state": _bad_state(8)._replace(value=torch.zeros(2, 8, S))},
+            r"initial_state\[3\] \(value\) must have shape \[B, chunk_size, E\]",
         ),
         (
             lambda a: {"initial_state": _bad_state(8)._replace(linear_state=torch.zeros(2, E, S))},

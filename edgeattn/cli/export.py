@@ -45,9 +45,17 @@ def export(
     size = sum(p.stat().st_size for p in path.rglob("*.onnx"))
     typer.echo(f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)")
     if cpp_example:
-        typer.echo("build and run the C++ example:")
-        typer.echo("  bash scripts/fetch_onnxruntime_headers.sh && cmake -S edgeattn/runtimes/cpp -B build/cpp && cmake --build build/cpp -j2")
-        typer.echo(f"  build/cpp/generate {path} --prompt 'def ' -n 200")
+        import shlex
+
+        import edgeattn
+
+        repo = shlex.quote(str(Path(edgeattn.__file__).resolve().parent.parent))
+        typer.echo("build and run the C++ example (from the edgeattn source checkout):")
+        typer.echo(
+            f"  cd {repo} && bash scripts/fetch_onnxruntime_headers.sh && "
+            "cmake -S edgeattn/runtimes/cpp -B build/cpp && cmake --build build/cpp -j2"
+        )
+        typer.echo(f"  build/cpp/generate {shlex.quote(str(path.resolve()))} --prompt 'def ' -n 200 --threads 1")
 
 
 def register(app: typer.Typer) -> None:

@@ -47,8 +47,8 @@ class FLASH(Mixer):
         B, C, e, s = batch_size, self.chunk, self.hidden, self.qk_dim
         return [
             StateSpec("linear_state", (B, s, e)),  # sum of k_lin^T v over the finished chunks
+            StateSpec("chunk_state", (B, s, e)),  # sum of k_lin^T v over the current chunk so far
             StateSpec("key_quad", (B, C, s)),  # the current chunk's keys and values, slot = position
-            StateSpec("key_lin", (B, C, s)),
             StateSpec("value", (B, C, e)),
             StateSpec("position", (B,)),  # tokens already in the current chunk, 0 <= position < C
         ]

@@ -22,7 +22,7 @@ Tensor = torch.Tensor
 __all__ = ["FlashState", "mixed_chunk_attention", "mixed_chunk_step"]
 
 STATE_LAYOUT = (
-    "(linear_state [B, S, E], key_quad [B, chunk_size, S], key_lin [B, chunk_size, S], "
+    "(linear_state [B, S, E], chunk_state [B, S, E], key_quad [B, chunk_size, S], "
     "value [B, chunk_size, E], position [B])"
 )
 
@@ -32,8 +32,8 @@ def _check_state(initial_state, B: int, S: int, E: int, C: int, dtype) -> FlashS
         raise ValueError(f"initial_state must be a tuple {STATE_LAYOUT}, got {type(initial_state).__name__}")
     shapes = {
         "linear_state": ((B, S, E), "[B, S, E]"),
+        "chunk_state": ((B, S, E), "[B, S, E]"),
         "key_quad": ((B, C, S), "[B, chunk_size, S]"),
-        "key_lin": ((B, C, S), "[B, chunk_size, S]"),
         "value": ((B, C, E), "[B, chunk_size, E]"),
         "position": ((B,), "[B]"),
     }
@@ -69,8 +69,10 @@ def mixed_chunk_attention(
     Chunks are fixed groups of ``chunk_size`` tokens counted from the start of the sequence (position 0
     of the initial state). ``quad_scale`` and ``lin_scale`` default to ``1 / chunk_size``; ``rel_bias``
     (``[chunk_size]``, by offset t - j) to 0. The state is a ``FlashState`` (a tuple) of float32 tensors
-    ``(linear_state, key_quad, key_lin, value, position)``; any ``final_state`` continues the sequence
-    when passed back as ``initial_state``, mid-chunk included.
+    ``(linear_state, chunk_state, key_quad, value, position)``: the ``k_lin^T v`` sum of the finished
+    chunks, the running sum of the current chunk, the current chunk's ``k_quad`` and ``v`` and the
+    number of its tokens; any ``final_state`` continues the sequence when passed back as
+    ``initial_state``, mid-chunk included.
 
     Returns ``(o [B, T, E] in q_quad's dtype, final FlashState or None)``. Computes in float32 (float64
     for float64 inputs).

@@ -5,8 +5,9 @@ not start on block boundaries: the first C - p tokens of block n (its "head") en
 (its "tail") begin chunk n + 1. So block n attends to itself and to the tail of block n - 1, whose
 tokens sit exactly C places earlier; the state's buffered tokens become the tail of a block -1.
 Relative offsets are then fixed per (query, key) slot, and positions enter only through float masks:
-the form traces to a graph that takes any position. Without an initial state (p = 0, training) heads
-are whole blocks and the block -1 half is skipped.
+the form traces to a graph that takes any position. The state's ``chunk_state`` (the running
+``k_lin^T v`` sum of its unfinished chunk) stands in for block -1's tail in the linear part. Without
+an initial state (p = 0, training) heads are whole blocks and the block -1 half is skipped.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def chunk_mixed_attention(qq, kq, ql, kl, v, *, chunk_size, quad_scale, lin_scal
     dt, dev = qq.dtype, qq.device
     aligned = initial_state is None
     state = zero_state(B, S, E, C, dt, dev) if aligned else initial_state
-    S0, kq_buf, kl_buf, v_buf, pos = state
+    S0, cur0, kq_buf, v_buf, pos = state
     # Padded tokens have k = v = 0: they change neither outputs nor the state.
     qq, kq, ql, kl, v = (pad_time(x, C) for x in (qq, kq, ql, kl, v))
     N = qq.shape[1] // C
@@ -60,7 +61,7 @@ def chunk_mixed_attention(qq, kq, ql, kl, v, *, chunk_size, quad_scale, lin_scal
     tail = 1.0 - head
     # Block -1: buffered slot b moves to local index b + C - p (slots >= p select nothing).
     shift = (idx.view(1, C, 1) == idx.view(1, 1, C) + split.view(B, 1, 1)).to(dt)  # [B, C(j), C(b)]
-    kq_prev, kl_prev, v_prev = shift @ kq_buf, shift @ kl_buf, shift @ v_buf  # [B, C, D]
+    kq_prev, v_prev = shift @ kq_buf, shift @ v_buf  # [B, C, D]
 
     def with_previous(x_b, prev):  # [B, N, C, D] -> keys of block n: [block n - 1, block n], [B, N, 2C, D]
         return torch.cat([torch.cat([prev.unsqueeze(1), x_b[:, :-1]], dim=1), x_b], dim=2)
@@ -81,30 +82,34 @@ def chunk_mixed_attention(qq, kq, ql, kl, v, *, chunk_size, quad_scale, lin_scal
         scores = scores + offset_bias(rel_bias, offsets)
     o = (F.relu(scores).square() * mask) @ values  # [B, N, C, E]
 
-    # Linear part: X_n sums chunk n (block n - 1's tail and block n's head); chunk n reads S0 + X_<n.
+    # Linear part: X_n sums chunk n (block n - 1's tail and block n's head; for n = 0 the state's
+    # chunk_state and block 0's head); chunk n reads S0 + X_<n. X_N is block N - 1's tail: chunk N.
     if aligned:
         X = kl_b.transpose(-1, -2) @ v_b  # [B, N, S, E]
+        X_all = torch.cat([X, X.new_zeros(B, 1, S, E)], dim=1)  # [B, N + 1, S, E]
     else:
         kv_tail = (kl_b * tail.view(B, 1, C, 1)).transpose(-1, -2) @ v_b
-        kv_prev = torch.cat([(kl_prev.transpose(-1, -2) @ v_prev).unsqueeze(1), kv_tail[:, :-1]], dim=1)
+        kv_prev = torch.cat([cur0.unsqueeze(1), kv_tail[:, :-1]], dim=1)
         X = kv_prev + (kl_b * head.view(B, 1, C, 1)).transpose(-1, -2) @ v_b
+        X_all = torch.cat([X, kv_tail[:, -1:]], dim=1)
     before = S0.unsqueeze(1) + torch.cat([X.new_zeros(B, 1, S, E), X.cumsum(1)], dim=1)  # [B, N + 1, S, E]
     o_lin = ql_b @ before[:, :N]
     if not aligned:  # tails belong to the next chunk, which has chunk n summed in too
         o_lin = o_lin + (ql_b * tail.view(B, 1, C, 1)) @ X
     o = (o + lin_scale * o_lin).reshape(B, N * C, E)[:, :T]
 
-    # Final state: the chunk holding the end is unfinished; the sum stops before it.
+    # Final state: the chunk holding the end is unfinished; the sum stops before it and its own sum
+    # (padded tokens add nothing) is the running chunk_state.
     end = pos + T
     last = torch.floor(end / C)  # [B] absolute index of the unfinished chunk, 0 <= last <= N
     chunk_ids = torch.arange(N + 1, dtype=dt, device=dev)
-    lin = torch.einsum("bn,bnse->bse", (chunk_ids == last.view(B, 1)).to(dt), before)
+    pick_last = (chunk_ids == last.view(B, 1)).to(dt)  # [B, N + 1]
+    lin = torch.einsum("bn,bnse->bse", pick_last, before)
+    cur = torch.einsum("bn,bnse->bse", pick_last, X_all)
     # The stream (block -1, then the new tokens) starts chunk c at index c*C + C - p.
     start = last * C + C - pos - T
-    kq_f, kl_f, v_f = _final_buffers(
-        (kq[:, :T], kl[:, :T], v[:, :T]), (kq_prev, kl_prev, v_prev), T, start, C
-    )
-    return o, FlashState(lin, kq_f, kl_f, v_f, end - last * C)
+    kq_f, v_f = _final_buffers((kq[:, :T], v[:, :T]), (kq_prev, v_prev), T, start, C)
+    return o, FlashState(lin, cur, kq_f, v_f, end - last * C)
 
 
 def parallel_mixed_attention(
@@ -117,28 +122,34 @@ def parallel_mixed_attention(
     C = chunk_size
     dt, dev = qq.dtype, qq.device
     state = zero_state(B, S, E, C, dt, dev) if initial_state is None else initial_state
-    S0, kq_buf, kl_buf, v_buf, pos = state
+    S0, cur0, kq_buf, v_buf, pos = state
     slots = torch.arange(C, dtype=dt, device=dev)
     # Every key at its place from the start of the current chunk: buffered slots < p, then new tokens.
     a_new = pos.view(B, 1) + torch.arange(T, dtype=dt, device=dev)  # [B, T]
     a_key = torch.cat([slots.expand(B, C), a_new], dim=1)  # [B, C + T]
     valid = torch.cat([slots < pos.view(B, 1), a_new >= 0], dim=1)  # [B, C + T]
     c_new, c_key = torch.floor(a_new / C), torch.floor(a_key / C)
-    keys_q, keys_l, values = (torch.cat(x, dim=1) for x in ((kq_buf, kq), (kl_buf, kl), (v_buf, v)))
+    keys_q, values = torch.cat([kq_buf, kq], dim=1), torch.cat([v_buf, v], dim=1)
 
     d = a_new.unsqueeze(-1) - a_key.unsqueeze(-2)  # [B, T, C + T] offsets t - j
     same = (c_new.unsqueeze(-1) == c_key.unsqueeze(-2)) & (d >= 0) & valid.unsqueeze(1)
     scores = quad_scale * (qq @ keys_q.transpose(-1, -2))
     if rel_bias is not None:
         scores = scores + rel_bias[d.clamp(0, C - 1).long()]
-    earlier = (c_key.unsqueeze(-2) < c_new.unsqueeze(-1)) & valid.unsqueeze(1)
     o = (F.relu(scores).square() * same) @ values
-    o = o + lin_scale * (ql @ S0 + ((ql @ keys_l.transpose(-1, -2)) * earlier) @ values)
+    # Linear part over the new keys; the buffered ones enter through their sum cur0 (chunk 0).
+    earlier = (c_new.unsqueeze(-2) < c_new.unsqueeze(-1)).to(dt)  # [B, T(query), T(key)]
+    after_first = (c_new > 0).to(dt).unsqueeze(-1)  # [B, T, 1]
+    o_lin = ql @ S0 + after_first * (ql @ cur0) + ((ql @ kl.transpose(-1, -2)) * earlier) @ v
+    o = o + lin_scale * o_lin
 
     end = pos + T
     last = torch.floor(end / C)
-    done = ((c_key < last.view(B, 1)) & valid).to(dt).unsqueeze(-1)  # [B, C + T, 1]
-    lin = S0 + (keys_l * done).transpose(-1, -2) @ values
+    done = (c_new < last.view(B, 1)).to(dt).unsqueeze(-1)  # [B, T, 1]
+    in_last = (c_new == last.view(B, 1)).to(dt).unsqueeze(-1)
+    first_done = (last > 0).to(dt).view(B, 1, 1)
+    lin = S0 + first_done * cur0 + (kl * done).transpose(-1, -2) @ v
+    cur = (1.0 - first_done) * cur0 + (kl * in_last).transpose(-1, -2) @ v
     pick = (a_key.unsqueeze(1) == (last * C).view(B, 1, 1) + slots.view(1, C, 1)) & valid.unsqueeze(1)
     pick = pick.to(dt)  # [B, C(slot), C + T]
-    return o, FlashState(lin, pick @ keys_q, pick @ keys_l, pick @ values, end - last * C)
+    return o, FlashState(lin, cur, pick @ keys_q, pick @ values, end - last * C)

@@ -6,7 +6,8 @@ Chunks are fixed groups of C tokens counted from the start of the sequence. For 
           + lin_scale * q_lin_t (S_0 + sum_{i in chunks < c} k_lin_i^T v_i)
 
 A state at position p says the sequence so far ends p tokens into a chunk: the buffered tokens are
-that chunk's first p, and S_0 sums every chunk before it.
+that chunk's first p, its chunk_state is their k_lin^T v sum (the sum of that chunk so far), and S_0
+sums every chunk before it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,19 @@ def naive_mixed_chunk_attention(
     C = chunk_size
     outs, finals = [], []
     for b in range(B):  # each row may be at its own position
-        S0, kq_buf, kl_buf, v_buf, pos = (x[b] for x in initial_state)
+        S0, X0, kq_buf, v_buf, pos = (x[b] for x in initial_state)
         p = int(pos.item())
         # The stream from the start of the current chunk: its buffered tokens, then the new ones.
+        # Buffered k_lin are known only through their sum X0; new token i is stream token p + i.
         kq_all = torch.cat([kq_buf[:p], kq[b]])
-        kl_all = torch.cat([kl_buf[:p], kl[b]])
         v_all = torch.cat([v_buf[:p], v[b]])
+
+        def kv_sum(lo, hi, b=b, p=p, X0=X0):
+            """sum of k_lin^T v over stream tokens lo <= a < hi, for lo = 0 or lo >= p."""
+            i, j = max(lo - p, 0), max(hi - p, 0)
+            s = kl[b, i:j].T @ v[b, i:j]
+            return s + X0 if lo == 0 else s
+
         o_b = []
         for t in range(T):
             a = p + t  # the token's place in the stream
@@ -41,7 +49,7 @@ def naive_mixed_chunk_attention(
             j = torch.arange(start, a + 1, device=qq.device)
             scores = quad_scale * (kq_all[j] @ qq[b, t]) + rel_bias[a - j]
             quad = F.relu(scores).square() @ v_all[j]
-            lin = S0 + kl_all[:start].T @ v_all[:start]
+            lin = S0 + kv_sum(0, start) if start > 0 else S0  # every chunk before this one
             o_b.append(quad + lin_scale * (ql[b, t] @ lin))
         outs.append(torch.stack(o_b) if o_b else v.new_zeros(0, E))
         L = p + T
@@ -50,7 +58,8 @@ def naive_mixed_chunk_attention(
         def buffer(x, start=start, L=L):
             return torch.cat([x[start:L], x.new_zeros(C - (L - start), x.shape[-1])])
 
-        lin = S0 + kl_all[:start].T @ v_all[:start]
-        finals.append((lin, buffer(kq_all), buffer(kl_all), buffer(v_all), pos.new_tensor(float(L - start))))
+        lin = S0 + kv_sum(0, start) if start > 0 else S0
+        cur = kv_sum(start, L)
+        finals.append((lin, cur, buffer(kq_all), buffer(v_all), pos.new_tensor(float(L - start))))
     o = torch.stack(outs)
     return o, FlashState(*(torch.stack(x) for x in zip(*finals)))

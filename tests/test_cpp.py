@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgeattn.runtimes.state_file import load_state, save_state
-from tests.artifact_fixture import OrtDriver, build_artifact, make_weights, reference_step, zero_state
+from tests.artifact_fixture import (
+    OrtDriver,
+    Result,
+    build_artifact,
+    build_generate,
+    make_weights,
+    reference_step,
+    run_generate,
+    zero_state,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "cpp-tests"
 PROMPT = b"The quick brown fox"  # 19 tokens: 4 prefill chunks of 4, then 3 steps
 
 
@@ -29,25 +34,10 @@ PROMPT = b"The quick brown fox"  # 19 tokens: 4 prefill chunks of 4, then 3 step
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _run_setup(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-4000:]}", pytrace=False)
-
-
 @pytest.fixture(scope="session")
 def generate() -> Path:
-    """The built example binary."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"the C++ runtime needs {' and '.join(missing)}, not found on PATH")
-    _run_setup(["bash", "scripts/fetch_onnxruntime_headers.sh"], "fetching the ONNX Runtime headers")
-    _run_setup(
-        ["cmake", "-S", "edgeattn/runtimes/cpp", "-B", str(BUILD), f"-DEDGEATTN_PYTHON={sys.executable}"],
-        "cmake configure",
-    )
-    _run_setup(["cmake", "--build", str(BUILD), "-j2"], "cmake build")
-    return BUILD / "generate"
+    """The built example binary (built once per session, shared with tests/test_cpp_real.py)."""
+    return build_generate()
 
 
 @pytest.fixture(scope="session")
@@ -56,24 +46,8 @@ def artifact(tmp_path_factory) -> Path:
     return build_artifact(tmp_path_factory.mktemp("artifact"))
 
 
-class Result:
-    def __init__(self, proc: subprocess.CompletedProcess, prompt: bytes):
-        self.proc = proc
-        self.returncode = proc.returncode
-        self.stderr = proc.stderr.decode(errors="replace")
-        out = proc.stdout
-        self.tokens = list(out[len(prompt) : -1]) if proc.returncode == 0 else None
-        lines = [ln for ln in self.stderr.splitlines() if ln.startswith("{")]
-        self.report = json.loads(lines[-1]) if lines else None
-
-
 def run(binary: Path, artifact_dir, prompt: bytes = PROMPT, *args, check: bool = True) -> Result:
-    cmd = [str(binary), str(artifact_dir), "--prompt", prompt, "--threads", "1", *map(str, args)]
-    res = Result(subprocess.run(cmd, capture_output=True, timeout=120), prompt)
-    if check:
-        assert res.returncode == 0, res.stderr
-        assert res.proc.stdout.startswith(prompt)
-    return res
+    return run_generate(binary, artifact_dir, prompt, *args, check=check)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 //
 // Byte-level: the prompt's bytes are the token ids and each generated token is printed as one byte (vocab <= 256).
 // stdout gets the prompt and then the text as it is produced; stderr gets the speed, the ONNX Runtime arena's
-// peak bytes in use (at generated token 128 and at the last one), and a final JSON line for programs.
+// peak bytes in use (at generated token 128 and at the last one), the process's resident memory (VmRSS from
+// /proc/self/status, Linux) before the first generated token and after the last, and a final JSON line for programs.
 //
 // --state-in resumes from a state file before the prompt; --state-out saves the state after the prompt and every
 // printed token. --dump-logits writes a float32 .npy [n, vocab]: row i holds the logits token i was drawn from.
@@ -16,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -135,6 +137,21 @@ class NpyWriter {
   FILE* f_;
 };
 
+// Resident memory of this process in bytes (VmRSS), or -1 where /proc/self/status is not available.
+int64_t resident_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) {  // "VmRSS:   1234 kB"
+      try {
+        return std::stoll(line.substr(6)) * 1024;
+      } catch (const std::exception&) {
+        return -1;
+      }
+    }
+  return -1;
+}
+
 std::string peak_str(int64_t bytes) { return bytes < 0 ? "unavailable" : std::to_string(bytes) + " bytes"; }
 std::string json_int(int64_t v) { return v < 0 ? "null" : std::to_string(v); }
 
@@ -163,6 +180,7 @@ int run(const Args& a) {
   std::unique_ptr<NpyWriter> dump_owner;
   if (!a.dump_logits.empty()) dump = (dump_owner = std::make_unique<NpyWriter>(a.dump_logits, a.n, sess.vocab_size())).get();
 
+  const int64_t rss_start = resident_bytes();  // the session is open and the prompt consumed
   int64_t peak_at_128 = -1;
   for (int64_t i = 1; i <= a.n; ++i) {
     if (dump) dump->row(logits);
@@ -177,6 +195,7 @@ int run(const Args& a) {
     }
   }
   const auto t2 = clock::now();
+  const int64_t rss_last = resident_bytes();
   if (dump) dump->close();
   if (!a.state_out.empty()) sess.save_state(a.state_out);
   std::fputc('\n', stdout);
@@ -193,12 +212,15 @@ int run(const Args& a) {
   std::fprintf(stderr, "onnxruntime peak bytes in use: %s at token 128, %s at token %lld\n",
                a.n >= 128 ? peak_str(peak_at_128).c_str() : "n/a", peak_str(peak_last).c_str(),
                static_cast<long long>(a.n));
+  std::fprintf(stderr, "resident memory: %s before the first token, %s after token %lld\n", peak_str(rss_start).c_str(),
+               peak_str(rss_last).c_str(), static_cast<long long>(a.n));
   std::fprintf(stderr,
                "{\"tokens\": %lld, \"prompt_tokens\": %zu, \"decode_s\": %.6f, \"prefill_s\": %.6f, "
                "\"tokens_per_s\": %.2f, \"us_per_token\": %.3f, \"peak_bytes_at_128\": %s, \"peak_bytes_at_last\": %s, "
-               "\"position\": %lld}\n",
+               "\"rss_bytes_start\": %s, \"rss_bytes_last\": %s, \"position\": %lld}\n",
                static_cast<long long>(a.n), prompt.size(), decode_s, prefill_s, tps, 1e6 * decode_s / a.n,
-               json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), static_cast<long long>(sess.position()));
+               json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), json_int(rss_start).c_str(),
+               json_int(rss_last).c_str(), static_cast<long long>(sess.position()));
   return 0;
 }
 

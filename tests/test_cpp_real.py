@@ -1,0 +1,252 @@
+"""The C++ example (examples/cpp/generate.cpp over edgeattn/runtimes/cpp) on artifacts of the real exporter.
+
+Tiny checkpoints (tests/export_helpers.make_checkpoint) exported with ``prefill_chunk=16``:
+
+    gla-onnxruntime     GLA, target onnxruntime: the fused com.microsoft.LinearAttention op
+    gla-portable        the same checkpoint, target portable: standard ONNX ops only
+    linear-onnxruntime  normalized linear attention: two state tensors per layer (recurrent_state, normalizer)
+    gla-other           another GLA checkpoint (seed 1): same state names and shapes, another fingerprint
+
+The reference is the Python ONNX Runtime session, ``open_session(artifact, threads=1)``: the same ONNX Runtime
+library running the same graphs with the same thread count, so tokens must be equal and logits equal to 1e-5.
+Prompts are longer than the prefill chunk, so both graphs run. The C++ build is tests/artifact_fixture's, made
+once per session and shared with tests/test_cpp.py; skipped only without cmake or a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeattn.runtimes import open_session
+from edgeattn.runtimes.state_file import load_state
+from tests.artifact_fixture import build_generate, run_generate
+
+PREFILL = 16
+PROMPT = b"Once upon a time, in a land far away, a"  # 40 tokens: 2 prefill chunks + 8 steps
+PROMPT2 = b" and then, one fine morning, the fox"  # 36 tokens, fed after a loaded state
+TOL = 1e-5
+ARTIFACTS = ["gla-onnxruntime", "gla-portable", "linear-onnxruntime"]
+
+# name -> (mixer, checkpoint seed, target)
+SPECS = {
+    "gla-onnxruntime": ("gla", 0, "onnxruntime"),
+    "gla-portable": ("gla", 0, "portable"),
+    "linear-onnxruntime": ("linear", 0, "onnxruntime"),
+    "gla-other": ("gla", 1, "onnxruntime"),
+}
+
+
+class _Artifacts(dict):
+    """Artifacts exported on first use, once per session (checkpoints shared between targets)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+        self.ckpts: dict[tuple[str, int], Path] = {}
+
+    def __missing__(self, name: str) -> Path:
+        from edgeattn.export import export_model
+        from tests.export_helpers import make_checkpoint
+
+        mixer, seed, target = SPECS[name]
+        if (mixer, seed) not in self.ckpts:
+            self.ckpts[mixer, seed] = make_checkpoint(self.root / f"ckpt-{mixer}-{seed}", mixer, seed=seed)
+        self[name] = export_model(
+            self.ckpts[mixer, seed], self.root / name, target=target, prefill_chunk=PREFILL
+        )
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def generate() -> Path:
+    return build_generate()
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> _Artifacts:
+    pytest.importorskip("torch", reason="exporting a checkpoint needs torch (the 'train' extra)")
+    pytest.importorskip("onnx", reason="exporting a checkpoint needs onnx (the 'train' extra)")
+    return _Artifacts(tmp_path_factory.mktemp("real-artifacts"))
+
+
+@pytest.fixture(params=ARTIFACTS)
+def art(request, artifacts) -> Path:
+    return artifacts[request.param]
+
+
+def session(art: Path):
+    return open_session(art, threads=1)
+
+
+def py_greedy(sess, prompt: bytes, n: int) -> tuple[list[int], np.ndarray]:
+    """The loop of ``generate_ids(prompt, n, temperature=0)``, keeping the logits each token was drawn from:
+    prefill, then argmax and step ``n`` times (every generated token is consumed, as in the C++ example)."""
+    logits = sess.prefill(np.frombuffer(prompt, np.uint8).astype(np.int64)[None])
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(logits[0])
+        tokens.append(int(np.argmax(logits[0])))
+        logits = sess.step(np.array([[tokens[-1]]], np.int64))
+    return tokens, np.stack(rows)
+
+
+def assert_logits_equal(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the artifacts are what the tests claim
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_artifacts_are_the_intended_graphs(artifacts):
+    import onnx
+
+    def domains(name: str) -> set[tuple[str, str]]:
+        nodes = onnx.load(str(artifacts[name] / "step.onnx")).graph.node
+        return {(n.domain, n.op_type) for n in nodes if n.domain not in ("", "ai.onnx")}
+
+    assert ("com.microsoft", "LinearAttention") in domains("gla-onnxruntime")
+    assert ("com.microsoft", "LinearAttention") in domains("linear-onnxruntime")
+    assert domains("gla-portable") == set()
+    for name in ARTIFACTS:
+        m = json.loads((artifacts[name] / "edgeattn.json").read_text())
+        assert m["graphs"]["prefill"]["tokens"] == PREFILL < len(PROMPT)
+    names = [
+        e["name"]
+        for e in json.loads((artifacts["linear-onnxruntime"] / "edgeattn.json").read_text())["state"]
+    ]
+    assert names == ["recurrent_state", "normalizer"] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# C++ against the Python session
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_python(generate, art, tmp_path):
+    logits_file = tmp_path / "logits.npy"
+    res = run_generate(generate, art, PROMPT, "-n", 200, "--dump-logits", logits_file)
+    expected = list(session(art).generate_ids(PROMPT, 200, temperature=0))
+    assert res.tokens == expected
+    tokens, rows = py_greedy(session(art), PROMPT, 200)
+    assert tokens == expected
+    assert_logits_equal(np.load(logits_file), rows)
+    assert np.ptp(rows, axis=0).max() > 0.1  # the logits move from token to token
+    assert res.report["prompt_tokens"] == len(PROMPT) and res.report["position"] == len(PROMPT) + 200
+
+
+def test_python_state_resumes_in_cpp(generate, art, tmp_path):
+    sess = session(art)
+    list(sess.generate_ids(b"It was a dark and stormy night", 37, temperature=0))  # 30 + 37 tokens consumed
+    state_file = tmp_path / "py.state"
+    sess.save_state(state_file)
+    tokens, rows = py_greedy(sess, PROMPT2, 60)
+
+    logits_file = tmp_path / "logits.npy"
+    res = run_generate(
+        generate, art, PROMPT2, "-n", 60, "--state-in", state_file, "--dump-logits", logits_file
+    )
+    assert res.tokens == tokens
+    assert_logits_equal(np.load(logits_file), rows)
+    assert res.report["position"] == 30 + 37 + len(PROMPT2) + 60
+
+
+def test_cpp_state_loads_in_python(generate, art, tmp_path):
+    state_file = tmp_path / "cpp.state"
+    res = run_generate(generate, art, PROMPT, "-n", 50, "--state-out", state_file)
+
+    ref = session(art)  # the same tokens through Python give the same state
+    assert py_greedy(ref, PROMPT, 50)[0] == res.tokens
+    tensors, meta = load_state(state_file)
+    assert meta["fingerprint"] == ref.manifest.fingerprint
+    assert int(meta["position"]) == ref.position == len(PROMPT) + 50
+    state = ref.get_state()
+    assert sorted(tensors) == sorted(state)
+    for name, value in state.items():
+        np.testing.assert_allclose(tensors[name], value, rtol=TOL, atol=TOL, err_msg=name)
+
+    resumed = session(art)
+    resumed.load_state(state_file)
+    assert resumed.position == len(PROMPT) + 50
+    tokens, rows = py_greedy(resumed, PROMPT2, 60)
+    expected_tokens, expected_rows = py_greedy(ref, PROMPT2, 60)  # Python, never through a file
+    assert tokens == expected_tokens
+    assert_logits_equal(rows, expected_rows)
+
+    logits_file = tmp_path / "logits.npy"
+    again = run_generate(
+        generate, art, PROMPT2, "-n", 60, "--state-in", state_file, "--dump-logits", logits_file
+    )
+    assert again.tokens == tokens
+    assert_logits_equal(np.load(logits_file), rows)
+
+
+def test_memory_is_constant_per_token(generate, art):
+    short = run_generate(generate, art, PROMPT, "-n", 200).report
+    long = run_generate(generate, art, PROMPT, "-n", 2000).report
+    assert long["peak_bytes_at_last"] is not None, (
+        "built without ONNX Runtime memory statistics (headers < 1.23)"
+    )
+    assert long["peak_bytes_at_last"] > 0
+    assert long["peak_bytes_at_last"] == long["peak_bytes_at_128"] == short["peak_bytes_at_last"]
+    assert long["rss_bytes_last"] - long["rss_bytes_start"] < 2**20  # resident memory: within 1 MiB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# state files of other models
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("owner", "target"),
+    [
+        ("gla-other", "gla-onnxruntime"),
+        ("linear-onnxruntime", "gla-onnxruntime"),
+        ("gla-onnxruntime", "linear-onnxruntime"),
+    ],
+)
+def test_state_of_another_model_is_refused(generate, artifacts, tmp_path, owner, target):
+    other = session(artifacts[owner])
+    other.prefill(np.frombuffer(PROMPT, np.uint8).astype(np.int64)[None])
+    state_file = tmp_path / f"{owner}.state"
+    other.save_state(state_file)
+
+    res = run_generate(generate, artifacts[target], PROMPT2, "-n", 5, "--state-in", state_file, check=False)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("generate: error: ") and "state of another model" in lines[0], lines[0]
+    assert str(state_file) in lines[0]
+    with pytest.raises(ValueError, match="another model"):  # and Python agrees
+        session(artifacts[target]).load_state(state_file)
+
+
+def test_state_is_shared_between_targets_of_one_checkpoint(generate, artifacts, tmp_path):
+    """Same checkpoint, same fingerprint: a state of the fused graphs resumes in the portable ones."""
+    state_file = tmp_path / "fused.state"
+    run_generate(generate, artifacts["gla-onnxruntime"], PROMPT, "-n", 20, "--state-out", state_file)
+    logits_file = tmp_path / "logits.npy"
+    res = run_generate(
+        generate,
+        artifacts["gla-portable"],
+        PROMPT2,
+        "-n",
+        20,
+        "--state-in",
+        state_file,
+        "--dump-logits",
+        logits_file,
+    )
+    ref = session(artifacts["gla-onnxruntime"])
+    py_greedy(ref, PROMPT, 20)
+    tokens, rows = py_greedy(ref, PROMPT2, 20)
+    np.testing.assert_allclose(
+        np.load(logits_file), rows, rtol=1e-3, atol=1e-3
+    )  # other graphs: float rounding
+    assert res.tokens == tokens

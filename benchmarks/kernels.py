@@ -1,0 +1,239 @@
+"""Training speed of the gated linear recurrence on CUDA: our Triton kernels against the alternatives.
+
+What it measures: the time of one forward + one backward pass (the output's gradient given, the final
+state unused: the training step) at B=8, H=16, K=V=128, bfloat16 inputs (float32 gates), T = 2048 and
+8192, for
+
+    triton   edgeattn.kernels.chunk_gated_recurrence_triton (bfloat16 in, float32 state and accumulation)
+    torch    the PyTorch chunk form, edgeattn.ops.gated_linear_attention(mode="chunk", backend="torch")
+    fla      fla.ops.gla.chunk_gla / fla.ops.simple_gla.chunk_simple_gla, when fla is installed
+    sdpa     torch.nn.functional.scaled_dot_product_attention(is_causal=True): softmax attention
+
+with a per-key gate ([B, T, H, K], GLA) and a whole-head gate ([B, T, H], RetNet-like). Times are the
+median of CUDA-event timings (triton.testing.do_bench). Next to each time: achieved TFLOP/s and GB/s
+and their share of the device's peak (datasheet dense bf16 and memory bandwidth; --peak-tflops and
+--peak-gbs override). FLOPs are counted as the chunk kernels do them (C = 64):
+fwd = B H T (2 C (K + V) + 4 K V), bwd = 2 fwd; for SDPA fwd = 2 B H T^2 (K + V) / 2 (causal), bwd =
+2.5 fwd. Bytes are the compulsory traffic: q, k, v, g read and o written forward; q, k, v, g, do read
+and dq, dk, dv, dg written backward.
+
+Why: the kernels exist to make training fast. This shows where they stand against the PyTorch form
+they replace on CUDA, against the reference implementation (fla), and against softmax attention,
+and whether they are bound by compute or by memory. Before timing, each implementation's output at
+a small size is compared with the PyTorch chunk form, so a fast but wrong kernel shows up.
+
+    python benchmarks/kernels.py [--lengths 2048,8192] [--batch 8] [--heads 16] [--head-dim 128]
+
+Prints a table, then one JSON line. Without CUDA it says so and prints {"skipped": ...}, exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+# Datasheet dense bf16 tensor TFLOP/s and memory GB/s, matched on torch.cuda.get_device_name().
+PEAKS = [
+    ("H200", 989.0, 4800.0),
+    ("H100 PCIe", 756.0, 2000.0),
+    ("H100 NVL", 835.0, 3900.0),
+    ("H100", 989.0, 3350.0),  # SXM5
+    ("A100-SXM4-80GB", 312.0, 2039.0),
+    ("A100", 312.0, 1555.0),
+    ("L40S", 362.0, 864.0),
+    ("RTX 4090", 165.0, 1008.0),
+    ("A10", 125.0, 600.0),
+]
+
+
+def device_peaks(name: str, tflops: float | None, gbs: float | None) -> tuple[float | None, float | None]:
+    for key, t, g in PEAKS:
+        if key in name:
+            return tflops or t, gbs or g
+    return tflops, gbs
+
+
+def flops_linear(B, T, H, K, V) -> float:
+    fwd = B * H * T * (2 * CHUNK * (K + V) + 4 * K * V)
+    return 3.0 * fwd
+
+
+def flops_sdpa(B, T, H, K, V) -> float:
+    fwd = 2.0 * B * H * T * T * (K + V) / 2
+    return 3.5 * fwd
+
+
+def bytes_moved(B, T, H, K, V, gate: str, elt: int = 2) -> float:
+    g = {"key": B * T * H * K, "head": B * T * H, "none": 0}[gate] * 4  # float32 gates
+    qkv = B * T * H * (2 * K + V) * elt
+    o = B * T * H * V * elt
+    return 2 * (qkv + g) + 2 * o + qkv + g  # fwd: qkv, g, o; bwd: qkv, g, do in and dq, dk, dv, dg out
+
+
+def make_inputs(B, T, H, K, V, gate: str, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K) * K**-0.5, rnd(B, T, H, V)
+    shape = {"key": (B, T, H, K), "head": (B, T, H)}[gate]
+    g = F.logsigmoid(rnd(*shape, dtype=torch.float32) + 4) / 4  # decays of about 0.996
+    return q, k, v, g
+
+
+def implementations(gate: str):
+    """name -> fn(q, k, v, g) returning the output [B, T, H, V], or a string saying why it is absent."""
+    from edgeattn.kernels import chunk_gated_recurrence_triton
+    from edgeattn.ops import gated_linear_attention
+
+    def ours(q, k, v, g):
+        gg = g if g.dim() == 4 else g.unsqueeze(-1)
+        return chunk_gated_recurrence_triton(q, k, v, gg, initial_state=None, chunk_size=CHUNK)[0]
+
+    def torch_chunk(q, k, v, g):
+        return gated_linear_attention(q, k, v, g, scale=1.0, mode="chunk", backend="torch")[0]
+
+    impls = {"triton": ours, "torch": torch_chunk}
+    try:
+        if gate == "key":
+            from fla.ops.gla import chunk_gla as fla_fn
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as fla_fn
+
+        impls["fla"] = lambda q, k, v, g: fla_fn(q, k, v, g, scale=1.0)[0]
+    except ImportError as e:
+        impls["fla"] = f"fla not installed ({e.name}); pip install flash-linear-attention"
+
+    def sdpa(q, k, v, g):
+        o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+        return o.transpose(1, 2)
+
+    impls["sdpa"] = sdpa
+    return impls
+
+
+def check(impls, gate: str) -> dict[str, float]:
+    """Relative RMS error of each linear-attention output against the PyTorch chunk form (small size)."""
+    q, k, v, g = make_inputs(1, 512, 2, 64, 64, gate, seed=1)
+    ref = impls["torch"](q, k, v, g).float()
+    errs = {}
+    for name, fn in impls.items():
+        if callable(fn) and name not in ("torch", "sdpa"):
+            out = fn(q, k, v, g).float()
+            errs[name] = ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    return errs
+
+
+def time_fwd_bwd(fn, q, k, v, g) -> float:
+    from triton.testing import do_bench
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+    do = torch.randn_like(v)
+
+    def step():
+        fn(*leaves).backward(do)
+
+    return do_bench(step, warmup=5, rep=50, grad_to_none=leaves, return_mode="median")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--gates", default="key,head")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--peak-gbs", type=float, default=None)
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        print(
+            "benchmarks/kernels.py: no CUDA device here; the Triton training kernels are timed on a GPU only."
+        )
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("benchmarks/kernels.py: triton is not installed (pip install 'edgeattn[train]').")
+        print(json.dumps({"skipped": "triton not installed"}))
+        return 0
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    B, H, K = args.batch, args.heads, args.head_dim
+    V = K
+    lengths = [int(x) for x in args.lengths.split(",")]
+    name = torch.cuda.get_device_name()
+    peak_tf, peak_gb = device_peaks(name, args.peak_tflops, args.peak_gbs)
+    print(
+        f"{name}: forward + backward, B={B}, H={H}, K=V={K}, bfloat16 (float32 gates), median of CUDA events"
+    )
+    print(f"peaks: {peak_tf or '?'} TFLOP/s bf16 dense, {peak_gb or '?'} GB/s")
+
+    rows, notes, checks = [], [], {}
+    for gate in args.gates.split(","):
+        impls = implementations(gate)
+        notes += [f"{n}: {why}" for n, why in impls.items() if isinstance(why, str)]
+        checks[gate] = check(impls, gate)
+        for T in lengths:
+            q, k, v, g = make_inputs(B, T, H, K, V, gate)
+            for impl, fn in impls.items():
+                if isinstance(fn, str) or (impl == "sdpa" and gate != "key"):
+                    continue  # sdpa has no gate: timed once
+                row = {"impl": impl, "gate": gate if impl != "sdpa" else "-", "T": T}
+                try:
+                    ms = time_fwd_bwd(fn, q, k, v, g)
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+                    continue
+                flops = (flops_sdpa if impl == "sdpa" else flops_linear)(B, T, H, K, V)
+                nbytes = bytes_moved(B, T, H, K, V, "none" if impl == "sdpa" else gate)
+                row.update(ms=ms, tflops=flops / ms / 1e9, gbs=nbytes / ms / 1e6)
+                if peak_tf:
+                    row["tflops_pct_peak"] = 100 * row["tflops"] / peak_tf
+                if peak_gb:
+                    row["gbs_pct_peak"] = 100 * row["gbs"] / peak_gb
+                rows.append(row)
+            del q, k, v, g
+            torch.cuda.empty_cache()
+
+    print(f"{'impl':<8}{'gate':<6}{'T':>6}{'ms':>10}{'TFLOP/s':>10}{'%peak':>7}{'GB/s':>9}{'%peak':>7}")
+    for r in rows:
+        head = f"{r['impl']:<8}{r['gate']:<6}{r['T']:>6}"
+        if "error" in r:
+            print(head + f"  {r['error']}")
+            continue
+        pt = f"{r['tflops_pct_peak']:>6.1f}%" if "tflops_pct_peak" in r else f"{'-':>7}"
+        pg = f"{r['gbs_pct_peak']:>6.1f}%" if "gbs_pct_peak" in r else f"{'-':>7}"
+        print(head + f"{r['ms']:>10.2f}{r['tflops']:>10.1f}{pt}{r['gbs']:>9.0f}{pg}")
+    for gate, errs in checks.items():
+        print(
+            f"check ({gate} gate, B=1 T=512 H=2 K=V=64), relative RMS error vs the PyTorch chunk form: "
+            + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+        )
+    for n in notes:
+        print("note:", n)
+    result = {
+        "device": name,
+        "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bfloat16"},
+        "peak_tflops": peak_tf,
+        "peak_gbs": peak_gb,
+        "results": rows,
+        "check_rel_rms_vs_torch": checks,
+        "notes": notes,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

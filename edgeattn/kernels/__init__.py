@@ -1,0 +1,32 @@
+"""Triton kernels for training (forward + backward), called by ``edgeattn.ops`` on CUDA.
+
+    chunk_gated_recurrence_triton(q, k, v, g, *, initial_state, chunk_size) -> (o, final_state)
+
+has the contract of ``edgeattn.ops.common.chunk.chunk_gated_recurrence`` (q, k [B, T, H, K],
+v [B, T, H, V], g None or [B, T, H, 1 or K] log-gates, initial_state None or [B, H, K, V]; returns the
+unscaled output in q's dtype and the float32 final state) and is differentiable in every input.
+It runs the fused recurrent kernel for T <= 64 on CUDA and the chunk kernels otherwise. Both are
+also public, for tests and benchmarks. Without a GPU they run under ``TRITON_INTERPRET=1`` (slowly).
+"""
+
+from __future__ import annotations
+
+from edgeattn.kernels.fused_recurrent import fused_recurrent_gated_recurrence
+from edgeattn.kernels.gated_chunk import chunk_gated_recurrence_kernel
+
+FUSED_MAX_T = 64  # up to this many tokens the fused recurrent kernel beats the chunk kernels' launches
+
+
+def chunk_gated_recurrence_triton(q, k, v, g, *, initial_state, chunk_size: int = 64):
+    """Triton gated linear recurrence; see the module docstring."""
+    if q.is_cuda and q.shape[1] <= FUSED_MAX_T:
+        return fused_recurrent_gated_recurrence(q, k, v, g, initial_state=initial_state)
+    return chunk_gated_recurrence_kernel(q, k, v, g, initial_state=initial_state, chunk_size=chunk_size)
+
+
+__all__ = [
+    "FUSED_MAX_T",
+    "chunk_gated_recurrence_kernel",
+    "chunk_gated_recurrence_triton",
+    "fused_recurrent_gated_recurrence",
+]

@@ -1,12 +1,13 @@
 import os
 
-# Triton runs here only as an interpreter; it must be told so before it is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 try:
     import torch
+
+    # Without a GPU, Triton runs only as an interpreter; it must be told so before it is imported.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     # One thread: most tests are per-token loops of small ops, where a second thread only adds overhead.
     torch.set_num_threads(1)

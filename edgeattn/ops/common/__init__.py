@@ -131,7 +131,11 @@ def gated_linear_attention(
     elif resolve_backend(q.device.type, backend) == "triton":
         from edgeattn.kernels import chunk_gated_recurrence_triton
 
-        o, S = chunk_gated_recurrence_triton(qf, kf, vf, gate, initial_state=S0, chunk_size=chunk_size)
+        # The kernels take bf16/fp16 as they are (float32 accumulation): no float32 copies.
+        low = q.dtype in (torch.bfloat16, torch.float16)
+        args = (q, k, vf.to(q.dtype)) if low else (qf, kf, vf)
+        o, S = chunk_gated_recurrence_triton(*args, gate, initial_state=S0, chunk_size=chunk_size)
+        o = o.to(acc)
     else:
         o, S = chunk_gated_recurrence(qf, kf, vf, gate, initial_state=S0, chunk_size=chunk_size)
     if normalize:

@@ -46,11 +46,9 @@ def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
     out = {"prefill": [], "step": []}
     sess.reset()
     for c in range(n_full):
-        out["prefill"].append(sess._run("prefill", ids[:, c * C : (c + 1) * C]))
-        sess.position += C
+        out["prefill"].append(sess.run_graph("prefill", ids[:, c * C : (c + 1) * C]))
     for t in range(n_full * C, ids.shape[1]):
-        out["step"].append(sess._run("step", ids[:, t : t + 1]))
-        sess.position += 1
+        out["step"].append(sess.run_graph("step", ids[:, t : t + 1]))
     return {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
 
 

@@ -3,6 +3,7 @@
     sess = open_session(artifact_dir, backend="onnxruntime")
     logits = sess.prefill(ids)     # [B, T] -> [B, vocab], logits of the last token
     logits = sess.step(ids)        # [B, 1] -> [B, vocab]
+    logits = sess.run_graph("prefill", ids)   # one graph call, logits of every position [B, T, vocab]
     sess.reset(); state = sess.get_state(); sess.set_state(state)
     sess.save_state(path); sess.load_state(path)
     text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
@@ -66,6 +67,22 @@ class Session(ABC):
             )
         return ids.astype(np.int64, copy=False)
 
+    def run_graph(self, graph: str, ids) -> np.ndarray:
+        """Run one graph ("step": [B, 1], "prefill": [B, C]) and return the logits of every position, [B, T, V]."""
+        if graph not in ("step", "prefill"):
+            raise ValueError(f"graph must be 'step' or 'prefill', got {graph!r}")
+        ids = self._check_ids(ids)
+        tokens = 1 if graph == "step" else self.manifest.prefill_tokens
+        if ids.shape[1] != tokens:
+            raise ValueError(f"the {graph} graph takes ids of shape [B, {tokens}], got {list(ids.shape)}")
+        return self._advance(graph, ids)
+
+    def _advance(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        """Run a graph on checked ids and count the tokens."""
+        logits = self._run(graph, ids)
+        self.position += ids.shape[1]
+        return logits
+
     def prefill(self, ids) -> np.ndarray:
         """Consume ids [B, T]: full chunks through the prefill graph, the rest one step at a time."""
         ids = self._check_ids(ids)
@@ -76,20 +93,16 @@ class Session(ABC):
         logits = None
         n_full = T // C
         for c in range(n_full):
-            logits = self._run("prefill", ids[:, c * C : (c + 1) * C])
-            self.position += C
+            logits = self._advance("prefill", ids[:, c * C : (c + 1) * C])
         for t in range(n_full * C, T):
-            logits = self._run("step", ids[:, t : t + 1])
-            self.position += 1
+            logits = self._advance("step", ids[:, t : t + 1])
         return logits[:, -1]
 
     def step(self, ids) -> np.ndarray:
         ids = self._check_ids(ids)
         if ids.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, ids of shape [B, 1]; got {ids.shape}")
-        logits = self._run("step", ids)
-        self.position += 1
-        return logits[:, -1]
+        return self._advance("step", ids)[:, -1]
 
     def reset(self) -> None:
         self._reset_state()

@@ -1,0 +1,75 @@
+"""Sampling from logits (temperature, top-k, top-p) and stateful generation with the PyTorch model.
+
+    gen = torch.Generator().manual_seed(0)
+    next_ids = sample_next(logits[:, -1], temperature=0.8, top_k=50, top_p=0.95, generator=gen)  # [B]
+    for token in generate(model, prompt_ids, max_new_tokens=200, seed=0): ...
+
+``generate`` prefills the prompt in one call, then feeds one token at a time with the recurrent state:
+memory per generated token is constant for the linear-attention mixers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from edgeattn._deps import require
+
+torch = require("torch")
+
+
+def sample_next(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
+    """logits [B, V] -> next ids [B] (int64). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every token. Top-k applies first, then top-p keeps the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (always at least one)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens before it already reach top_p (so the first one always stays).
+        drop = (cum - sorted_logits.softmax(-1)) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> Iterator[int]:
+    """Yield ``max_new_tokens`` ids after ``prompt_ids`` (a non-empty list of ints), one at a time."""
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt must hold at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0 if seed is None else seed)
+    model.eval()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=device)
+    logits, state = model(ids)  # prefill: the whole prompt in one call
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+        yield int(nxt.item())
+        logits, state = model(nxt.view(1, 1), state=state)

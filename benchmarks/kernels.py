@@ -17,6 +17,13 @@ fwd = B H T (2 C (K + V) + 4 K V), bwd = 2 fwd; for SDPA fwd = 2 B H T^2 (K + V)
 2.5 fwd. Bytes are the compulsory traffic: q, k, v, g read and o written forward; q, k, v, g, do read
 and dq, dk, dv, dg written backward.
 
+Then AFT (decay, no window bias; q, k, v [B, T, D] with D = H * K) and FLASH mixed-chunk attention
+(q_*, k_* [B, T, S], v [B, T, E], chunk C; S = 128, E = 1024, C = 64 by default, see ``--flash-*``),
+bfloat16, forward + backward, the Triton kernels (``edgeattn.ops.aft.aft`` / ``mixed_chunk_attention`` with
+backend="triton") against the same ops' PyTorch chunk forms (backend="torch"), each checked first at a
+small size against the PyTorch form. Rows in the table with impl ``aft-triton``, ``aft-torch``,
+``flash-triton``, ``flash-torch`` (no FLOP or byte model: times only).
+
 Why: the kernels exist to make training fast. This shows where they stand against the PyTorch form
 they replace on CUDA, against the reference implementation (fla), and against softmax attention,
 and whether they are bound by compute or by memory. Before timing, each implementation's output at
@@ -142,6 +149,77 @@ def time_fwd_bwd(fn, q, k, v, g) -> float:
     return do_bench(step, warmup=5, rep=50, grad_to_none=leaves, return_mode="median")
 
 
+def other_ops(B: int, D: int, S: int, E: int, C: int):
+    """name -> (make_inputs(T, seed), fn(*inputs) -> output) for the AFT and FLASH rows."""
+    from edgeattn.ops.aft import aft
+    from edgeattn.ops.flash import mixed_chunk_attention
+
+    def aft_inputs(T, seed=0, B=B, D=D):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(B, T, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+        decay = -torch.rand(D, generator=gen, device="cuda") * 0.1
+        return q, k, v, decay
+
+    def flash_inputs(T, seed=0, B=B, S=S, E=E):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        xs = [torch.randn(B, T, S, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)]
+        v = torch.randn(B, T, E, generator=gen, device="cuda").to(torch.bfloat16)
+        return (*xs, v, torch.randn(C, generator=gen, device="cuda") * 0.1)
+
+    def aft_fn(backend):
+        return lambda q, k, v, d: aft(q, k, v, decay=d, mode="chunk", backend=backend)[0]
+
+    def flash_fn(backend):
+        def fn(qq, kq, ql, kl, v, b):
+            return mixed_chunk_attention(
+                qq, kq, ql, kl, v, chunk_size=C, quad_scale=S**-0.5, rel_bias=b, mode="chunk", backend=backend
+            )[0]
+
+        return fn
+
+    return {
+        "aft": (aft_inputs, {"aft-triton": aft_fn("triton"), "aft-torch": aft_fn("torch")}),
+        "flash": (flash_inputs, {"flash-triton": flash_fn("triton"), "flash-torch": flash_fn("torch")}),
+    }
+
+
+def time_fwd_bwd_any(fn, inputs) -> float:
+    """Forward + backward of fn over ``inputs`` (every floating tensor a leaf)."""
+    from triton.testing import do_bench
+
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    do = torch.randn_like(fn(*leaves))
+
+    def step():
+        fn(*leaves).backward(do)
+
+    return do_bench(step, warmup=5, rep=50, grad_to_none=leaves, return_mode="median")
+
+
+def other_rows(args, lengths) -> tuple[list[dict], dict[str, float]]:
+    """The AFT and FLASH rows and their check against the PyTorch chunk forms."""
+    B, D = args.batch, args.heads * args.head_dim
+    S, E, C = args.flash_qk_dim, args.flash_value_dim, args.flash_chunk
+    rows, checks = [], {}
+    for op, (make, fns) in other_ops(B, D, S, E, C).items():
+        small = make(300, seed=1, B=1)
+        ref = fns[f"{op}-torch"](*small).float()
+        out = fns[f"{op}-triton"](*small).float()
+        checks[op] = ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+        for T in lengths:
+            inputs = make(T)
+            for impl, fn in fns.items():
+                row = {"impl": impl, "gate": "-", "T": T}
+                try:
+                    row["ms"] = time_fwd_bwd_any(fn, inputs)
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                rows.append(row)
+                torch.cuda.empty_cache()
+            del inputs
+    return rows, checks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192")
@@ -151,6 +229,10 @@ def main() -> int:
     ap.add_argument("--gates", default="key,head")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--peak-gbs", type=float, default=None)
+    ap.add_argument("--flash-qk-dim", type=int, default=128, help="FLASH rows: S of q_*, k_*")
+    ap.add_argument("--flash-value-dim", type=int, default=1024, help="FLASH rows: E of v")
+    ap.add_argument("--flash-chunk", type=int, default=64, help="FLASH rows: chunk_size")
+    ap.add_argument("--skip-aft-flash", action="store_true", help="only the gated recurrence rows")
     args = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -206,19 +288,32 @@ def main() -> int:
             del q, k, v, g
             torch.cuda.empty_cache()
 
-    print(f"{'impl':<8}{'gate':<6}{'T':>6}{'ms':>10}{'TFLOP/s':>10}{'%peak':>7}{'GB/s':>9}{'%peak':>7}")
+    other_checks = {}
+    if not args.skip_aft_flash:
+        other, other_checks = other_rows(args, lengths)
+        rows += other
+
+    print(f"{'impl':<13}{'gate':<6}{'T':>6}{'ms':>10}{'TFLOP/s':>10}{'%peak':>7}{'GB/s':>9}{'%peak':>7}")
     for r in rows:
-        head = f"{r['impl']:<8}{r['gate']:<6}{r['T']:>6}"
+        head = f"{r['impl']:<13}{r['gate']:<6}{r['T']:>6}"
         if "error" in r:
             print(head + f"  {r['error']}")
             continue
         pt = f"{r['tflops_pct_peak']:>6.1f}%" if "tflops_pct_peak" in r else f"{'-':>7}"
         pg = f"{r['gbs_pct_peak']:>6.1f}%" if "gbs_pct_peak" in r else f"{'-':>7}"
+        if "tflops" not in r:  # AFT / FLASH rows: times only
+            print(head + f"{r['ms']:>10.2f}")
+            continue
         print(head + f"{r['ms']:>10.2f}{r['tflops']:>10.1f}{pt}{r['gbs']:>9.0f}{pg}")
     for gate, errs in checks.items():
         print(
             f"check ({gate} gate, B=1 T=512 H=2 K=V=64), relative RMS error vs the PyTorch chunk form: "
             + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+        )
+    for op, e in other_checks.items():
+        print(
+            f"check ({op}, B=1 T=300), relative RMS error of the Triton kernels vs the PyTorch chunk form: "
+            f"{e:.1e}"
         )
     for n in notes:
         print("note:", n)
@@ -228,7 +323,13 @@ def main() -> int:
         "peak_tflops": peak_tf,
         "peak_gbs": peak_gb,
         "results": rows,
-        "check_rel_rms_vs_torch": checks,
+        "check_rel_rms_vs_torch": {**checks, **other_checks},
+        "aft_flash_shape": {
+            "D": H * K,
+            "S": args.flash_qk_dim,
+            "E": args.flash_value_dim,
+            "C": args.flash_chunk,
+        },
         "notes": notes,
     }
     print(json.dumps(result))

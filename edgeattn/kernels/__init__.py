@@ -6,11 +6,20 @@ has the contract of ``edgeattn.ops.common.chunk.chunk_gated_recurrence`` (q, k [
 v [B, T, H, V], g None or [B, T, H, 1 or K] log-gates, initial_state None or [B, H, K, V]; returns the
 unscaled output in q's dtype and the float32 final state) and is differentiable in every input.
 It runs the fused recurrent kernel for T <= 64 on CUDA and the chunk kernels otherwise. Both are
-also public, for tests and benchmarks. Without a GPU they run under ``TRITON_INTERPRET=1`` (slowly).
+also public, for tests and benchmarks.
+
+    aft_triton(q, k, v, decay, window_bias=None) -> o     AFT with a decay (and window bias), zero state
+    mixed_chunk_attention_triton(q_quad, k_quad, q_lin, k_lin, v, *, chunk_size, quad_scale, lin_scale,
+                                 rel_bias) -> o           FLASH mixed-chunk attention, no initial state
+
+back ``edgeattn.ops.aft.aft`` and ``edgeattn.ops.flash.mixed_chunk_attention`` (mode="chunk") in those
+cases (``aft.py``, ``flash.py``). Without a GPU they run under ``TRITON_INTERPRET=1`` (slowly).
 """
 
 from __future__ import annotations
 
+from edgeattn.kernels.aft import aft_triton
+from edgeattn.kernels.flash import mixed_chunk_attention_triton
 from edgeattn.kernels.fused_recurrent import fused_recurrent_gated_recurrence
 from edgeattn.kernels.gated_chunk import chunk_gated_recurrence_kernel
 
@@ -26,7 +35,9 @@ def chunk_gated_recurrence_triton(q, k, v, g, *, initial_state, chunk_size: int 
 
 __all__ = [
     "FUSED_MAX_T",
+    "aft_triton",
     "chunk_gated_recurrence_kernel",
     "chunk_gated_recurrence_triton",
     "fused_recurrent_gated_recurrence",
+    "mixed_chunk_attention_triton",
 ]

@@ -14,6 +14,7 @@ from edgeattn._deps import require
 from edgeattn.ops.aft.chunk import chunk_aft, parallel_aft, parallel_aft_full
 from edgeattn.ops.aft.naive import naive_aft, naive_aft_full
 from edgeattn.ops.aft.step import aft_step
+from edgeattn.ops.backend import resolve_backend
 from edgeattn.ops.utils import MODES, check_chunk_size, check_dims, check_log_gate, check_mode, check_rank
 
 torch = require("torch")
@@ -75,6 +76,7 @@ def aft(
     output_final_state: bool = False,
     mode: str = "chunk",
     chunk_size: int = 64,
+    backend: str | None = None,
 ):
     """AFT over ``q, k, v: [B, T, D]``, channel by channel.
 
@@ -88,7 +90,9 @@ def aft(
     (oldest first) and ``position`` ``[B]`` (filled slots, min(tokens seen, W)). All zeros starts a
     sequence. States are float32 (float64 for float64 inputs).
 
-    Returns ``(o [B, T, D] in q's dtype, final_state or None)``.
+    Returns ``(o [B, T, D] in q's dtype, final_state or None)``. ``backend`` ("auto", "torch",
+    "triton") picks the chunk implementation (``edgeattn.ops.backend``); the Triton kernels cover
+    a zero initial state, no final state and float32/bfloat16/float16 inputs.
     """
     check_mode(mode, MODES)
     _check_qkv(q, k, v)
@@ -133,9 +137,32 @@ def aft(
         o = torch.stack(outs, dim=1)
     elif mode == "parallel":
         o, state = parallel_aft(qf, kf, vf, decay, wb, state)
+    elif _use_kernel(q, initial_state, output_final_state, backend):
+        from edgeattn.kernels import aft_triton
+
+        return aft_triton(q, k.to(q.dtype), v.to(q.dtype), decay.float(), window_bias=wb if W else None), None
     else:
         o, state = chunk_aft(qf, kf, vf, decay, wb, state, chunk_size=chunk_size)
     return o.to(out_dtype), (state if output_final_state else None)
+
+
+def _use_kernel(q, initial_state, output_final_state, backend) -> bool:
+    """Whether mode="chunk" runs the Triton kernel; an explicit backend="triton" for a case it does not
+    cover is an error rather than a silent torch run."""
+    if resolve_backend(q.device.type, backend) != "triton":
+        return False
+    uncovered = [
+        name
+        for name, bad in (
+            ("an initial state", initial_state is not None),
+            ("output_final_state=True", output_final_state),
+            (f"{q.dtype} inputs", q.dtype not in (torch.float32, torch.bfloat16, torch.float16)),
+        )
+        if bad
+    ]
+    if uncovered and backend == "triton":
+        raise ValueError(f"the Triton AFT kernel does not cover {', '.join(uncovered)}; use backend='torch'")
+    return not uncovered
 
 
 def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mode: str = "parallel"):

@@ -19,7 +19,9 @@ torch = require("torch")
 
 def _windows(x, W: int, C: int, N: int):
     """x: [B, W + N*C, ...] -> [B, N, W + C, ...], window n = indices n*C .. n*C + W + C - 1."""
-    return torch.stack([x[:, n * C : n * C + W + C] for n in range(N)], dim=1)
+    # unfold, not a list of slices: each slice's backward would allocate a full-size gradient (quadratic in T).
+    u = x.unfold(1, W + C, C)  # [B, N, ..., W + C]
+    return u.permute(0, 1, u.dim() - 1, *range(2, u.dim() - 1))  # positive axes: ONNX Transpose needs them
 
 
 def _log_bias(decay, window_bias, C: int):
@@ -77,9 +79,10 @@ def chunk_aft(q, k, v, decay, window_bias, state, *, chunk_size):
     # The old part at the start of each chunk: a loop over chunks on [B, D] tensors.
     old = state[:4]
     starts = []
+    local = list(zip(*(t.unbind(1) for t in (num_loc, den_loc, mx_loc, age_loc))))  # per chunk, no slicing
     for n in range(N):
         starts.append(old)
-        old = merge(old, (num_loc[:, n], den_loc[:, n], mx_loc[:, n], age_loc[:, n]), decay, lens[n])
+        old = merge(old, local[n], decay, lens[n])
     num_s, den_s, mx_s, age_s = (torch.stack(s, 1).unsqueeze(2) for s in zip(*starts))  # [B, N, 1, D]
 
     # Token c of chunk n: its window row, and the old part c + 1 tokens after the chunk's start.

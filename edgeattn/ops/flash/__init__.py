@@ -11,6 +11,7 @@ Four forms (naive loop, recurrent loop of the exported step, chunkwise, fully pa
 from __future__ import annotations
 
 from edgeattn._deps import require
+from edgeattn.ops.backend import resolve_backend
 from edgeattn.ops.flash.chunk import chunk_mixed_attention, parallel_mixed_attention
 from edgeattn.ops.flash.naive import naive_mixed_chunk_attention
 from edgeattn.ops.flash.step import FlashState, mixed_chunk_step, zero_state
@@ -63,6 +64,7 @@ def mixed_chunk_attention(
     initial_state: FlashState | tuple | None = None,
     output_final_state: bool = False,
     mode: str = "chunk",
+    backend: str | None = None,
 ):
     """Mixed-chunk attention over ``q_*, k_*: [B, T, S]``, ``v: [B, T, E]``.
 
@@ -75,7 +77,9 @@ def mixed_chunk_attention(
     ``initial_state``, mid-chunk included.
 
     Returns ``(o [B, T, E] in q_quad's dtype, final FlashState or None)``. Computes in float32 (float64
-    for float64 inputs).
+    for float64 inputs). ``backend`` ("auto", "torch", "triton") picks the chunk implementation
+    (``edgeattn.ops.backend``); the Triton kernels cover no initial state, no final state, chunk_size
+    * S <= 64 * 128 and float32/bfloat16/float16 inputs.
     """
     check_mode(mode, ("naive", "parallel", "chunk", "recurrent"))
     check_rank("q_quad", q_quad, 3, "[B, T, S]")
@@ -115,9 +119,44 @@ def mixed_chunk_attention(
         o = torch.stack(outs, dim=1) if outs else xs[-1].new_zeros(B, 0, E)
     elif mode == "parallel":
         o, final = parallel_mixed_attention(*xs, rel_bias=bias, initial_state=state, **kw)
+    elif _use_kernel(q_quad, C, initial_state, output_final_state, backend):
+        from edgeattn.kernels import mixed_chunk_attention_triton
+
+        ins = tuple(x.to(q_quad.dtype) for x in (q_quad, k_quad, q_lin, k_lin, v))
+        o = mixed_chunk_attention_triton(*ins, rel_bias=bias, **kw)
+        return o, None
     else:
         o, final = chunk_mixed_attention(*xs, rel_bias=bias, initial_state=state, **kw)
     return o.to(out_dtype), (final if output_final_state else None)
+
+
+def _kernel_covers(C: int, S: int) -> bool:
+    from edgeattn.kernels.flash import covers
+
+    return covers(C, S)
+
+
+def _use_kernel(q, C, initial_state, output_final_state, backend) -> bool:
+    """Whether mode="chunk" runs the Triton kernels; an explicit backend="triton" for a case they do not
+    cover is an error rather than a silent torch run."""
+    if resolve_backend(q.device.type, backend) != "triton":
+        return False
+    uncovered = [
+        name
+        for name, bad in (
+            ("an initial state", initial_state is not None),
+            ("output_final_state=True", output_final_state),
+            (f"{q.dtype} inputs", q.dtype not in (torch.float32, torch.bfloat16, torch.float16)),
+            (
+                f"chunk_size = {C} with S = {q.shape[-1]} (tiles too large)",
+                not _kernel_covers(C, q.shape[-1]),
+            ),
+        )
+        if bad
+    ]
+    if uncovered and backend == "triton":
+        raise ValueError(f"the Triton FLASH kernels do not cover {', '.join(uncovered)}; use backend='torch'")
+    return not uncovered
 
 
 def _or_zeros(state, B, S, E, C, xs) -> FlashState:

@@ -58,7 +58,8 @@ def softmax_baseline(artifact: Path, root: Path, max_len: int) -> Path:
 def run(art: Path, threads: int, marks: list[int]) -> dict:
     res = subprocess.run(
         [sys.executable, "-c", WORKER, str(art), str(threads), ",".join(map(str, marks))],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if res.returncode:
         raise SystemExit(f"worker failed on {art}: {res.stderr.strip().splitlines()[-1]}")
@@ -74,13 +75,19 @@ def main() -> None:
     marks = [int(m) for m in args.marks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         base = softmax_baseline(args.artifact, Path(tmp), max(marks) + 64)
-        results = {"artifact": run(args.artifact, args.threads, marks), "softmax": run(base, args.threads, marks)}
+        results = {
+            "artifact": run(args.artifact, args.threads, marks),
+            "softmax": run(base, args.threads, marks),
+        }
     name = args.artifact.name
     print(f"decode through ONNX Runtime, {args.threads} threads (each model in its own process)")
     print(f"{'model':<22}" + "".join(f"{f'ms/tok @{m}':>14}{f'RSS MiB @{m}':>15}" for m in marks))
     for key, label in (("artifact", name), ("softmax", "softmax baseline")):
         row = results[key]
-        print(f"{label:<22}" + "".join(f"{row[m]['ms_per_token']:>14.2f}{row[m]['rss_mib']:>15.1f}" for m in marks))
+        print(
+            f"{label:<22}"
+            + "".join(f"{row[m]['ms_per_token']:>14.2f}{row[m]['rss_mib']:>15.1f}" for m in marks)
+        )
     lo, hi = min(marks), max(marks)
     summary = {
         key: {

@@ -114,7 +114,9 @@ print(json.dumps(out))
 def memory_growth(art: Path, threads: int, marks: list[int]) -> dict[int, int]:
     res = subprocess.run(
         [sys.executable, "-c", MEMORY_WORKER, str(art), str(threads), ",".join(map(str, marks))],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
@@ -167,12 +169,17 @@ def main() -> None:
         wbytes = weight_bytes(arts["gla_onnxruntime_fp32"])
         floor = wbytes / bandwidth
         marks = [512, args.long]
-        mem = {m: memory_growth(arts[a], args.threads, marks) for m, a in (("gla", "gla_onnxruntime_fp32"), ("softmax", "softmax_onnxruntime_fp32"))}
+        mem = {
+            m: memory_growth(arts[a], args.threads, marks)
+            for m, a in (("gla", "gla_onnxruntime_fp32"), ("softmax", "softmax_onnxruntime_fp32"))
+        }
         bpb = int8_bpb(args.trained, root) if args.trained else None
 
     per_token = {m: (mem[m][marks[1]] - mem[m][marks[0]]) / (marks[1] - marks[0]) for m in mem}
     kv_bytes_per_token = 2 * 8 * 512 * 4  # softmax: key + value, 8 layers, d_model 512, float32
-    print(f"GLA d_model 512, 8 layers, 8 heads; {args.threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"GLA d_model 512, 8 layers, 8 heads; {args.threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
     print(f"weights read per token {wbytes / 2**20:.1f} MiB -> memory floor {floor * 1e3:.2f} ms/token")
     print(f"{'decode (ms/token)':<28}{'ms':>8}{'x floor':>9}")
     for k, v in dec.items():
@@ -182,7 +189,9 @@ def main() -> None:
         print(f"  {k:<26}{v:>8.0f}")
     print(f"{'resident memory':<28}{'@512 MiB':>10}{'@' + str(args.long) + ' MiB':>12}{'bytes/token':>13}")
     for m in mem:
-        print(f"  {m:<26}{mem[m][marks[0]] / 2**20:>10.1f}{mem[m][marks[1]] / 2**20:>12.1f}{per_token[m]:>13.0f}")
+        print(
+            f"  {m:<26}{mem[m][marks[0]] / 2**20:>10.1f}{mem[m][marks[1]] / 2**20:>12.1f}{per_token[m]:>13.0f}"
+        )
     if bpb:
         print(f"bits per byte (trained checkpoint): fp32 {bpb['fp32']:.4f}, int8 {bpb['int8']:.4f}")
     result = {

@@ -106,7 +106,7 @@ def main() -> None:
             if T <= NAIVE_MAX_T and fam != "softmax":
                 configs.append((fam, T, "naive", fn))
     times: dict[tuple, list[float]] = {}
-    for fam, T, mode, fn in configs:  # warm-up
+    for _fam, _T, mode, fn in configs:  # warm-up
         time_once(fn, mode)
     for _ in range(args.repeats):  # interleaved repeats
         for fam, T, mode, fn in configs:
@@ -114,7 +114,9 @@ def main() -> None:
     med = {key: statistics.median(v) for key, v in times.items()}
 
     print(f"forward+backward, B={B}, H={H}, K=V={K}, {args.threads} threads, median of {args.repeats}")
-    print(f"{'family':<9}{'T':>7}{'chunk ms':>11}{'naive ms':>11}{'speedup':>9}{'softmax ms':>12}{'vs softmax':>12}")
+    print(
+        f"{'family':<9}{'T':>7}{'chunk ms':>11}{'naive ms':>11}{'speedup':>9}{'softmax ms':>12}{'vs softmax':>12}"
+    )
     for fam in families:
         if fam in missing:
             print(f"{fam:<9}  (not available)")
@@ -132,7 +134,10 @@ def main() -> None:
     for fam in families:
         if fam in missing:
             continue
-        result[fam] = {str(T): {m: med.get((fam, T, m)) for m in ("chunk", "naive") if (fam, T, m) in med} for T in lengths}
+        result[fam] = {
+            str(T): {m: med.get((fam, T, m)) for m in ("chunk", "naive") if (fam, T, m) in med}
+            for T in lengths
+        }
     if 2048 in lengths and ("gla", 2048, "naive") in med:
         result["gla_chunk_speedup_vs_naive_T2048"] = med[("gla", 2048, "naive")] / med[("gla", 2048, "chunk")]
     lo, hi = min(lengths), max(lengths)

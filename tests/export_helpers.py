@@ -18,8 +18,17 @@ def tiny_config(mixer: str, **kw):
 
     n_layers = len(mixer.split(",")) if "," in mixer else 2
     base = dict(
-        d_model=32, n_layers=n_layers, n_heads=2, mixer=mixer, chunk_size=16, feature_dim=16, window=8,
-        n_sinks=2, flash_chunk=8, flash_qk_dim=16, max_seq_len=512,
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=2,
+        mixer=mixer,
+        chunk_size=16,
+        feature_dim=16,
+        window=8,
+        n_sinks=2,
+        flash_chunk=8,
+        flash_qk_dim=16,
+        max_seq_len=512,
     )
     base.update(kw)
     return EdgeConfig(**base)

@@ -58,7 +58,10 @@ def test_export_run_check_happy_path(artifact, tmp_path):
 
 def test_check_portable_reports_tensorrt_compatibility(ckpt, tmp_path):
     out = tmp_path / "p"
-    assert invoke("export", ckpt, "--out", out, "--target", "portable", "--prefill-chunk", PREFILL).exit_code == 0
+    assert (
+        invoke("export", ckpt, "--out", out, "--target", "portable", "--prefill-chunk", PREFILL).exit_code
+        == 0
+    )
     res = invoke("check", out, "--tokens", 50)
     assert res.exit_code == 0 and "TensorRT 10 compatibility" in res.output
 
@@ -72,7 +75,9 @@ def test_check_exits_non_zero_on_a_mismatch(ckpt, tmp_path):
     data = json.loads((out / "edgeattn.json").read_text())
     from edgeattn.export.manifest import sha256_file
 
-    data["files"]["checkpoint/model.safetensors"]["sha256"] = sha256_file(out / "checkpoint" / "model.safetensors")
+    data["files"]["checkpoint/model.safetensors"]["sha256"] = sha256_file(
+        out / "checkpoint" / "model.safetensors"
+    )
     (out / "edgeattn.json").write_text(json.dumps(data))
     res = invoke("check", out, "--tokens", 40)
     assert res.exit_code == 1 and "MISMATCH" in res.output

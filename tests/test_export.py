@@ -119,7 +119,9 @@ def test_reduced_precision_keeps_state_float32_and_stays_close(ckpts, tmp_path, 
     for g in ("step", "prefill"):
         graph = onnx.load(str(m.graph_path(g))).graph
         io = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
-        assert all(io[e.input] == onnx.TensorProto.FLOAT and io[e.output] == onnx.TensorProto.FLOAT for e in m.state)
+        assert all(
+            io[e.input] == onnx.TensorProto.FLOAT and io[e.output] == onnx.TensorProto.FLOAT for e in m.state
+        )
     if precision == "int8":
         ops = {n.op_type for n in onnx.load(str(m.graph_path("step"))).graph.node}
         assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops

@@ -13,8 +13,12 @@ from edgeattn.cli._common import cli_errors
 @cli_errors
 def check(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory written by `edgeattn export`.")],
-    tokens: Annotated[int, typer.Option(min=2, help="Tokens to compare (prefill chunks, then single steps).")] = 300,
-    tolerance: Annotated[float | None, typer.Option(help="Max relative logit difference (default by precision).")] = None,
+    tokens: Annotated[
+        int, typer.Option(min=2, help="Tokens to compare (prefill chunks, then single steps).")
+    ] = 300,
+    tolerance: Annotated[
+        float | None, typer.Option(help="Max relative logit difference (default by precision).")
+    ] = None,
     text: Annotated[Path | None, typer.Option(help="Text file to feed (default: Python's os.py).")] = None,
     threads: Annotated[int | None, typer.Option()] = None,
 ) -> None:

@@ -26,12 +26,18 @@ class Precision(str, Enum):
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory written by `edgeattn train`.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
-    target: Annotated[Target, typer.Option(help="onnxruntime: fused contrib op; portable: standard ops for TensorRT.")] = Target.onnxruntime,
-    precision: Annotated[Precision, typer.Option(help="Weights and activations; the state stays float32.")] = Precision.fp32,
+    target: Annotated[
+        Target, typer.Option(help="onnxruntime: fused contrib op; portable: standard ops for TensorRT.")
+    ] = Target.onnxruntime,
+    precision: Annotated[
+        Precision, typer.Option(help="Weights and activations; the state stays float32.")
+    ] = Precision.fp32,
     batch: Annotated[int, typer.Option(help="Static batch size of the graphs.")] = 1,
     prefill_chunk: Annotated[int, typer.Option(help="Tokens per call of prefill.onnx.")] = 64,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
-    cpp_example: Annotated[bool, typer.Option("--cpp-example", help="Print the commands that build the C++ example against OUT.")] = False,
+    cpp_example: Annotated[
+        bool, typer.Option("--cpp-example", help="Print the commands that build the C++ example against OUT.")
+    ] = False,
 ) -> None:
     """Export a checkpoint as ONNX step and prefill graphs with explicit state, plus edgeattn.json."""
     from edgeattn.export.exporter import export_model
@@ -39,11 +45,18 @@ def export(
     if not checkpoint.exists():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
     path = export_model(
-        checkpoint, out, target=target.value, precision=precision.value, batch_size=batch,
-        prefill_chunk=prefill_chunk, force=force,
+        checkpoint,
+        out,
+        target=target.value,
+        precision=precision.value,
+        batch_size=batch,
+        prefill_chunk=prefill_chunk,
+        force=force,
     )
     size = sum(p.stat().st_size for p in path.rglob("*.onnx"))
-    typer.echo(f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)")
+    typer.echo(
+        f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"
+    )
     if cpp_example:
         import shlex
 
@@ -55,7 +68,9 @@ def export(
             f"  cd {repo} && bash scripts/fetch_onnxruntime_headers.sh && "
             "cmake -S edgeattn/runtimes/cpp -B build/cpp && cmake --build build/cpp -j2"
         )
-        typer.echo(f"  build/cpp/generate {shlex.quote(str(path.resolve()))} --prompt 'def ' -n 200 --threads 1")
+        typer.echo(
+            f"  build/cpp/generate {shlex.quote(str(path.resolve()))} --prompt 'def ' -n 200 --threads 1"
+        )
 
 
 def register(app: typer.Typer) -> None:

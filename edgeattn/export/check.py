@@ -52,8 +52,13 @@ def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
 
 
-def check_artifact(artifact, tokens: int = 300, tolerance: float | None = None, text: bytes | None = None,
-                   threads: int | None = None) -> CheckReport:
+def check_artifact(
+    artifact,
+    tokens: int = 300,
+    tolerance: float | None = None,
+    text: bytes | None = None,
+    threads: int | None = None,
+) -> CheckReport:
     import onnx
 
     from edgeattn.export.compat import tensorrt_report
@@ -76,7 +81,12 @@ def check_artifact(artifact, tokens: int = 300, tolerance: float | None = None, 
         a, b = got[g], want[g]
         diff = float(np.abs(a - b).max()) if a.size else 0.0
         scale = float(np.abs(b).max()) if b.size else 1.0
-        report.graphs[g] = {"tokens": a.shape[1], "max_abs": diff, "rel": diff / max(scale, 1e-12), "ops": dict(ops)}
+        report.graphs[g] = {
+            "tokens": a.shape[1],
+            "max_abs": diff,
+            "rel": diff / max(scale, 1e-12),
+            "ops": dict(ops),
+        }
     full_got = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
     full_want = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)[0]
     report.bpb = {"torch": bits_per_byte(full_want, targets), "artifact": bits_per_byte(full_got, targets)}

@@ -119,7 +119,9 @@ class Manifest:
             if not p.is_file():
                 raise ValueError(f"{p} is missing from the artifact")
             if sha256_file(p) != info["sha256"]:
-                raise ValueError(f"{p} does not match its sha256 in {MANIFEST}: the file is corrupt or was edited")
+                raise ValueError(
+                    f"{p} does not match its sha256 in {MANIFEST}: the file is corrupt or was edited"
+                )
 
 
 def write_manifest(root: Path, data: dict) -> None:

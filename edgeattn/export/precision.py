@@ -14,7 +14,18 @@ import os
 import tempfile
 from pathlib import Path
 
-FP32_OPS = ["Exp", "CumSum", "Softplus", "Log", "LinearAttention", "Softmax", "ReduceMean", "Pow", "Sqrt", "Div"]
+FP32_OPS = [
+    "Exp",
+    "CumSum",
+    "Softplus",
+    "Log",
+    "LinearAttention",
+    "Softmax",
+    "ReduceMean",
+    "Pow",
+    "Sqrt",
+    "Div",
+]
 
 
 def _state_nodes(model, entries) -> list[str]:
@@ -38,14 +49,19 @@ def convert_precision(path: Path, precision: str, entries: list[dict]) -> None:
             from onnxruntime.transformers.float16 import convert_float_to_float16
 
             converted = convert_float_to_float16(
-                model, keep_io_types=True, op_block_list=FP32_OPS, node_block_list=_state_nodes(model, entries)
+                model,
+                keep_io_types=True,
+                op_block_list=FP32_OPS,
+                node_block_list=_state_nodes(model, entries),
             )
             onnx.save(converted, tmp)
         elif precision == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             weights = {i.name for i in model.graph.initializer}
-            matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights]
+            matmuls = [
+                n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights
+            ]
             src = tmp + ".src.onnx"
             onnx.save(model, src)
             root = logging.getLogger()

@@ -115,8 +115,11 @@ class GatedRecurrenceMixer(Mixer):
         o, S = fused_linear_attention(q, k, v, g, state["recurrent_state"], scale=scale)
         if not self.normalize:
             return o, S, None
-        den, z = fused_linear_attention(q, k, v.new_ones(B, T, H, 1), g, state["normalizer"].unsqueeze(-1), scale=1.0)
+        den, z = fused_linear_attention(
+            q, k, v.new_ones(B, T, H, 1), g, state["normalizer"].unsqueeze(-1), scale=1.0
+        )
         return o / (den + 1e-6), S, z.squeeze(-1)
+
 
 @register_mixer("linear")
 class LinearAttention(GatedRecurrenceMixer):

@@ -1,12 +1,12 @@
 """One Session API over every backend (Polygraphy-style): the backends only run graphs and hold state.
 
-    sess = open_session(artifact_dir, backend="onnxruntime")
-    logits = sess.prefill(ids)     # [B, T] -> [B, vocab], logits of the last token
-    logits = sess.step(ids)        # [B, 1] -> [B, vocab]
-    logits = sess.run_graph("prefill", ids)   # one graph call, logits of every position [B, T, vocab]
-    sess.reset(); state = sess.get_state(); sess.set_state(state)
-    sess.save_state(path); sess.load_state(path)
-    text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
+sess = open_session(artifact_dir, backend="onnxruntime")
+logits = sess.prefill(ids)     # [B, T] -> [B, vocab], logits of the last token
+logits = sess.step(ids)        # [B, 1] -> [B, vocab]
+logits = sess.run_graph("prefill", ids)   # one graph call, logits of every position [B, T, vocab]
+sess.reset(); state = sess.get_state(); sess.set_state(state)
+sess.save_state(path); sess.load_state(path)
+text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class Session(ABC):
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token ids must be an integer array of shape [B, T], got {ids.dtype} {ids.shape}")
+            raise ValueError(
+                f"token ids must be an integer array of shape [B, T], got {ids.dtype} {ids.shape}"
+            )
         B = self.manifest.batch_size
         if ids.shape[0] != B:
             raise ValueError(f"this artifact was exported for batch {B}, got ids of batch {ids.shape[0]}")
@@ -118,7 +120,9 @@ class Session(ABC):
             raise ValueError(f"state must hold exactly {sorted(expected)}; got {sorted(state)}")
         for name, e in expected.items():
             arr = np.asarray(state[name])
-            ok = arr.ndim == len(e.shape) and all(isinstance(d, str) or d == s for d, s in zip(e.shape, arr.shape))
+            ok = arr.ndim == len(e.shape) and all(
+                isinstance(d, str) or d == s for d, s in zip(e.shape, arr.shape)
+            )
             if not ok:
                 raise ValueError(f"state {name!r} must have shape {list(e.shape)}, got {list(arr.shape)}")
         self._set_state({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
@@ -135,7 +139,9 @@ class Session(ABC):
 
         tensors, meta = load_state(path)
         if meta.get("fingerprint") != self.manifest.fingerprint:
-            raise ValueError(f"{path} is a state of another model (its fingerprint differs from this artifact's)")
+            raise ValueError(
+                f"{path} is a state of another model (its fingerprint differs from this artifact's)"
+            )
         self.set_state(tensors, position=int(meta.get("position", 0)))
 
     def generate_ids(

@@ -111,11 +111,16 @@ class OnnxRuntimeSession(Session):
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         if self.dynamic:
-            self._state = [ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state]
+            self._state = [
+                ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state
+            ]
             return
         for e, v in zip(self.manifest.state, self._current()):
             v.update_inplace(state[e.input])
 
     def _reset_state(self) -> None:
-        zeros = {e.input: np.zeros([0 if isinstance(d, str) else d for d in e.shape], np.float32) for e in self.manifest.state}
+        zeros = {
+            e.input: np.zeros([0 if isinstance(d, str) else d for d in e.shape], np.float32)
+            for e in self.manifest.state
+        }
         self._set_state(zeros)

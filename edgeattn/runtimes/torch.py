@@ -19,7 +19,9 @@ class TorchSession(Session):
 
         ckpt = manifest.data.get("checkpoint")
         if not ckpt:
-            raise ValueError(f"{manifest.root} was exported without its checkpoint; the torch backend needs it")
+            raise ValueError(
+                f"{manifest.root} was exported without its checkpoint; the torch backend needs it"
+            )
         if threads:
             torch.set_num_threads(threads)
         self.device = device or "cpu"

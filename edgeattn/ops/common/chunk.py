@@ -48,8 +48,13 @@ def _keywise_scores(q, k, b, causal):
     if P > 1:
         r = bb[..., :-1, -1:, :]  # [..., P-1, 1, K]: references for row blocks 1..P-1
         q_off = qb[..., 1:, :, :] * (bb[..., 1:, :, :] - r).to(dt).exp()  # [..., P-1, c, K]
-        earlier = torch.arange(C, device=q.device).view(1, C) < torch.arange(1, P, device=q.device).view(P - 1, 1) * c
-        e = (r - b.unsqueeze(-3)).to(dt).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()  # [..., P-1, C, K]
+        earlier = (
+            torch.arange(C, device=q.device).view(1, C)
+            < torch.arange(1, P, device=q.device).view(P - 1, 1) * c
+        )
+        e = (
+            (r - b.unsqueeze(-3)).to(dt).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()
+        )  # [..., P-1, C, K]
         off = q_off @ (k.unsqueeze(-3) * e).transpose(-1, -2)  # [..., P-1, c, C]
         A = A + torch.cat([torch.zeros_like(off[..., :1, :, :]), off], dim=-3)
     return A.reshape(*lead, C, C)
@@ -75,7 +80,9 @@ def chunk_gated_recurrence(q, k, v, g, *, initial_state, chunk_size):
         q_in, k_out, chunk_decay = q, k, None
     else:
         # float64 sums in PyTorch; float32 in exported graphs (TensorRT has no float64).
-        b = split(pad_time(g, C)).to(torch.float32 if tracing() else torch.float64).cumsum(-2)  # [B, H, N, C, G]
+        b = (
+            split(pad_time(g, C)).to(torch.float32 if tracing() else torch.float64).cumsum(-2)
+        )  # [B, H, N, C, G]
         A = (_head_scores if b.shape[-1] == 1 else _keywise_scores)(q, k, b, causal)
         q_in = q * b.to(q.dtype).exp()  # reads the state left by the previous chunk
         k_out = k * (b[..., -1:, :] - b).to(q.dtype).exp()  # decays to the end of its chunk

@@ -46,7 +46,12 @@ class _LinearAttentionOp(torch.autograd.Function):
         if g is not None:
             gate = g.view(B, T, H, -1)  # [B, T, H, 1] or [B, T, H, K]
         o, S = chunk_gated_recurrence(
-            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), gate, initial_state=state, chunk_size=64
+            q.view(B, T, H, K),
+            k.view(B, T, H, K),
+            v.view(B, T, H, V),
+            gate,
+            initial_state=state,
+            chunk_size=64,
         )
         return (o * scale).reshape(B, T, H * V), S
 

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from edgeattn import __version__
+from edgeattn._atomic import replace_dir
 from edgeattn._deps import require
 from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
 
@@ -190,14 +191,7 @@ def export_model(
             "files": {f: {} for f in files},
         }
         write_manifest(tmp, manifest)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from edgeattn._atomic import replace_dir
 from edgeattn._deps import require
 from edgeattn.layers import build_mixer
 from edgeattn.models.config import EdgeConfig
@@ -141,14 +142,7 @@ class EdgeLM(nn.Module):
                 tensors.pop("lm_head.weight", None)
             save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / CONFIG).write_text(self.cfg.to_json())
-            if path.exists():
-                old = path.with_name(f".{path.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
+            replace_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

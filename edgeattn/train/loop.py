@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edgeattn._atomic import replace_dir
 from edgeattn._deps import require
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
@@ -157,14 +158,7 @@ def write_checkpoint(
         model.save(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
         torch.save(trainer_state, tmp / STATE)
         (tmp / STATE_JSON).write_text(json.dumps(summary, indent=2, sort_keys=True))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -36,3 +36,15 @@ def resolve_backend(device_type: str, backend: str | None = None) -> str:
                 "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported"
             )
     return choice
+
+
+def use_kernel(device_type: str, backend: str | None, uncovered: dict[str, bool], kernel: str) -> bool:
+    """Whether a chunk-form call runs its Triton ``kernel``. ``uncovered`` maps each case the kernel does
+    not handle ("an initial state", ...) to whether this call is in it. Such a call runs the PyTorch form,
+    except with an explicit backend="triton", where it is a ValueError rather than a silent torch run."""
+    if resolve_backend(device_type, backend) != "triton":
+        return False
+    missing = [name for name, bad in uncovered.items() if bad]
+    if missing and backend == "triton":
+        raise ValueError(f"the Triton {kernel} cannot take {', '.join(missing)}; use backend='torch'")
+    return not missing

@@ -14,7 +14,7 @@ from edgeattn._deps import require
 from edgeattn.ops.aft.chunk import chunk_aft, parallel_aft, parallel_aft_full
 from edgeattn.ops.aft.naive import naive_aft, naive_aft_full
 from edgeattn.ops.aft.step import aft_step
-from edgeattn.ops.backend import resolve_backend
+from edgeattn.ops.backend import use_kernel
 from edgeattn.ops.utils import MODES, check_chunk_size, check_dims, check_log_gate, check_mode, check_rank
 
 torch = require("torch")
@@ -147,22 +147,12 @@ def aft(
 
 
 def _use_kernel(q, initial_state, output_final_state, backend) -> bool:
-    """Whether mode="chunk" runs the Triton kernel; an explicit backend="triton" for a case it does not
-    cover is an error rather than a silent torch run."""
-    if resolve_backend(q.device.type, backend) != "triton":
-        return False
-    uncovered = [
-        name
-        for name, bad in (
-            ("an initial state", initial_state is not None),
-            ("output_final_state=True", output_final_state),
-            (f"{q.dtype} inputs", q.dtype not in (torch.float32, torch.bfloat16, torch.float16)),
-        )
-        if bad
-    ]
-    if uncovered and backend == "triton":
-        raise ValueError(f"the Triton AFT kernel does not cover {', '.join(uncovered)}; use backend='torch'")
-    return not uncovered
+    uncovered = {
+        "an initial state": initial_state is not None,
+        "output_final_state=True": output_final_state,
+        f"{q.dtype} inputs": q.dtype not in (torch.float32, torch.bfloat16, torch.float16),
+    }
+    return use_kernel(q.device.type, backend, uncovered, "AFT kernel")
 
 
 def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mode: str = "parallel"):

@@ -11,7 +11,7 @@ Four forms (naive loop, recurrent loop of the exported step, chunkwise, fully pa
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.backend import resolve_backend
+from edgeattn.ops.backend import resolve_backend, use_kernel
 from edgeattn.ops.flash.chunk import chunk_mixed_attention, parallel_mixed_attention
 from edgeattn.ops.flash.naive import naive_mixed_chunk_attention
 from edgeattn.ops.flash.step import FlashState, mixed_chunk_step, zero_state
@@ -130,33 +130,19 @@ def mixed_chunk_attention(
     return o.to(out_dtype), (final if output_final_state else None)
 
 
-def _kernel_covers(C: int, S: int) -> bool:
+def _use_kernel(q, C, initial_state, output_final_state, backend) -> bool:
+    if resolve_backend(q.device.type, backend) != "triton":
+        return False  # before the import below: edgeattn.kernels needs triton
     from edgeattn.kernels.flash import covers
 
-    return covers(C, S)
-
-
-def _use_kernel(q, C, initial_state, output_final_state, backend) -> bool:
-    """Whether mode="chunk" runs the Triton kernels; an explicit backend="triton" for a case they do not
-    cover is an error rather than a silent torch run."""
-    if resolve_backend(q.device.type, backend) != "triton":
-        return False
-    uncovered = [
-        name
-        for name, bad in (
-            ("an initial state", initial_state is not None),
-            ("output_final_state=True", output_final_state),
-            (f"{q.dtype} inputs", q.dtype not in (torch.float32, torch.bfloat16, torch.float16)),
-            (
-                f"chunk_size = {C} with S = {q.shape[-1]} (tiles too large)",
-                not _kernel_covers(C, q.shape[-1]),
-            ),
-        )
-        if bad
-    ]
-    if uncovered and backend == "triton":
-        raise ValueError(f"the Triton FLASH kernels do not cover {', '.join(uncovered)}; use backend='torch'")
-    return not uncovered
+    S = q.shape[-1]
+    uncovered = {
+        "an initial state": initial_state is not None,
+        "output_final_state=True": output_final_state,
+        f"{q.dtype} inputs": q.dtype not in (torch.float32, torch.bfloat16, torch.float16),
+        f"chunk_size = {C} with S = {S} (tiles too large)": not covers(C, S),
+    }
+    return use_kernel(q.device.type, backend, uncovered, "FLASH kernels")
 
 
 def _or_zeros(state, B, S, E, C, xs) -> FlashState:

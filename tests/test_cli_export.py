@@ -48,6 +48,7 @@ def test_export_run_check_happy_path(artifact, tmp_path):
     assert {"step.onnx", "prefill.onnx"} <= set(files)
     res = invoke("run", artifact, "--prompt", "def ", "-n", 20, "--seed", 0, "--state-out", tmp_path / "s.st")
     assert res.exit_code == 0, res.output
+    assert res.output.startswith("def ")  # the prompt, then its continuation
     assert "tokens/s" in res.output.splitlines()[-1] and "peak RSS" in res.output.splitlines()[-1]
     res2 = invoke("run", artifact, "--prompt", "x", "-n", 5, "--state-in", tmp_path / "s.st")
     assert res2.exit_code == 0, res2.output

@@ -48,9 +48,13 @@ def run(
     if state_in is not None:
         sess.load_state(state_in)
     start = time.perf_counter()
-    for piece in sess.generate_text(
+    pieces = sess.generate_text(
         prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
-    ):
+    )
+    # The first piece checks and prefills the prompt, so a bad prompt prints nothing but its error; then
+    # the prompt is echoed so the continuation reads as text, as with `edgeattn sample`.
+    sys.stdout.write(prompt + next(pieces, ""))
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     elapsed = time.perf_counter() - start

@@ -198,6 +198,7 @@ _WORKER = textwrap.dedent(
         h.update(k.encode()); h.update(v.detach().cpu().contiguous().numpy().tobytes())
     with open(f"{out}/rank{os.environ['RANK']}.txt", "w") as f:
         f.write(h.hexdigest())
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     """
 )
@@ -210,7 +211,12 @@ def _torchrun(tmp_path, corpus_dir, fsdp: bool):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), str(corpus_dir), str(tmp_path), "1" if fsdp else "0"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = [(tmp_path / f"rank{r}.txt").is_file() for r in (0, 1)]
+    # The one failure tolerated: gloo's known abort in interpreter teardown (pytorch/pytorch#179291),
+    # seen about once in a dozen runs on a busy machine, after both ranks finished and wrote their
+    # results; everything below is still checked.
+    teardown_abort = all(done) and "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or teardown_abort, proc.stderr[-3000:]
     h0, h1 = (tmp_path / "rank0.txt").read_text(), (tmp_path / "rank1.txt").read_text()
     assert h0 == h1  # both ranks end with the same weights
     model = EdgeLM.load(tmp_path / "ckpt")  # written by rank 0 only, an ordinary checkpoint

@@ -68,6 +68,9 @@ def init_distributed(device: str = "auto") -> DistInfo:
 
 def shutdown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():
+        # Every rank past its last collective before gloo's threads go: a rank that tears down while a
+        # peer's collective is in flight can abort at exit (pytorch/pytorch#179291).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -235,3 +235,18 @@ def test_torchrun_ddp_two_cpu_processes(tmp_path, corpus_dir):
 
 def test_torchrun_fsdp2_two_cpu_processes(tmp_path, corpus_dir):
     _torchrun(tmp_path, corpus_dir, fsdp=True)
+
+
+def test_the_train_command_under_torchrun(tmp_path, corpus_dir):
+    """The CLI itself under torchrun: it joins and leaves the process group, rank 0 writes the checkpoint."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "edgeattn.cli.main", "train", "--data", str(corpus_dir), "--out", str(out),
+           "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-every", "3",
+           "--eval-windows", "4", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--device", "cpu"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: step 3") == 1  # the summary from rank 0 only
+    assert "DDP x2" in proc.stderr  # two ranks, data-parallel
+    assert EdgeLM.load(out).cfg.d_model == 32

@@ -66,11 +66,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, owns_group=owns)
 
 
-def shutdown(info: DistInfo) -> None:
+def shutdown(info: DistInfo, *, clean: bool = True) -> None:
+    """Leave the process group we joined. ``clean`` (training finished on this rank, so on every rank)
+    first waits at a barrier: a rank that tears gloo down while a peer's collective is still in flight
+    can abort at exit (pytorch/pytorch#179291). After an error there is no barrier, since the other
+    ranks may never reach it."""
     if info.owns_group and dist.is_initialized():
-        # Every rank past its last collective before gloo's threads go: a rank that tears down while a
-        # peer's collective is in flight can abort at exit (pytorch/pytorch#179291).
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -271,9 +271,12 @@ def train(
     every rank. ``callback(step, metrics)`` runs after each step (and its checkpoint, if any)."""
     info = D.init_distributed(cfg.device)
     try:
-        return _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose)
-    finally:
-        D.shutdown(info)
+        result = _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose)
+    except BaseException:
+        D.shutdown(info, clean=False)  # peers may never reach a barrier now
+        raise
+    D.shutdown(info)
+    return result
 
 
 def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> TrainResult:

@@ -25,11 +25,11 @@ _MODEL = "Model (with --resume: the checkpoint's; if given, they must match it)"
 _TRAIN = "Training (with --resume: the checkpoint's run's, unless given)"
 
 
-def model_config(config: Path | None, overrides: dict, resume: Path | None):
-    """The EdgeConfig asked for: defaults < --config JSON < flags. With --resume and neither a --config
-    nor a model flag, None (the checkpoint's own config is used)."""
+def model_config(config: Path | None, overrides: dict, resumed=None):
+    """The EdgeConfig asked for: defaults (or ``resumed``, the config of the checkpoint given to --resume)
+    < --config JSON < flags. When resuming with neither a --config nor a model flag, None (the
+    checkpoint's own config is used)."""
     from edgeattn.models import EdgeConfig
-    from edgeattn.train.loop import read_trainer_state
 
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(overrides.get("mixer"), str) and "," in overrides["mixer"]:
@@ -46,10 +46,10 @@ def model_config(config: Path | None, overrides: dict, resume: Path | None):
             raise ValueError(f"--config {config} is not valid JSON: {e}") from None
         if not isinstance(from_file, dict):
             raise ValueError(f"--config {config} must hold a JSON object of EdgeConfig fields")
-    if resume is not None:
+    if resumed is not None:
         if not from_file and not overrides:
             return None
-        base = read_trainer_state(resume)[0].to_dict()
+        base = resumed.to_dict()
     else:
         base = dict(DEFAULT_MODEL)
     try:
@@ -133,7 +133,9 @@ def train(
     }
     given = {k: v for k, v in given.items() if v is not None}
     # A resumed run keeps its own options (data, schedule, seed...) unless they are given again.
-    saved = read_trainer_state(resume)[1].get("train_config", {}) if resume is not None else {}
+    # Read once here (the loop reads it again for the optimizer and RNG state).
+    resumed_cfg, resumed_state = read_trainer_state(resume) if resume is not None else (None, {})
+    saved = resumed_state.get("train_config", {})
     drop = {"device", "fsdp"} | ({"steps", "time_budget"} if {"steps", "time_budget"} & set(given) else set())
     saved = {k: v for k, v in saved.items() if k not in drop}
     cfg = TrainConfig(**{**saved, **given})
@@ -144,7 +146,7 @@ def train(
         "n_heads": n_heads,
         "chunk_size": chunk_size,
     }
-    model_cfg = model_config(config, overrides, resume)
+    model_cfg = model_config(config, overrides, resumed_cfg)
     r = run_training(model_cfg, cfg, out=out, resume=resume, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         typer.echo(

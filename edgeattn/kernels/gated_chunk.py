@@ -657,12 +657,11 @@ def chunk_fwd_h(k, v, gc, h0, BT: int):
     return h, ht
 
 
-def chunk_fwd(q, k, v, gc, h0, BT: int):
-    """Returns (o [B, T, H, V] in q's dtype, final state, A [B, T, H, BT] the intra-chunk matrix)."""
+def chunk_fwd_A(q, k, gc, BT: int):
+    """The intra-chunk matrix A [B, T, H, BT] float32: A[t, i] = sum_k q_tk k_ik exp(b_tk - b_ik), i <= t."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
     NT = triton.cdiv(T, BT)
-    BK, BV = _blocks(K, V)
+    BK = block_size(K, 64)
     gate, prec = _gate_kind(gc), dot_precision(q.dtype)
     A = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
     if gate == 2:
@@ -673,28 +672,63 @@ def chunk_fwd(q, k, v, gc, h0, BT: int):
         chunk_fwd_A_kernel[(NT, B * H)](
             q, k, gc, A, T, H=H, K=K, BT=BT, BK=BK, GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2
         )
-    h, ht = chunk_fwd_h(k, v, gc, h0, BT)
+    return A
+
+
+def chunk_fwd_o(q, v, gc, h, A, BT: int):
+    """o = (q * exp(b)) h[n] + A v, [B, T, H, V] in q's dtype, from the states before every chunk h."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK, BV = _blocks(K, V)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     chunk_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q,
-        v,
-        gc,
-        h,
-        A,
-        o,
-        T,
-        H=H,
-        K=K,
-        V=V,
-        BT=BT,
-        BK=BK,
-        BV=BV,
-        GATE=gate,
-        PREC=prec,
-        num_warps=WIDE,
-        num_stages=2,
-    )
-    return o, ht, A
+        q, v, gc, h, A, o, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        GATE=_gate_kind(gc), PREC=dot_precision(q.dtype), num_warps=WIDE, num_stages=2,
+    )  # fmt: skip
+    return o
+
+
+def chunk_fwd(q, k, v, gc, h0, BT: int):
+    """Returns (o [B, T, H, V] in q's dtype, final state, A [B, T, H, BT] the intra-chunk matrix)."""
+    A = chunk_fwd_A(q, k, gc, BT)
+    h, ht = chunk_fwd_h(k, v, gc, h0, BT)
+    return chunk_fwd_o(q, v, gc, h, A, BT), ht, A
+
+
+def chunk_bwd_dA(v, do, BT: int):
+    """dA [B, T, H, BT] float32: dA[t, i] = do_t . v_i for i <= t (0 above the diagonal)."""
+    B, T, H, V = v.shape
+    dA = torch.empty(B, T, H, BT, dtype=torch.float32, device=v.device)
+    chunk_bwd_dA_kernel[(triton.cdiv(T, BT), B * H)](
+        v, do, dA, T, H=H, V=V, BT=BT, BV=block_size(V, 64), PREC=dot_precision(v.dtype),
+        num_warps=WIDE, num_stages=2,
+    )  # fmt: skip
+    return dA
+
+
+def chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT: int):
+    """dq, dk [B, T, H, K] float32 of o = (q * exp(b)) h[n] + A v and of the states, given the states
+    h, their gradients dh (of h[n + 1]) and dA; and dg [B, T, H, K] float32 per key (None without a
+    gate; a whole-head gate's gradient is its sum over keys)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK = block_size(K, 64)
+    gate, prec = _gate_kind(gc), dot_precision(q.dtype)
+    dq = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    dk = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    dg = None if gate == 0 else torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    if gate == 2:
+        chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
+            q, k, gc, dA, dq, dk, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, num_warps=NARROW, num_stages=2
+        )
+    chunk_bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
+        q, k, v, gc, h, do, dh, dA, dq, dk, dg, T, H=H, K=K, V=V, BT=BT, BK=BK,
+        BV=block_size(V, 32),  # [BT, BK] dq, dk and [BT, BT] dA are live across the V loop
+        GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2,
+    )  # fmt: skip
+    return dq, dk, dg
 
 
 def chunk_bwd(q, k, v, gc, A, h0, do, dht, BT: int):
@@ -713,44 +747,13 @@ def chunk_bwd(q, k, v, gc, A, h0, do, dht, BT: int):
         GATE=gate, USE_DHT=dht is not None, PREC=prec, num_warps=WIDE, num_stages=2,
     )  # fmt: skip
 
-    dA = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
-    chunk_bwd_dA_kernel[(NT, B * H)](
-        v, do, dA, T, H=H, V=V, BT=BT, BV=BV, PREC=prec, num_warps=WIDE, num_stages=2
-    )
-
+    dA = chunk_bwd_dA(v, do, BT)
     dv = torch.empty_like(v)
     chunk_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        k,
-        gc,
-        A,
-        do,
-        dh,
-        dv,
-        T,
-        H=H,
-        K=K,
-        V=V,
-        BT=BT,
-        BK=BK,
-        BV=BV,
-        GATE=gate,
-        PREC=prec,
-        num_warps=WIDE,
-        num_stages=2,
-    )
-
-    dq = torch.empty(B, T, H, K, dtype=torch.float32 if gate == 2 else q.dtype, device=q.device)
-    dk = torch.empty(B, T, H, K, dtype=torch.float32 if gate == 2 else k.dtype, device=q.device)
-    dg = None if gate == 0 else torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    if gate == 2:
-        chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
-            q, k, gc, dA, dq, dk, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, num_warps=NARROW, num_stages=2
-        )
-    chunk_bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
-        q, k, v, gc, h, do, dh, dA, dq, dk, dg, T, H=H, K=K, V=V, BT=BT, BK=BK,
-        BV=block_size(V, 32),  # [BT, BK] dq, dk and [BT, BT] dA are live across the V loop
+        k, gc, A, do, dh, dv, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2,
     )  # fmt: skip
+    dq, dk, dg = chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT)
     if gate == 1:
         dg = dg.sum(-1, keepdim=True)  # a whole-head gate: the sum of its keys' gradients
     return dq, dk, dv, dg, dh0

@@ -12,13 +12,18 @@ also public, for tests and benchmarks.
     mixed_chunk_attention_triton(q_quad, k_quad, q_lin, k_lin, v, *, chunk_size, quad_scale, lin_scale,
                                  rel_bias) -> o           FLASH mixed-chunk attention, no initial state
 
-back ``edgeattn.ops.aft.aft`` and ``edgeattn.ops.flash.mixed_chunk_attention`` (mode="chunk") in those
-cases (``aft.py``, ``flash.py``). Without a GPU they run under ``TRITON_INTERPRET=1`` (slowly).
+    chunk_delta_rule_triton(q, k, v, beta, g=None, *, scale, initial_state=None, chunk_size=64)
+        -> (o, final_state)                               the delta rule: DeltaNet, Gated DeltaNet, KDA
+
+back ``edgeattn.ops.aft.aft``, ``edgeattn.ops.flash.mixed_chunk_attention`` and
+``edgeattn.ops.delta_rule`` (mode="chunk") in those cases (``aft.py``, ``flash.py``, ``delta_chunk.py``).
+Without a GPU they run under ``TRITON_INTERPRET=1`` (slowly).
 """
 
 from __future__ import annotations
 
 from edgeattn.kernels.aft import aft_triton
+from edgeattn.kernels.delta_chunk import chunk_delta_rule_triton
 from edgeattn.kernels.flash import mixed_chunk_attention_triton
 from edgeattn.kernels.fused_recurrent import fused_recurrent_gated_recurrence
 from edgeattn.kernels.gated_chunk import chunk_gated_recurrence_kernel
@@ -36,6 +41,7 @@ def chunk_gated_recurrence_triton(q, k, v, g, *, initial_state, chunk_size: int 
 __all__ = [
     "FUSED_MAX_T",
     "aft_triton",
+    "chunk_delta_rule_triton",
     "chunk_gated_recurrence_kernel",
     "chunk_gated_recurrence_triton",
     "fused_recurrent_gated_recurrence",

@@ -1,0 +1,210 @@
+"""Triton chunkwise delta rule (edgeattn.kernels.chunk_delta_rule_triton) against fla's own PyTorch
+references, an independent implementation: ``fla.ops.delta_rule.naive.delta_rule_recurrence`` (no
+gate), ``fla.ops.gated_delta_rule.naive.naive_recurrent_gated_delta_rule`` ([B, T, HV] gate) and
+``fla.ops.kda.naive.naive_recurrent_kda`` ([B, T, HV, K] gate). Outputs, final state and the gradients
+of q, k, v, beta, g and the initial state (through torch.autograd on the references; they compute in
+float32, their leaves are float64 copies of the kernel's rounded inputs).
+
+Same conventions as test_kernels.py (whose helpers and NaN-poisoning fixture are used here): CUDA when
+there is one, otherwise Triton's interpreter; relative RMS errors; inputs between NaN guards and every
+torch.empty NaN-filled. float32 within 1e-5 in the interpreter (its dots are exact float32), 1e-3 on
+CUDA (tf32x3 dots); bfloat16 within 1e-2. Keys are L2-normalised as in real models, beta in (0, 1)
+(or (0, 2) for negative eigenvalues).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("fla")
+
+from fla.ops.delta_rule.naive import delta_rule_recurrence  # noqa: E402
+from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule  # noqa: E402
+from fla.ops.kda.naive import naive_recurrent_kda  # noqa: E402
+
+from edgeattn.kernels import chunk_delta_rule_triton  # noqa: E402
+from tests.test_kernels import _poison_empty, assert_rms, guarded, project  # noqa: E402, F401
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+GATES = ("none", "head", "key")  # DeltaNet, Gated DeltaNet, KDA
+K_SCALE = {"head": 0.3, "key": 0.3}  # fla's DeltaNet reference fixes K ** -0.5; the others take any
+TOL = {torch.float32: 1e-3 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 1e-2}
+
+
+def make_inputs(B, T, H, HV, K, V, gate, *, strong=False, beta_max=1.0, seed=0):
+    """float32 CPU tensors q, k [B, T, H, K] (k L2-normalised), v [B, T, HV, V], beta [B, T, HV],
+    g (None, [B, T, HV] or [B, T, HV, K], log space), S0 [B, HV, K, V]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    beta = torch.rand(B, T, HV, generator=gen) * beta_max
+    shape = {"none": None, "head": (B, T, HV), "key": (B, T, HV, K)}[gate]
+    g = None
+    if shape is not None:
+        g = F.logsigmoid(torch.randn(shape, generator=gen) + 2)  # typical decays, mean about -0.15
+        if strong:  # a fifth of the steps forget everything
+            g = torch.where(torch.rand(shape, generator=gen) < 0.2, torch.full_like(g, -1e4), g)
+    S0 = torch.randn(B, HV, K, V, generator=gen)
+    return q, k, v, beta, g, S0
+
+
+def reference(q, k, v, beta, g, S0, *, scale):
+    """fla's recurrent reference for the gate kind of ``g``: (o [B, T, HV, V], final state)."""
+    r = v.shape[2] // q.shape[2]
+    if g is not None and g.dim() == 4:
+        return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=S0, output_final_state=True)
+    q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)  # key head h -> value heads
+    if g is not None:
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, beta, g, scale=scale, initial_state=S0, output_final_state=True
+        )
+    assert scale == q.shape[-1] ** -0.5, "fla's delta_rule_recurrence fixes scale = K ** -0.5"
+    o, S = delta_rule_recurrence(*(x.transpose(1, 2) for x in (q, k, v, beta)), S0, output_final_state=True)
+    return o.transpose(1, 2), S
+
+
+def leaves(xs, dtypes, guard):
+    out = []
+    for x, dt in zip(xs, dtypes):
+        if x is None:
+            out.append(None)
+            continue
+        x = x.to(device=DEVICE, dtype=dt)
+        out.append((guarded(x) if guard else x.clone()).requires_grad_())
+    return out
+
+
+def check(B, T, H, HV, K, V, gate, dtype=torch.float32, *, scale=None, strong=False, beta_max=1.0,
+          use_state=True, chunk_size=64, tol=None):  # fmt: skip
+    """The kernel against fla's reference: output, final state and every gradient."""
+    tol = TOL[dtype] if tol is None else tol
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, beta, g, S0 = make_inputs(B, T, H, HV, K, V, gate, strong=strong, beta_max=beta_max)
+    S0 = S0 if use_state else None
+    low = [dtype] * 4 + [torch.float32] * 2  # q, k, v, beta in dtype; g and the state float32
+    rounded = [None if x is None else x.to(dt) for x, dt in zip((q, k, v, beta, g, S0), low)]
+    ref_in = leaves(rounded, [torch.float64] * 6, guard=False)
+    ins = leaves(rounded, low, guard=True)
+    o, S = chunk_delta_rule_triton(*ins[:5], scale=scale, initial_state=ins[5], chunk_size=chunk_size)
+    o_ref, S_ref = reference(*ref_in, scale=scale)
+    assert o.shape == (B, T, HV, V) and o.dtype == dtype
+    assert S.shape == (B, HV, K, V) and S.dtype == torch.float32
+    assert_rms("output", o, o_ref, tol)
+    assert_rms("final state", S, S_ref, tol)
+    names = [n for n, x in zip(("dq", "dk", "dv", "dbeta", "dg", "dS0"), ins) if x is not None]
+    got = torch.autograd.grad(project([o, S], dtype), [x for x in ins if x is not None])
+    ref = torch.autograd.grad(project([o_ref, S_ref], dtype), [x for x in ref_in if x is not None])
+    for name, a, x, b in zip(names, got, [x for x in ins if x is not None], ref):
+        assert a.dtype == x.dtype and a.shape == x.shape, name
+        assert_rms(name, a, b, tol)
+
+
+@pytest.mark.parametrize(
+    "gate, H, HV",
+    [("none", 2, 2), ("none", 1, 2), ("head", 2, 2), ("head", 1, 2), ("key", 1, 2)]
+    + [pytest.param("key", 2, 2, marks=pytest.mark.slow)],
+)
+def test_gates_float32(gate, H, HV):
+    # the per-key gate shorter, in chunks of 32: the interpreter is slow on its sub-chunk loops
+    T, chunk = (65, 64) if gate != "key" else (40, 32)
+    check(1, T, H, HV, 16, 16, gate, scale=K_SCALE.get(gate), chunk_size=chunk)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, pytest.param(200, marks=pytest.mark.slow)])
+def test_lengths_gated(T):
+    check(2, T, 1, 2, 16, 16, "head")
+
+
+@pytest.mark.parametrize("T", [1, 64, pytest.param(200, marks=pytest.mark.slow)])
+def test_lengths_ungated(T):
+    check(1, T, 1, 2, 16, 16, "none")
+
+
+@pytest.mark.parametrize("T", [1, *(pytest.param(t, marks=pytest.mark.slow) for t in (63, 64, 200))])
+def test_lengths_per_key(T):
+    check(1, T, 1, 2, 16, 16, "key")
+
+
+@pytest.mark.parametrize(
+    "K, V, gate",
+    [
+        (32, 48, "head"),
+        (64, 64, "none"),
+        (128, 32, "head"),
+        pytest.param(64, 64, "key", marks=pytest.mark.slow),
+        pytest.param(128, 128, "head", marks=pytest.mark.slow),
+        pytest.param(128, 128, "key", marks=pytest.mark.slow),
+    ],
+)
+def test_head_sizes(K, V, gate):
+    check(1, 40, 1, 2, K, V, gate)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_bfloat16(gate):
+    # the per-key gate shorter and in chunks of 16: the interpreter is slow on its sub-chunk loops
+    T, chunk = (65, 64) if gate != "key" else (24, 16)
+    check(1, T, 1, 2, 16, 16, gate, torch.bfloat16, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("gate", ["head", "key"])
+def test_gates_down_to_minus_1e4(gate):
+    check(1, 40, 1, 1, 16, 16, gate, strong=True, chunk_size=16)
+
+
+def test_no_initial_state_and_negative_eigenvalues():
+    check(1, 65, 1, 2, 16, 16, "head", use_state=False, beta_max=2.0)
+
+
+def test_chunk_size_is_only_a_tile():
+    q, k, v, beta, g, S0 = (x.to(DEVICE) for x in make_inputs(1, 40, 1, 2, 16, 16, "head"))
+    o64, S64 = chunk_delta_rule_triton(q, k, v, beta, g, scale=0.25, initial_state=S0, chunk_size=64)
+    o16, S16 = chunk_delta_rule_triton(q, k, v, beta, g, scale=0.25, initial_state=S0, chunk_size=16)
+    assert_rms("output", o16, o64, 1e-5)
+    assert_rms("state", S16, S64, 1e-5)
+
+
+@pytest.mark.parametrize("use", ["o", "S"])
+def test_only_the_output_or_only_the_state_is_used(use):
+    q, k, v, beta, g, S0 = make_inputs(1, 40, 1, 2, 16, 16, "head")
+    ins = leaves((q, k, v, beta, g, S0), [torch.float32] * 6, guard=True)
+    ref_in = leaves((q, k, v, beta, g, S0), [torch.float64] * 6, guard=False)
+    o, S = chunk_delta_rule_triton(*ins[:5], scale=0.25, initial_state=ins[5])
+    o_ref, S_ref = reference(*ref_in, scale=0.25)
+    got = torch.autograd.grad(project([o if use == "o" else S]), ins)
+    ref = torch.autograd.grad(project([o_ref if use == "o" else S_ref]), ref_in, allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if b is None:  # q does not reach the state: its gradient must be 0
+            assert (a == 0).all(), f"loss on {use}: grad {i} is not 0"
+            continue
+        assert_rms(f"loss on {use}: grad {i}", a, b, TOL[torch.float32])
+
+
+def test_empty_sequence_returns_the_initial_state():
+    q, k, v, beta, g, S0 = (x.to(DEVICE) for x in make_inputs(1, 0, 1, 2, 16, 8, "key"))
+    o, S = chunk_delta_rule_triton(q, k, v, beta, g, scale=0.25, initial_state=S0)
+    assert o.shape == (1, 0, 2, 8) and torch.equal(S, S0)
+
+
+def test_bad_inputs_raise_value_error():
+    q, k, v, beta, g, S0 = (x.to(DEVICE) for x in make_inputs(1, 4, 2, 4, 16, 8, "key"))
+    with pytest.raises(ValueError, match="HV a multiple of H"):
+        chunk_delta_rule_triton(q, k, v[:, :, :3], beta[:, :, :3], scale=1.0)
+    with pytest.raises(ValueError, match=r"beta must be \[B, T, HV\]"):
+        chunk_delta_rule_triton(q, k, v, beta[:, :, :2], scale=1.0)
+    with pytest.raises(ValueError, match="g must be None"):
+        chunk_delta_rule_triton(q, k, v, beta, g[..., :3], scale=1.0)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        chunk_delta_rule_triton(q, k, v, beta, g, scale=1.0, initial_state=S0[:, :2])
+    with pytest.raises(ValueError, match="one dtype"):
+        chunk_delta_rule_triton(q, k, v.double(), beta, scale=1.0)
+    with pytest.raises(ValueError, match="K <= 256"):
+        big = torch.zeros(1, 4, 2, 512, device=DEVICE)
+        chunk_delta_rule_triton(big, big, v, beta, scale=1.0)

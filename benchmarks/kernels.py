@@ -24,12 +24,25 @@ backend="triton") against the same ops' PyTorch chunk forms (backend="torch"), e
 small size against the PyTorch form. Rows in the table with impl ``aft-triton``, ``aft-torch``,
 ``flash-triton``, ``flash-torch`` (no FLOP or byte model: times only).
 
+Then the delta rule (q, k [B, T, H, K] L2-normalised, v [B, T, HV, V] with HV = H * --delta-v-ratio,
+beta = sigmoid, bfloat16; K = V = --head-dim), forward + backward, for each gate kind: ``none``
+(DeltaNet), ``head`` ([B, T, HV], Gated DeltaNet) and ``key`` ([B, T, HV, K], KDA), float32 gates:
+
+    delta-triton  edgeattn.kernels.chunk_delta_rule_triton
+    delta-torch   edgeattn.ops.delta_rule(mode="chunk", backend="torch"), when that op exists
+    delta-fla     fla.ops.delta_rule.chunk_delta_rule / gated_delta_rule.chunk_gated_delta_rule /
+                  kda.chunk_kda, when fla is installed
+
+each checked first at a small size against the PyTorch chunk form (against fla when the op is absent).
+Rows with impl ``delta-*`` (times only).
+
 Why: the kernels exist to make training fast. This shows where they stand against the PyTorch form
 they replace on CUDA, against the reference implementation (fla), and against softmax attention,
 and whether they are bound by compute or by memory. Before timing, each implementation's output at
 a small size is compared with the PyTorch chunk form, so a fast but wrong kernel shows up.
 
     python benchmarks/kernels.py [--lengths 2048,8192] [--batch 8] [--heads 16] [--head-dim 128]
+    python benchmarks/kernels.py --only-delta      # the delta-rule rows only
 
 Prints a table, then one JSON line. Without CUDA it says so and prints {"skipped": ...}, exit code 0.
 """
@@ -220,6 +233,96 @@ def other_rows(args, lengths) -> tuple[list[dict], dict[str, float]]:
     return rows, checks
 
 
+def delta_impls(gate: str):
+    """name -> fn(q, k, v, beta[, g]) returning o [B, T, HV, V], or a string saying why it is absent."""
+    from edgeattn.kernels import chunk_delta_rule_triton
+
+    impls = {"delta-triton": lambda q, k, v, beta, g=None: chunk_delta_rule_triton(q, k, v, beta, g)[0]}
+    try:
+        from edgeattn.ops import delta_rule
+
+        impls["delta-torch"] = lambda q, k, v, beta, g=None: delta_rule(
+            q, k, v, beta, g, mode="chunk", backend="torch"
+        )[0]
+    except ImportError:
+        impls["delta-torch"] = "edgeattn.ops.delta_rule is not in this tree"
+    try:
+        if gate == "none":
+            from fla.ops.delta_rule import chunk_delta_rule
+
+            def fla_fn(q, k, v, beta, g=None):
+                r = v.shape[2] // q.shape[2]  # fla's DeltaNet kernel has no value-head groups
+                q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+                return chunk_delta_rule(q, k, v, beta)[0]
+
+        elif gate == "head":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            def fla_fn(q, k, v, beta, g=None):
+                return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+        else:
+            from fla.ops.kda import chunk_kda
+
+            def fla_fn(q, k, v, beta, g=None):
+                return chunk_kda(q, k, v, g, beta)[0]
+
+        impls["delta-fla"] = fla_fn
+    except ImportError as e:
+        impls["delta-fla"] = f"fla not installed ({e.name}); pip install flash-linear-attention"
+    return impls
+
+
+def delta_inputs(B, T, H, HV, K, V, gate: str, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q = rnd(B, T, H, K).to(torch.bfloat16)
+    k = F.normalize(rnd(B, T, H, K), dim=-1).to(torch.bfloat16)
+    v = rnd(B, T, HV, V).to(torch.bfloat16)
+    beta = torch.sigmoid(rnd(B, T, HV)).to(torch.bfloat16)
+    if gate == "none":
+        return q, k, v, beta
+    shape = (B, T, HV) if gate == "head" else (B, T, HV, K)
+    return q, k, v, beta, F.logsigmoid(rnd(*shape) + 4) / 4  # decays of about 0.996
+
+
+def delta_rows(args, lengths) -> tuple[list[dict], dict[str, dict[str, float]], list[str]]:
+    """The delta-rule rows, their checks against the PyTorch chunk form (or fla) and notes."""
+    B, H, K = args.batch, args.heads, args.head_dim
+    HV = H * args.delta_v_ratio
+    rows, checks, notes = [], {}, []
+    for gate in args.delta_gates.split(","):
+        impls = delta_impls(gate)
+        notes += [f"{n} ({gate}): {why}" for n, why in impls.items() if isinstance(why, str)]
+        runnable = {n: fn for n, fn in impls.items() if callable(fn)}
+        ref_name = "delta-torch" if "delta-torch" in runnable else "delta-fla"
+        small = delta_inputs(1, 300, 2, 2 * args.delta_v_ratio, 64, 64, gate, seed=1)
+        if ref_name in runnable:
+            ref = runnable[ref_name](*small).float()
+            checks[gate] = {}
+            for n, fn in runnable.items():
+                if n != ref_name:
+                    out = fn(*small).float()
+                    checks[gate][n + " vs " + ref_name] = (
+                        (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+                    ).item()
+        for T in lengths:
+            inputs = delta_inputs(B, T, H, HV, K, K, gate)
+            for impl, fn in runnable.items():
+                row = {"impl": impl, "gate": gate, "T": T}
+                try:
+                    row["ms"] = time_fwd_bwd_any(fn, inputs)
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                rows.append(row)
+                torch.cuda.empty_cache()
+            del inputs
+    return rows, checks, notes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192")
@@ -233,6 +336,12 @@ def main() -> int:
     ap.add_argument("--flash-value-dim", type=int, default=1024, help="FLASH rows: E of v")
     ap.add_argument("--flash-chunk", type=int, default=64, help="FLASH rows: chunk_size")
     ap.add_argument("--skip-aft-flash", action="store_true", help="only the gated recurrence rows")
+    ap.add_argument("--skip-delta", action="store_true", help="no delta-rule rows")
+    ap.add_argument("--only-delta", action="store_true", help="only the delta-rule rows")
+    ap.add_argument("--delta-gates", default="none,head,key", help="delta rows: gate kinds")
+    ap.add_argument(
+        "--delta-v-ratio", type=int, default=2, help="delta rows: HV / H (value heads per key head)"
+    )
     args = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -260,7 +369,7 @@ def main() -> int:
     print(f"peaks: {peak_tf or '?'} TFLOP/s bf16 dense, {peak_gb or '?'} GB/s")
 
     rows, notes, checks = [], [], {}
-    for gate in args.gates.split(","):
+    for gate in [] if args.only_delta else args.gates.split(","):
         impls = implementations(gate)
         notes += [f"{n}: {why}" for n, why in impls.items() if isinstance(why, str)]
         checks[gate] = check(impls, gate)
@@ -289,9 +398,14 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     other_checks = {}
-    if not args.skip_aft_flash:
+    if not (args.skip_aft_flash or args.only_delta):
         other, other_checks = other_rows(args, lengths)
         rows += other
+    delta_checks = {}
+    if not args.skip_delta:
+        delta, delta_checks, delta_notes = delta_rows(args, lengths)
+        rows += delta
+        notes += delta_notes
 
     print(f"{'impl':<13}{'gate':<6}{'T':>6}{'ms':>10}{'TFLOP/s':>10}{'%peak':>7}{'GB/s':>9}{'%peak':>7}")
     for r in rows:
@@ -301,7 +415,7 @@ def main() -> int:
             continue
         pt = f"{r['tflops_pct_peak']:>6.1f}%" if "tflops_pct_peak" in r else f"{'-':>7}"
         pg = f"{r['gbs_pct_peak']:>6.1f}%" if "gbs_pct_peak" in r else f"{'-':>7}"
-        if "tflops" not in r:  # AFT / FLASH rows: times only
+        if "tflops" not in r:  # AFT / FLASH / delta rows: times only
             print(head + f"{r['ms']:>10.2f}")
             continue
         print(head + f"{r['ms']:>10.2f}{r['tflops']:>10.1f}{pt}{r['gbs']:>9.0f}{pg}")
@@ -315,6 +429,11 @@ def main() -> int:
             f"check ({op}, B=1 T=300), relative RMS error of the Triton kernels vs the PyTorch chunk form: "
             f"{e:.1e}"
         )
+    for gate, errs in delta_checks.items():
+        print(
+            f"check (delta rule, {gate} gate, B=1 T=300 H=2 K=V=64), relative RMS error: "
+            + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+        )
     for n in notes:
         print("note:", n)
     result = {
@@ -324,6 +443,8 @@ def main() -> int:
         "peak_gbs": peak_gb,
         "results": rows,
         "check_rel_rms_vs_torch": {**checks, **other_checks},
+        "check_delta_rel_rms": delta_checks,
+        "delta_v_heads": H * args.delta_v_ratio,
         "aft_flash_shape": {
             "D": H * K,
             "S": args.flash_qk_dim,

@@ -237,7 +237,10 @@ def delta_impls(gate: str):
     """name -> fn(q, k, v, beta[, g]) returning o [B, T, HV, V], or a string saying why it is absent."""
     from edgeattn.kernels import chunk_delta_rule_triton
 
-    impls = {"delta-triton": lambda q, k, v, beta, g=None: chunk_delta_rule_triton(q, k, v, beta, g)[0]}
+    def ours(q, k, v, beta, g=None):
+        return chunk_delta_rule_triton(q, k, v, beta, g, scale=q.shape[-1] ** -0.5)[0]
+
+    impls = {"delta-triton": ours}
     try:
         from edgeattn.ops import delta_rule
 

@@ -169,6 +169,8 @@ def test_chunk_size_is_only_a_tile():
     o16, S16 = chunk_delta_rule_triton(q, k, v, beta, g, scale=0.25, initial_state=S0, chunk_size=16)
     assert_rms("output", o16, o64, 1e-5)
     assert_rms("state", S16, S64, 1e-5)
+    o1, S1 = chunk_delta_rule_triton(q, k, v, beta, g.unsqueeze(-1), scale=0.25, initial_state=S0)
+    assert torch.equal(o1, o64) and torch.equal(S1, S64)  # [B, T, HV, 1] is the same gate as [B, T, HV]
 
 
 @pytest.mark.parametrize("use", ["o", "S"])

@@ -456,9 +456,9 @@ def check_delta_inputs(q, k, v, beta, g, initial_state):
     if g is not None:
         if tuple(g.shape) == (B, T, HV):
             g = g.unsqueeze(-1)
-        elif tuple(g.shape) != (B, T, HV, K):
+        elif g.dim() != 4 or g.shape[:3] != v.shape[:3] or g.shape[3] not in (1, K):
             raise ValueError(
-                f"g must be None, [B, T, HV] = {(B, T, HV)} or [B, T, HV, K], got {tuple(g.shape)}"
+                f"g must be None, [B, T, HV] = {(B, T, HV)}, [B, T, HV, 1] or [B, T, HV, K], got {tuple(g.shape)}"
             )
         g = g.contiguous()
     if initial_state is not None:
@@ -470,16 +470,14 @@ def check_delta_inputs(q, k, v, beta, g, initial_state):
     return q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g, initial_state
 
 
-def chunk_delta_rule_triton(q, k, v, beta, g=None, *, scale=None, initial_state=None, chunk_size: int = 64):
+def chunk_delta_rule_triton(q, k, v, beta, g=None, *, scale: float, initial_state=None, chunk_size: int = 64):
     """The chunkwise delta rule in Triton (see the module docstring): q, k [B, T, H, K], v [B, T, HV, V],
-    beta [B, T, HV], g None, [B, T, HV] or [B, T, HV, K] log-gates, initial_state None or
-    [B, HV, K, V]; ``scale`` defaults to K ** -0.5. Returns (o [B, T, HV, V] in q's dtype, final state
+    beta [B, T, HV], g None, [B, T, HV], [B, T, HV, 1] or [B, T, HV, K] log-gates, initial_state None or
+    [B, HV, K, V]. ``scale`` (required: the output is ``scale * q S``, no default to apply twice). Returns (o [B, T, HV, V] in q's dtype, final state
     [B, HV, K, V] float32); differentiable in q, k, v, beta, g and initial_state. ``chunk_size`` is
     only a tile (rounded to a power of two in [16, 64])."""
     q, k, v, beta, g, initial_state = check_delta_inputs(q, k, v, beta, g, initial_state)
     B, T, H, K = q.shape
-    if scale is None:
-        scale = K**-0.5
     if T == 0:
         S = (
             initial_state

@@ -2,6 +2,7 @@
 
 from edgeattn.ops.aft import aft, aft_full
 from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.conv import short_conv, short_conv_step
 from edgeattn.ops.flash import mixed_chunk_attention
 from edgeattn.ops.linear import elu1, linear_attention
 from edgeattn.ops.performer import favor_features, performer_attention
@@ -18,5 +19,7 @@ __all__ = [
     "mixed_chunk_attention",
     "performer_attention",
     "retention",
+    "short_conv",
+    "short_conv_step",
     "softmax_attention",
 ]

@@ -106,6 +106,14 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
             custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
+    if target == "onnxruntime":
+        import onnx
+
+        from edgeattn.ops.common.fused_delta import fix_optional_inputs
+
+        graph = onnx.load(str(path))
+        if fix_optional_inputs(graph):
+            onnx.save(graph, str(path))
     del model
 
 

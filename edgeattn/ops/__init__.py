@@ -2,6 +2,8 @@
 
 from edgeattn.ops.aft import aft, aft_full
 from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.conv import short_conv, short_conv_step
+from edgeattn.ops.delta import delta_rule, delta_rule_step
 from edgeattn.ops.flash import mixed_chunk_attention
 from edgeattn.ops.linear import elu1, linear_attention
 from edgeattn.ops.performer import favor_features, performer_attention
@@ -11,6 +13,8 @@ from edgeattn.ops.softmax import softmax_attention
 __all__ = [
     "aft",
     "aft_full",
+    "delta_rule",
+    "delta_rule_step",
     "elu1",
     "favor_features",
     "gated_linear_attention",
@@ -18,5 +22,7 @@ __all__ = [
     "mixed_chunk_attention",
     "performer_attention",
     "retention",
+    "short_conv",
+    "short_conv_step",
     "softmax_attention",
 ]

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 
 from edgeattn._deps import require
-from edgeattn.layers._interim_ops import delta_rule, delta_rule_step, short_conv, short_conv_step
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.common.fused import fused_enabled
 from edgeattn.ops.common.fused_delta import fused_delta_rule, fused_short_conv
+from edgeattn.ops.conv import short_conv, short_conv_step
+from edgeattn.ops.delta import delta_rule, delta_rule_step
 
 torch = require("torch")
 nn = torch.nn

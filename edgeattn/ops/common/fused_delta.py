@@ -28,7 +28,7 @@ def _is_none(x) -> bool:
 class _DeltaRuleOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, state, g, beta, scale: float, q_heads: int, kv_heads: int):
-        from edgeattn.layers._interim_ops import delta_rule
+        from edgeattn.ops.delta import delta_rule
 
         B, T, _ = q.shape
         HQ, HV = q_heads, kv_heads
@@ -87,7 +87,7 @@ def fused_delta_rule(q, k, v, beta, g, state, *, scale: float):
 class _CausalConvOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state, activation: str):
-        from edgeattn.layers._interim_ops import short_conv
+        from edgeattn.ops.conv import short_conv
 
         y, S = short_conv(
             x.transpose(1, 2),

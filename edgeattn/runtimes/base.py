@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.sampling import sample_next
+from edgeattn.runtimes.sampling import check_sampling, sample_next
 
 
 class Session(ABC):
@@ -154,9 +154,11 @@ class Session(ABC):
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one at a time (batch 1), continuing from the current state."""
+        """Yield new token ids one at a time (batch 1), continuing from the current state.
+        ``temperature <= 0`` is greedy; see ``edgeattn.runtimes.sampling.sample_next``."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
+        check_sampling(temperature, top_k, top_p)  # before any work
         rng = np.random.default_rng(seed)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         logits = self.prefill(ids) if ids.shape[1] else None

@@ -188,3 +188,60 @@ def test_too_old_onnxruntime_names_the_portable_target(ckpts, tmp_path, monkeypa
     monkeypatch.setattr(ort, "__version__", "1.30.0")
     with pytest.raises(ValueError, match="--target portable"):
         open_session(art)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp16 of a trained model: gates far from their initial values, activations well above 1
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_gla(tmp_path_factory):
+    """A small GLA trained for 30 steps on Python source: enough for fp16 to fail without float32 regions."""
+    from edgeattn.export.check import default_text
+    from tests.export_helpers import tiny_config
+
+    torch.manual_seed(0)
+    model = EdgeLM(tiny_config("gla", d_model=128, chunk_size=64))
+    data = torch.frombuffer(bytearray(default_text(100_000)), dtype=torch.uint8).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        starts = torch.randint(0, len(data) - 129, (8,), generator=gen)
+        batch = torch.stack([data[s : s + 129] for s in starts])  # [8, 129]
+        logits, _ = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 3.5  # it learned something: bytes are no longer uniform (ln 256 = 5.5)
+    return model.save(tmp_path_factory.mktemp("trained") / "gla")
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_fp16_of_a_trained_gla_passes_check(trained_gla, tmp_path, target):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the exporter's precision warning would fail the test
+        art = export_model(
+            trained_gla, tmp_path / "art", target=target, precision="fp16", prefill_chunk=PREFILL
+        )
+    weights = [i for i in onnx.load(str(art / "prefill.onnx")).graph.initializer if len(i.dims) == 2]
+    assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)  # still an fp16 graph
+    report = check_artifact(art, tokens=120)
+    assert report.ok, {g: r["rel"] for g, r in report.graphs.items()}
+    assert abs(report.bpb["artifact"] - report.bpb["torch"]) < 0.01 * report.bpb["torch"]
+
+
+def test_exporter_warns_when_reduced_precision_is_far_off(trained_gla, tmp_path, monkeypatch):
+    """Without the float32 regions (the converter's own block list only) the trained model is off: say so."""
+    import edgeattn.export.precision as precision
+
+    monkeypatch.setattr(precision, "FP32_REGIONS", [])
+    monkeypatch.setattr(precision, "_drop_round_trips", lambda model: None)
+    with pytest.warns(UserWarning, match=r"differ from float32's by .* more than the 0.03"):
+        art = export_model(
+            trained_gla, tmp_path / "art", target="portable", precision="fp16", prefill_chunk=PREFILL
+        )
+    assert not check_artifact(art, tokens=120).ok  # and check agrees

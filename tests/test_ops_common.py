@@ -155,3 +155,132 @@ def test_bad_arguments_raise_value_error_naming_them(build, match):
         gated_linear_attention(q_, k_, v_, g_, initial_state=s_)
     with pytest.raises(ValueError, match="mode must be one of"):
         gated_linear_attention(q, k, v, mode="fast")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a log-gate of -inf: a hard reset, exact in every mode
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _hard_reset_inputs(gate: str, T: int = 40, reset_at=(5, 23)):
+    gen = torch.Generator().manual_seed(3)
+    B, H, K, V = 1, 2, 8, 8
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    shape = (B, T, H) if gate == "head_token" else (B, T, H, K)
+    g = F.logsigmoid(torch.randn(*shape, generator=gen) + 2)
+    for t in reset_at:
+        g[:, t] = float("-inf")
+    if gate == "key" and T > 31:
+        g[:, 31, 0, :3] = float("-inf")  # a reset of some key rows of one head only
+    S0 = torch.randn(B, H, K, V, generator=gen)
+    return q, k, v, g, S0
+
+
+@pytest.mark.parametrize("mode", ["naive", "recurrent", "chunk", "parallel"])
+@pytest.mark.parametrize("gate", ["head_token", "key"])
+def test_minus_inf_gate_is_a_hard_reset_in_every_mode(mode, gate):
+    """Compared with fla's own naive recurrences (exp(-inf) = 0 there), outputs, state and gradients."""
+    fla_naive = pytest.importorskip(
+        "fla.ops.simple_gla.naive" if gate == "head_token" else "fla.ops.gla.naive"
+    )
+    q, k, v, g, S0 = _hard_reset_inputs(gate)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    if gate == "head_token":
+        ref_o, ref_S = fla_naive.naive_recurrent_simple_gla(
+            *leaves, g.double(), initial_state=S0.double(), output_final_state=True
+        )
+    else:
+        ref_o, ref_S = fla_naive.naive_recurrent_gla(
+            *leaves, g.double(), initial_state=S0.double(), output_final_state=True
+        )
+    ref_grads = grads([ref_o, ref_S], leaves)
+
+    mine = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, S = gated_linear_attention(
+        *mine, g, initial_state=S0, output_final_state=True, mode=mode, chunk_size=16
+    )
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert_close(f"{mode} output", o, ref_o, 1e-5)
+    assert_close(f"{mode} state", S, ref_S, 1e-5)
+    for name, a, b in zip("qkv", grads([o, S], mine), ref_grads):
+        assert_close(f"{mode} grad {name}", a, b, 1e-5)
+    # after a whole-head reset at t = 23 nothing before it matters: a changed prefix gives the same tail
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :23] = torch.randn_like(x[:, :23])
+    o2, _ = gated_linear_attention(q2, k2, v2, g, initial_state=S0 * 7, mode=mode, chunk_size=16)
+    torch.testing.assert_close(o2[:, 23:], o[:, 23:], rtol=1e-5, atol=1e-5)
+
+
+def test_minus_inf_gate_gradient_is_finite_and_matches_naive():
+    q, k, v, g, S0 = _hard_reset_inputs("key")
+    ref_g = g.double().requires_grad_()
+    ref = gated_linear_attention(
+        q.double(), k.double(), v.double(), ref_g, initial_state=S0.double(), mode="naive"
+    )
+    (dref,) = grads([ref[0]], [ref_g])
+    for mode in ("recurrent", "chunk", "parallel"):
+        g_ = g.clone().requires_grad_()
+        o, _ = gated_linear_attention(q, k, v, g_, initial_state=S0, mode=mode, chunk_size=16)
+        (dg,) = grads([o], [g_])
+        assert torch.isfinite(dg).all(), mode
+        assert_close(f"{mode} grad g", dg, dref, 1e-5)
+
+
+def test_minus_inf_gate_in_a_gla_layer():
+    """A GLA layer whose gate resets at one token: the chunk forward equals stepping token by token."""
+    from edgeattn.layers import gated  # noqa: F401  (registers the mixers)
+    from edgeattn.layers.gated import GLA
+    from tests.export_helpers import tiny_config
+
+    layer = GLA(tiny_config("gla"), 0).eval()
+    real_gate = layer.gate
+    reset_at = 9
+
+    def gate_with_reset(x):
+        g = real_gate(x).clone()
+        if x.shape[1] > 1:
+            g[:, reset_at] = float("-inf")
+        elif gate_with_reset.t == reset_at:
+            g[:] = float("-inf")
+        return g
+
+    gate_with_reset.t = 0
+    layer.gate = gate_with_reset
+    x = torch.randn(1, 37, 32)
+    with torch.no_grad():
+        full, state = layer(x)
+        outs, st = [], None
+        for t in range(x.shape[1]):
+            gate_with_reset.t = t
+            o, st = layer(x[:, t : t + 1], st)
+            outs.append(o)
+    assert torch.isfinite(full).all()
+    assert_close("layer output", full, torch.cat(outs, 1), 1e-5)
+    assert_close("layer state", state["recurrent_state"], st["recurrent_state"], 1e-5)
+
+
+@pytest.mark.parametrize("gate", ["head_token", "key"])
+def test_minus_inf_gate_through_the_triton_kernel(gate):
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    q, k, v, g, S0 = _hard_reset_inputs(gate, T=20, reset_at=(5,))
+    if gate == "key":
+        g[:, 13, 1, :2] = float("-inf")
+    ref, ref_S = gated_linear_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        g.double(),
+        initial_state=S0.double(),
+        output_final_state=True,
+        mode="naive",
+    )
+    o, S = gated_linear_attention(
+        q, k, v, g, initial_state=S0, output_final_state=True, chunk_size=16, backend="triton"
+    )
+    assert_close("triton output", o, ref, 1e-4)
+    assert_close("triton state", S, ref_S, 1e-4)

@@ -39,7 +39,7 @@ def tracing() -> bool:
 
 
 def check_log_gate(name: str, g: Tensor) -> None:
-    """Log-space gates must be <= 0 (a decay in (0, 1]); NaN is refused too. Skipped while tracing."""
+    """Log-space gates must be <= 0 (a decay in [0, 1], -inf a hard reset); NaN is refused. Skipped while tracing."""
     if tracing():
         return
     if torch.isnan(g).any():

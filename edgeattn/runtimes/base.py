@@ -7,27 +7,51 @@ logits = sess.run_graph("prefill", ids)   # one graph call, logits of every posi
 sess.reset(); state = sess.get_state(); sess.set_state(state)
 sess.save_state(path); sess.load_state(path)
 text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
+
+Threads: a session may be shared. Each public call (step, prefill, run_graph, reset, get_state, set_state,
+save_state, load_state, generate) holds the session's lock, ``sess.lock`` (a re-entrant lock), for its whole
+duration, so calls from several threads run one after another, each on a consistent state. The state is
+still shared: to run a sequence of calls (reset, prefill, steps) without another thread's calls in between,
+hold ``with sess.lock:`` around it. ``generate_ids`` and ``generate_text`` are iterators and take the lock
+per token.
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import numpy as np
 
 from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.sampling import sample_next
+from edgeattn.runtimes.sampling import check_sampling, sample_next
+
+
+def _locked(method):
+    """Run ``method`` holding the session's lock (see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Session(ABC):
+    """An artifact's graphs and their state behind one API; safe to share between threads (every public
+    call holds ``self.lock``; hold it yourself around a sequence of calls that must not be interleaved)."""
+
     backend: str = ""
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.position = 0  # tokens consumed since the last reset
+        self.lock = threading.RLock()
 
     # ---- what a backend implements ----
 
@@ -69,6 +93,7 @@ class Session(ABC):
             )
         return ids.astype(np.int64, copy=False)
 
+    @_locked
     def run_graph(self, graph: str, ids) -> np.ndarray:
         """Run one graph ("step": [B, 1], "prefill": [B, C]) and return the logits of every position, [B, T, V]."""
         if graph not in ("step", "prefill"):
@@ -85,6 +110,7 @@ class Session(ABC):
         self.position += ids.shape[1]
         return logits
 
+    @_locked
     def prefill(self, ids) -> np.ndarray:
         """Consume ids [B, T]: full chunks through the prefill graph, the rest one step at a time."""
         ids = self._check_ids(ids)
@@ -100,20 +126,24 @@ class Session(ABC):
             logits = self._advance("step", ids[:, t : t + 1])
         return logits[:, -1]
 
+    @_locked
     def step(self, ids) -> np.ndarray:
         ids = self._check_ids(ids)
         if ids.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, ids of shape [B, 1]; got {ids.shape}")
         return self._advance("step", ids)[:, -1]
 
+    @_locked
     def reset(self) -> None:
         self._reset_state()
         self.position = 0
 
+    @_locked
     def get_state(self) -> dict[str, np.ndarray]:
         """Copies of the state tensors, keyed by their graph input names."""
         return self._get_state()
 
+    @_locked
     def set_state(self, state: dict[str, np.ndarray], position: int | None = None) -> None:
         expected = {e.input: e for e in self.manifest.state}
         if set(state) != set(expected):
@@ -129,11 +159,13 @@ class Session(ABC):
         if position is not None:
             self.position = int(position)
 
+    @_locked
     def save_state(self, path: str | os.PathLike) -> None:
         from edgeattn.runtimes.state_file import save_state
 
         save_state(path, self.get_state(), fingerprint=self.manifest.fingerprint, position=self.position)
 
+    @_locked
     def load_state(self, path: str | os.PathLike) -> None:
         from edgeattn.runtimes.state_file import load_state
 
@@ -154,9 +186,11 @@ class Session(ABC):
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one at a time (batch 1), continuing from the current state."""
+        """Yield new token ids one at a time (batch 1), continuing from the current state.
+        ``temperature <= 0`` is greedy; see ``edgeattn.runtimes.sampling.sample_next``."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
+        check_sampling(temperature, top_k, top_p)  # before any work
         rng = np.random.default_rng(seed)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         logits = self.prefill(ids) if ids.shape[1] else None
@@ -165,8 +199,9 @@ class Session(ABC):
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[0], temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
             yield nxt
-            logits = self.step(np.array([[nxt]], dtype=np.int64))
+            logits = self.step(np.array([[nxt]], dtype=np.int64))  # the lock is taken per step
 
+    @_locked
     def generate(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> str:
         """Byte-level text generation: the prompt's UTF-8 bytes are the token ids."""
         return "".join(self.generate_text(prompt, max_new_tokens, **kwargs))

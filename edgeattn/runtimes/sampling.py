@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError naming the argument unless ``temperature`` is a number (NaN is not; any value <= 0 is
+    greedy), ``top_k`` an integer >= 0 and ``top_p`` in (0, 1]."""
+    if not isinstance(temperature, numbers.Real) or math.isnan(temperature):
+        raise ValueError(f"temperature must be a number (<= 0 for greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 keeps every token), got {top_k!r}")
+    if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:  # NaN fails the comparison too
+        raise ValueError(f"top_p must lie in (0, 1] (1 keeps every token), got {top_p!r}")
 
 
 def sample_next(
@@ -13,14 +27,16 @@ def sample_next(
     top_p: float = 1.0,
     rng: np.random.Generator | None = None,
 ) -> int:
-    """One token id from ``logits: [V]``. ``temperature <= 0`` is greedy; ``top_k = 0`` and ``top_p = 1``
-    disable those filters."""
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError("temperature must be >= 0, top_k >= 0 and 0 < top_p <= 1")
+    """One token id from ``logits: [V]``. ``temperature <= 0`` is greedy, and so is a temperature so small
+    that ``logits / temperature`` overflows; ``top_k = 0`` and ``top_p = 1`` disable those filters."""
+    check_sampling(temperature, top_k, top_p)
     logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-    if temperature == 0:
+    if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits / temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = logits / temperature
+    if np.isnan(z).any() or not np.isfinite(z.max()):  # overflow: the limit of temperature -> 0 is greedy
+        return int(np.argmax(logits))
     if 0 < top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)

@@ -25,7 +25,8 @@ quantization ops), the softmax KV-cache baseline (its state has a dynamic dimens
 
 The pure parts (refusal checks, device parsing, dtype mapping, cache naming, the binding plan) need neither
 TensorRT nor a GPU; tests/test_tensorrt.py runs the session against fake ``tensorrt``/``cudart`` modules.
-A session is not thread-safe; ``close()`` frees its device memory (also done when it is garbage collected).
+Every call holds the session's lock (``edgeattn.runtimes.base``: a session may be shared between threads);
+``close()`` frees its device memory (also done when it is garbage collected).
 """
 
 from __future__ import annotations

@@ -13,26 +13,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from edgeattn._deps import require
+from edgeattn.runtimes.sampling import check_sampling
 
 torch = require("torch")
 
 
 def sample_next(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
-    """logits [B, V] -> next ids [B] (int64). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
-    keep every token. Top-k applies first, then top-p keeps the smallest set of most likely tokens whose
+    """logits [B, V] -> next ids [B] (int64). ``temperature <= 0`` is greedy (so is one so small that
+    ``logits / temperature`` overflows); ``top_k`` 0 and ``top_p`` 1 keep every token. Top-k applies first, then top-p keeps the smallest set of most likely tokens whose
     probability reaches ``top_p`` (always at least one)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     logits = logits.float()
-    if temperature == 0:
+    if temperature <= 0:
         return logits.argmax(-1)
+    greedy = logits.argmax(-1)
     logits = logits / temperature
+    # [B] rows where logits / temperature overflowed: the limit of temperature -> 0 is greedy
+    overflow = torch.isnan(logits).any(-1) | ~torch.isfinite(logits.max(-1).values)
+    logits = logits.masked_fill(overflow[:, None], 0.0)
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -44,7 +44,7 @@ def sample_next(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: floa
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(overflow, greedy, torch.multinomial(probs, 1, generator=generator).squeeze(-1))
 
 
 @torch.no_grad()

@@ -18,6 +18,11 @@ from edgeattn.ops.utils import check_chunk_size, check_dims, check_log_gate, che
 torch = require("torch")
 Tensor = torch.Tensor
 
+# The chunk and parallel forms (and the Triton kernels) take differences of cumulative log-gates, and
+# -inf - (-inf) is NaN. Gates are clamped here first: exp(-1000) is 0 in float32 and float64 alike, so a
+# gate of -inf (a hard reset) or anything below -1000 still empties the state exactly.
+LOG_GATE_FLOOR = -1000.0
+
 __all__ = ["gated_linear_attention", "gated_recurrence_step", "expand_gate"]
 
 
@@ -61,7 +66,8 @@ def gated_linear_attention(
     """Gated linear attention over ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``.
 
     ``g`` is a log-space gate (<= 0): ``[H]`` (constant per head, RetNet), ``[B, T, H]`` (per head and
-    token) or ``[B, T, H, K]`` (per key dimension, GLA); None means no decay. ``scale`` defaults to
+    token) or ``[B, T, H, K]`` (per key dimension, GLA); None means no decay. ``-inf`` is a hard reset
+    (the state is emptied) in every mode. ``scale`` defaults to
     ``K ** -0.5``. With ``normalize=True`` the output is ``(q S) / (q . z + eps)`` and no scale applies;
     the state is then a pair ``(S [B, H, K, V], z [B, H, K])``, otherwise ``S``. States are float32.
 
@@ -119,6 +125,8 @@ def gated_linear_attention(
         state = (S, z) if normalize else S
         return o.to(out_dtype), (state if output_final_state else None)
 
+    if gate is not None:
+        gate = gate.clamp_min(LOG_GATE_FLOOR)  # exact: see LOG_GATE_FLOOR
     # chunk / parallel: the normalizer z is the state of v extended by a column of ones.
     if normalize:
         vf = torch.cat([vf, vf.new_ones(B, T, H, 1)], dim=-1)

@@ -165,3 +165,36 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_export_refuses_an_output_that_is_contains_or_lies_inside_the_checkpoint(ckpt, tmp_path):
+    import shutil
+
+    own = tmp_path / "runs" / "gla"
+    shutil.copytree(ckpt, own)
+    (own / "trainer_state.pt").write_bytes(b"optimizer")  # what --resume needs
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out, where in ((own / "onnx", "lies inside"), (own, "is"), (tmp_path / "runs", "contains")):
+        for force in ([], ["--force"]):
+            res = invoke("export", own, "--out", out, "--prefill-chunk", PREFILL, *force)
+            assert_bad_input(res, f"{where} the checkpoint")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (own / "trainer_state.pt").read_bytes() == b"optimizer"
+
+
+def test_checkpoints_and_artifacts_get_the_usual_file_modes(tmp_path):
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        ckpt = make_checkpoint(tmp_path / "c", "gla")
+        (ckpt / "model.safetensors").chmod(0o600)  # as checkpoints written before this fix are
+        out = tmp_path / "art"
+        assert invoke("export", ckpt, "--out", out, "--prefill-chunk", PREFILL).exit_code == 0
+        fresh = make_checkpoint(tmp_path / "fresh", "gla")
+    finally:
+        os.umask(umask)
+    for root in (out, fresh):
+        for p in [root, *root.rglob("*")]:
+            want = 0o755 if p.is_dir() else 0o644
+            assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))

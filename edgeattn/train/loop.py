@@ -21,13 +21,12 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgeattn._atomic import replace_dir
+from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
@@ -150,12 +149,11 @@ def write_checkpoint(
     out: Path, model_state: dict, model_cfg: EdgeConfig, trainer_state: dict, summary: dict
 ) -> None:
     """Write the checkpoint to a temp directory next to ``out``, then swap it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
+    tmp = make_temp_dir(out)
     try:
         model = EdgeLM(model_cfg)
         model.load_state_dict(model_state)
-        model.save(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
+        model.save_files(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
         torch.save(trainer_state, tmp / STATE)
         (tmp / STATE_JSON).write_text(json.dumps(summary, indent=2, sort_keys=True))
         replace_dir(tmp, out)

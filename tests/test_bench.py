@@ -267,7 +267,7 @@ def test_bad_inputs_are_one_line_errors(artifacts, tmp_path):
     not_art = tmp_path / "empty"
     not_art.mkdir()
     assert_bad_input(invoke(not_art), "not an exported edgeattn artifact")
-    assert_bad_input(invoke(tmp_path / "nowhere"), "is not an artifact directory")
+    assert_bad_input(invoke(tmp_path / "nowhere"), "does not exist")
     assert_bad_input(invoke(artifacts["gla"], "--backend", "cuda"), "unknown backend 'cuda'")
     if importlib.util.find_spec("tensorrt") is None:  # not installed here: says which extra to install
         assert_bad_input(invoke(artifacts["gla"], "--backend", "onnxruntime,tensorrt"), "edgeattn[tensorrt]")

@@ -175,7 +175,7 @@ def check_out_dir(out: Path, resume: Path | None, overwrite: bool) -> None:
     if not is_checkpoint(out):
         raise ValueError(f"--out {out} exists and is not a checkpoint; choose an empty or new directory")
     if not overwrite:
-        raise ValueError(f"--out {out} already holds a checkpoint; pass --resume {out} or --overwrite")
+        raise ValueError(f"--out {out} already holds a checkpoint; pass --resume {out} or --force")
 
 
 # ---- the loop ----

@@ -304,3 +304,23 @@ def test_a_failing_worker_is_reported_and_the_rest_still_runs(artifacts, tmp_pat
     assert [r["errors"] for r in head["results"]] == [0, 1]  # tried once, not once per repeat
     assert "failed" in res.stdout and "onnxruntime cannot load" in res.stdout
     assert_bad_input(invoke(broken, *args), "onnxruntime cannot load")
+
+
+def test_outputs_are_checked_before_benchmarking(artifacts, tmp_path, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its outputs were checked")
+
+    monkeypatch.setattr(runner, "run_worker", no_run)
+    busy = tmp_path / "results"
+    busy.write_text("mine")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--out", busy), "exists and is not a directory")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--out", busy / "sub"), "is not a directory")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--export-dir", busy), "exists and is not a directory")
+    assert busy.read_text() == "mine"
+
+
+def test_the_plot_hint_names_the_bench_extra(artifacts, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on an install without the bench extra
+    res = invoke(*quick(artifacts["gla"], steps=2), "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert "pip install 'edgeattn[bench]' for the plots" in res.stdout

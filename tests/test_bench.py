@@ -324,3 +324,27 @@ def test_the_plot_hint_names_the_bench_extra(artifacts, tmp_path, monkeypatch):
     res = invoke(*quick(artifacts["gla"], steps=2), "--out", tmp_path / "o")
     assert res.exit_code == 0, res.output
     assert "pip install 'edgeattn[bench]' for the plots" in res.stdout
+
+
+def test_the_demo_ends_with_one_sentence_of_result_before_its_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_decode", Path("benchmarks/demo_decode.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+
+    def fig(ms, mib):
+        return {"ms_per_token": ms, "rss_mib": mib}
+
+    results = {
+        "artifact": {128: fig(1.0, 70.0), 8192: fig(1.1, 70.2)},
+        "softmax": {128: fig(1.0, 70.0), 8192: fig(3.0, 102.0)},
+    }
+    line = demo.result_sentence("gla.onnx", results, 128, 8192)
+    assert "\n" not in line and line.endswith(".")
+    assert "gla.onnx's memory stayed flat (+0.2 MiB, 1.10x" in line
+    assert "softmax baseline's memory grew by +32.0 MiB" in line and "3.00x" in line
+    results["artifact"][8192] = fig(1.1, 90.0)
+    assert "memory changed (+20.0 MiB" in demo.result_sentence("gla.onnx", results, 128, 8192)
+    script = Path("scripts/demo.sh").read_text()
+    assert "--steps" in script and "--time-budget" not in script

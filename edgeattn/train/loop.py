@@ -241,7 +241,7 @@ def _console(enabled: bool):
 
 
 def _progress(console):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -250,6 +250,8 @@ def _progress(console):
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[tps]} tok/s"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=console,
         transient=False,
     )

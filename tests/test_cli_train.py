@@ -237,3 +237,22 @@ def test_sample_takes_n_and_refuses_more_tokens_than_max_seq_len(app, tmp_path):
     assert len(r.stdout.encode()) >= len("abcd") + 1
     r = run(app, "sample", ckpt, "--prompt", "abcd", "-n", "21")
     assert r.exit_code == 2 and r.stdout == "" and "maximum of 24" in r.stderr, r.output
+
+
+def test_train_removes_what_a_killed_run_left_beside_its_checkpoint(app, data, tmp_path):
+    import subprocess
+    import sys
+
+    from edgeattn._atomic import _host
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "ckpt"
+    stale = tmp_path / f".ckpt.tmp-{_host()}-{dead.pid}-abcd1234"  # a checkpoint save killed mid-write
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)
+    mine = tmp_path / ".ckpt.keep"  # not our naming: never touched
+    mine.write_text("x")
+    r = run(app, "train", "--data", data, "--out", out, "--steps", "1", *TINY, *FAST)
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", ".ckpt.keep", "data", "cache"])

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgeattn._atomic import make_temp_dir, replace_dir
+from edgeattn._atomic import cleanup_stale, make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
@@ -293,6 +293,8 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
         model_cfg = ckpt_cfg
     model_cfg = EdgeConfig() if model_cfg is None else model_cfg
     if out is not None:
+        if info.is_main:
+            cleanup_stale(out)  # what a killed earlier run left beside it (see edgeattn._atomic)
         check_out_dir(out, resume, overwrite)
     torch.manual_seed(cfg.seed)
     model = EdgeLM.load(resume) if resume is not None else EdgeLM(model_cfg)  # unknown mixers fail here

@@ -117,6 +117,10 @@ def test_bad_options(app, data, tmp_path):
     _bad(app, out, "--data", data, "--mixer", "gla,nope", message="unknown mixer 'nope'")
     _bad(app, out, "--data", data, "--steps", "0", message="--steps must be >= 1")
     _bad(app, out, "--data", data, "--d-model", "33", message="multiple of n_heads")
+    _bad(app, out, "--data", data, "--n-heads", "0", message="n_heads must be >= 1")
+    _bad(app, out, "--data", data, "--max-seq-len", "0", message="max_seq_len must be >= 1")
+    _bad(app, out, "--data", data, "--lr", "nan", message="--lr must be a finite number")
+    _bad(app, out, "--data", data, "--time-budget", "inf", message="--time-budget must be a finite number")
     (tmp_path / "bad.json").write_text('{"d_model": 32, "colour": "red"}')
     _bad(
         app,

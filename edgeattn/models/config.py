@@ -41,11 +41,11 @@ class EdgeConfig:
         for name in names:
             if name not in MIXERS:
                 raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
 
     @property
     def mixers(self) -> list[str]:

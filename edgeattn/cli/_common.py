@@ -15,6 +15,7 @@ try:  # Typer >= 0.26 vendors Click
     from typer._click import exceptions as click_exceptions
 except ImportError:  # pragma: no cover - older Typer on Click
     from click import exceptions as click_exceptions
+_NO_ARGS_IS_HELP = getattr(click_exceptions, "NoArgsIsHelpError", ())  # Click >= 8.2
 
 EXIT_BAD_INPUT = 2
 
@@ -117,7 +118,7 @@ def _main_one_line_errors(main, self, args, prog_name, complete_var, standalone_
         return main(self, args, prog_name, complete_var, standalone_mode=False, **extra)
     try:
         rv = main(self, args, prog_name, complete_var, standalone_mode=False, **extra)
-    except click_exceptions.NoArgsIsHelpError as e:
+    except _NO_ARGS_IS_HELP as e:
         if e.message:  # plain help mode returns the help text; rich mode has printed it already
             print(e.message)
         sys.exit(e.exit_code)

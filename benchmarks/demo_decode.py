@@ -9,7 +9,7 @@ attention model's latency and memory stay flat while the KV cache grows with eve
 
     python benchmarks/demo_decode.py ARTIFACT [--tokens 8192] [--marks 128,8192] [--threads 2]
 
-Prints a table, then one JSON line.
+Prints a table, one sentence with the result, then one JSON line.
 """
 
 from __future__ import annotations
@@ -66,6 +66,24 @@ def run(art: Path, threads: int, marks: list[int]) -> dict:
     return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
 
+def result_sentence(name: str, results: dict, lo: int, hi: int) -> str:
+    """The demo's conclusion in one plain sentence, from the measured figures only."""
+    a, s = results["artifact"], results["softmax"]
+
+    def grew(r) -> float:
+        return r[hi]["rss_mib"] - r[lo]["rss_mib"]
+
+    def slower(r) -> float:
+        return r[hi]["ms_per_token"] / r[lo]["ms_per_token"]
+
+    flat = "stayed flat" if abs(grew(a)) < max(1.0, 0.1 * grew(s)) else "changed"
+    return (
+        f"Result: from {lo} to {hi} tokens of context, {name}'s memory {flat} ({grew(a):+.1f} MiB, "
+        f"{slower(a):.2f}x the time per token) while the softmax baseline's memory grew by {grew(s):+.1f} MiB "
+        f"with its KV cache ({slower(s):.2f}x the time per token)."
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
@@ -89,6 +107,7 @@ def main() -> None:
             + "".join(f"{row[m]['ms_per_token']:>14.2f}{row[m]['rss_mib']:>15.1f}" for m in marks)
         )
     lo, hi = min(marks), max(marks)
+    print(result_sentence(name, results, lo, hi))
     summary = {
         key: {
             "ms_per_token": {str(m): r[m]["ms_per_token"] for m in marks},

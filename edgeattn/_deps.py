@@ -20,12 +20,19 @@ class MissingDependency(ImportError):
     pass
 
 
+def _message(module: str, extra: str) -> str:
+    return f"{module} is needed for this; install it with: pip install 'edgeattn[{extra}]'"
+
+
+def missing_message(module: str) -> str | None:
+    """What to install for the optional dependency ``module``; None if it is not one of edgeattn's."""
+    extra = _EXTRA.get(module.split(".")[0])
+    return None if extra is None else _message(module, extra)
+
+
 def require(module: str) -> ModuleType:
     """Import ``module`` or raise an ImportError saying which extra provides it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        extra = _EXTRA.get(module.split(".")[0], "train")
-        raise MissingDependency(
-            f"{module} is needed for this; install it with: pip install 'edgeattn[{extra}]'"
-        ) from e
+        raise MissingDependency(_message(module, _EXTRA.get(module.split(".")[0], "train"))) from e

@@ -267,7 +267,7 @@ def test_bad_inputs_are_one_line_errors(artifacts, tmp_path):
     not_art = tmp_path / "empty"
     not_art.mkdir()
     assert_bad_input(invoke(not_art), "not an exported edgeattn artifact")
-    assert_bad_input(invoke(tmp_path / "nowhere"), "is not an artifact directory")
+    assert_bad_input(invoke(tmp_path / "nowhere"), "does not exist")
     assert_bad_input(invoke(artifacts["gla"], "--backend", "cuda"), "unknown backend 'cuda'")
     if importlib.util.find_spec("tensorrt") is None:  # not installed here: says which extra to install
         assert_bad_input(invoke(artifacts["gla"], "--backend", "onnxruntime,tensorrt"), "edgeattn[tensorrt]")
@@ -304,3 +304,47 @@ def test_a_failing_worker_is_reported_and_the_rest_still_runs(artifacts, tmp_pat
     assert [r["errors"] for r in head["results"]] == [0, 1]  # tried once, not once per repeat
     assert "failed" in res.stdout and "onnxruntime cannot load" in res.stdout
     assert_bad_input(invoke(broken, *args), "onnxruntime cannot load")
+
+
+def test_outputs_are_checked_before_benchmarking(artifacts, tmp_path, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its outputs were checked")
+
+    monkeypatch.setattr(runner, "run_worker", no_run)
+    busy = tmp_path / "results"
+    busy.write_text("mine")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--out", busy), "exists and is not a directory")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--out", busy / "sub"), "is not a directory")
+    assert_bad_input(invoke(*quick(artifacts["gla"]), "--export-dir", busy), "exists and is not a directory")
+    assert busy.read_text() == "mine"
+
+
+def test_the_plot_hint_names_the_bench_extra(artifacts, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on an install without the bench extra
+    res = invoke(*quick(artifacts["gla"], steps=2), "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert "pip install 'edgeattn[bench]' for the plots" in res.stdout
+
+
+def test_the_demo_ends_with_one_sentence_of_result_before_its_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_decode", Path("benchmarks/demo_decode.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+
+    def fig(ms, mib):
+        return {"ms_per_token": ms, "rss_mib": mib}
+
+    results = {
+        "artifact": {128: fig(1.0, 70.0), 8192: fig(1.1, 70.2)},
+        "softmax": {128: fig(1.0, 70.0), 8192: fig(3.0, 102.0)},
+    }
+    line = demo.result_sentence("gla.onnx", results, 128, 8192)
+    assert "\n" not in line and line.endswith(".")
+    assert "gla.onnx's memory stayed flat (+0.2 MiB, 1.10x" in line
+    assert "softmax baseline's memory grew by +32.0 MiB" in line and "3.00x" in line
+    results["artifact"][8192] = fig(1.1, 90.0)
+    assert "memory changed (+20.0 MiB" in demo.result_sentence("gla.onnx", results, 128, 8192)
+    script = Path("scripts/demo.sh").read_text()
+    assert "--steps" in script and "--time-budget" not in script

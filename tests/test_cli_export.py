@@ -124,7 +124,7 @@ def test_run_bad_inputs(artifact, ckpt, tmp_path):
     (old_ort / "edgeattn.json").write_text(json.dumps(data))
     assert_bad_input(invoke("run", old_ort, "-n", 1), "--target portable")
 
-    assert_bad_input(invoke("run", tmp_path / "nothing", "-n", 1), "not an artifact directory")
+    assert_bad_input(invoke("run", tmp_path / "nothing", "-n", 1), "does not exist")
     assert_bad_input(invoke("run", artifact, "-n", 1, "--state-in", tmp_path / "none.st"), "does not exist")
     (tmp_path / "junk.st").write_bytes(b"\x01\x02")
     res = invoke("run", artifact, "-n", 1, "--state-in", tmp_path / "junk.st")
@@ -165,3 +165,150 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_export_refuses_an_output_that_is_contains_or_lies_inside_the_checkpoint(ckpt, tmp_path):
+    import shutil
+
+    own = tmp_path / "runs" / "gla"
+    shutil.copytree(ckpt, own)
+    (own / "trainer_state.pt").write_bytes(b"optimizer")  # what --resume needs
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out, where in ((own / "onnx", "lies inside"), (own, "is"), (tmp_path / "runs", "contains")):
+        for force in ([], ["--force"]):
+            res = invoke("export", own, "--out", out, "--prefill-chunk", PREFILL, *force)
+            assert_bad_input(res, f"{where} the checkpoint")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (own / "trainer_state.pt").read_bytes() == b"optimizer"
+
+
+def test_checkpoints_and_artifacts_get_the_usual_file_modes(tmp_path):
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        ckpt = make_checkpoint(tmp_path / "c", "gla")
+        (ckpt / "model.safetensors").chmod(0o600)  # as checkpoints written before this fix are
+        out = tmp_path / "art"
+        assert invoke("export", ckpt, "--out", out, "--prefill-chunk", PREFILL).exit_code == 0
+        fresh = make_checkpoint(tmp_path / "fresh", "gla")
+    finally:
+        os.umask(umask)
+    for root in (out, fresh):
+        for p in [root, *root.rglob("*")]:
+            want = 0o755 if p.is_dir() else 0o644
+            assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+
+
+# ---- outputs checked before any work; lengths checked before generating; one line per usage error ----
+
+
+def main_app():
+    from edgeattn.cli.main import app as main
+
+    return main
+
+
+def invoke_main(*args):
+    return runner.invoke(main_app(), [str(a) for a in args])
+
+
+def test_run_checks_state_out_before_generating(artifact, tmp_path):
+    (tmp_path / "adir").mkdir()
+    for state_out, message in (
+        (tmp_path / "adir", "is a directory"),
+        (tmp_path / "missing_dir" / "x.state", "does not exist"),
+    ):
+        res = invoke("run", artifact, "-n", 5, "--state-out", state_out)
+        assert_bad_input(res, "--state-out")  # nothing generated: the error is the whole output
+        assert message in res.stderr and ".tmp" not in res.stderr
+    assert not (tmp_path / "missing_dir").exists() and not any((tmp_path / "adir").iterdir())
+
+
+def test_an_error_after_generating_starts_its_own_line(artifact, tmp_path, monkeypatch):
+    from edgeattn.runtimes.base import Session
+
+    def broken(self, path):
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(Session, "save_state", broken)
+    res = invoke("run", artifact, "-n", 5, "--seed", 0, "--state-out", tmp_path / "s.st")
+    assert res.exit_code == 2
+    assert res.stdout.endswith("\n") and res.stderr == "error: disk full\n", (res.stdout, res.stderr)
+
+
+def test_run_and_sample_check_lengths_against_max_length_before_generating(tmp_path):
+    from edgeattn.runtimes import open_session
+
+    soft = make_checkpoint(tmp_path / "soft", "softmax", max_seq_len=32)
+    art = tmp_path / "s"
+    assert invoke("export", soft, "--out", art, "--prefill-chunk", PREFILL).exit_code == 0
+    assert_bad_input(invoke("run", art, "--prompt", "x" * 10, "-n", 23), "maximum of 32")
+    res = invoke("run", art, "--prompt", "x" * 10, "-n", 22, "--seed", 0)  # exactly 32: fine
+    assert res.exit_code == 0, res.output
+    sess = open_session(art)
+    with pytest.raises(ValueError, match="generate at most 22"):
+        next(sess.generate_text("x" * 10, 23))
+    assert sess.position == 0  # refused before anything ran
+    sample_app = typer.Typer()
+    from edgeattn.cli import sample
+
+    sample.register(sample_app)
+    res = runner.invoke(sample_app, [str(soft), "--prompt", "x" * 10, "-n", "23"])
+    assert_bad_input(res, "maximum of 32")
+    assert runner.invoke(sample_app, [str(soft), "--prompt", "x" * 10, "-n", "22"]).exit_code == 0
+
+
+def test_run_prints_its_figures_to_stderr(artifact):
+    res = invoke("run", artifact, "--prompt", "def ", "-n", 8, "--seed", 0)
+    assert res.exit_code == 0, res.output
+    assert "tokens/s" not in res.stdout and res.stdout.startswith("def ") and res.stdout.endswith("\n")
+    assert "tokens/s" in res.stderr and "peak RSS" in res.stderr
+
+
+def test_numeric_options_out_of_range_are_one_line_errors(artifact):
+    for args, name in (
+        (["run", artifact, "--threads", "-3"], "--threads"),
+        (["run", artifact, "--threads", "0"], "--threads"),
+        (["run", artifact, "-n", "-1"], "--max-new-tokens"),
+        (["run", artifact, "--top-p", "1.5"], "--top-p"),
+        (["run", artifact, "--temperature", "inf"], "--temperature"),
+        (["check", artifact, "--tolerance", "-1"], "--tolerance"),
+        (["check", artifact, "--tolerance", "nan"], "--tolerance"),
+        (["check", artifact, "--threads", "-1"], "--threads"),
+        (["export", artifact, "--out", "x", "--batch", "0"], "--batch"),
+        (["export", artifact, "--out", "x", "--precision", "int4"], "--precision"),
+    ):
+        assert_bad_input(invoke_main(*args), name)
+
+
+def test_help_version_and_consistent_options():
+    import edgeattn
+
+    res = invoke_main("--version")
+    assert res.exit_code == 0 and res.stdout.strip() == f"edgeattn {edgeattn.__version__}"
+    command = typer.main.get_command(main_app())
+    for name in command.commands:
+        res = invoke_main(name, "--help")
+        assert res.exit_code == 0 and "<bool>" not in res.output, (name, res.output)
+    assert "<bool>" not in invoke_main("--help").output
+    params = {c: {p.name: p for p in command.commands[c].params} for c in ("run", "sample")}
+    for option in ("top_p", "temperature", "top_k"):
+        assert params["run"][option].default == params["sample"][option].default, option
+    assert "-n" in params["sample"]["max_new_tokens"].opts
+    assert all(p.help for p in command.commands["run"].params), "every run option has a help text"
+
+
+def test_check_on_the_base_install_names_the_extra(artifact):
+    code = f"""
+import sys
+sys.modules["torch"] = None
+sys.modules["onnx"] = None
+from edgeattn.cli.main import app
+app(["check", {str(artifact)!r}])
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: ") and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "pip install 'edgeattn[train]'" in res.stderr

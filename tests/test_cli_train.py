@@ -117,6 +117,10 @@ def test_bad_options(app, data, tmp_path):
     _bad(app, out, "--data", data, "--mixer", "gla,nope", message="unknown mixer 'nope'")
     _bad(app, out, "--data", data, "--steps", "0", message="--steps must be >= 1")
     _bad(app, out, "--data", data, "--d-model", "33", message="multiple of n_heads")
+    _bad(app, out, "--data", data, "--n-heads", "0", message="n_heads must be >= 1")
+    _bad(app, out, "--data", data, "--max-seq-len", "0", message="max_seq_len must be >= 1")
+    _bad(app, out, "--data", data, "--lr", "nan", message="--lr must be a finite number")
+    _bad(app, out, "--data", data, "--time-budget", "inf", message="--time-budget must be a finite number")
     (tmp_path / "bad.json").write_text('{"d_model": 32, "colour": "red"}')
     _bad(
         app,
@@ -139,15 +143,14 @@ def test_resume_of_another_config_and_existing_out(app, data, tmp_path):
         assert r.exit_code == 2, r.output
         assert "another config" in r.stderr and field in r.stderr
         assert _no_checkpoint(out)
-    # A checkpoint in --out is replaced only with --overwrite; a plain directory with files never.
+    # A checkpoint in --out is replaced only with --force (or its old name --overwrite, hidden in --help);
+    # a plain directory with files never.
     r = run(app, "train", "--data", data, "--out", first, "--steps", "2", *TINY, *FAST)
-    assert r.exit_code == 2 and "--overwrite" in r.stderr
-    assert (
-        run(
-            app, "train", "--data", data, "--out", first, "--steps", "2", "--overwrite", *TINY, *FAST
-        ).exit_code
-        == 0
-    )
+    assert r.exit_code == 2 and "--force" in r.stderr
+    for flag in ("--force", "--overwrite"):
+        r = run(app, "train", "--data", data, "--out", first, "--steps", "2", flag, *TINY, *FAST)
+        assert r.exit_code == 0, r.output
+    assert "--overwrite" not in run(app, "train", "--help").output
     r = run(app, "train", "--data", data, "--out", data, "--steps", "2", *TINY, *FAST)
     assert r.exit_code == 2 and "not a checkpoint" in r.stderr
     assert _no_checkpoint(data)
@@ -169,16 +172,91 @@ def test_sample_bad_input(app, tmp_path):
 def test_help_defaults_match_the_code(app):
     """The defaults shown in --help are written out by hand (torch is not imported for --help)."""
     from edgeattn.cli.train import DEFAULT_MODEL
+    from edgeattn.models import EdgeConfig
     from edgeattn.train import TrainConfig
 
     command = typer.main.get_command(app).commands["train"]
-    cfg = TrainConfig()
+    cfg, model_cfg = TrainConfig(), EdgeConfig()
     checked = 0
     for p in command.params:
         shown = p.show_default
         if not isinstance(shown, str) or not shown.replace(".", "").replace("e-", "").isdigit():
             continue
-        want = DEFAULT_MODEL[p.name] if p.name in DEFAULT_MODEL else getattr(cfg, p.name)
+        if p.name in DEFAULT_MODEL:
+            want = DEFAULT_MODEL[p.name]
+        else:
+            want = getattr(cfg, p.name) if hasattr(cfg, p.name) else getattr(model_cfg, p.name)
         assert float(shown) == float(want), p.name
         checked += 1
-    assert checked >= 12
+    assert checked >= 13
+
+
+def test_mixer_list_sets_the_layers_and_says_so(app, data, tmp_path):
+    out = tmp_path / "ckpt"
+    r = run(
+        app,
+        "train",
+        "--data",
+        data,
+        "--out",
+        out,
+        "--steps",
+        "1",
+        "--mixer",
+        "gla,softmax",
+        *TINY[:2],
+        *TINY[4:],
+        *FAST,
+    )
+    assert r.exit_code == 0, r.output
+    assert "note: --mixer names 2 layers" in r.stderr
+    assert EdgeLM.load(out).cfg.n_layers == 2
+    # --n-layers given and disagreeing: refused, not overridden
+    _bad(
+        app,
+        tmp_path / "o2",
+        "--data",
+        data,
+        "--mixer",
+        "gla,softmax,gla",
+        message="--mixer names 3 layers but --n-layers is 2",
+    )
+
+
+def test_max_seq_len_option_sets_the_softmax_limit(app, data, tmp_path):
+    out = tmp_path / "soft"
+    args = ["--data", data, "--out", out, "--steps", "1", "--mixer", "softmax", "--max-seq-len", "16384"]
+    r = run(app, "train", *args, *TINY, *FAST)
+    assert r.exit_code == 0, r.output
+    assert EdgeLM.load(out).cfg.max_seq_len == 16384
+
+
+def test_sample_takes_n_and_refuses_more_tokens_than_max_seq_len(app, tmp_path):
+    from edgeattn.models import EdgeConfig
+
+    ckpt = tmp_path / "soft"
+    EdgeLM(EdgeConfig(d_model=32, n_layers=1, n_heads=2, mixer="softmax", max_seq_len=24)).save(ckpt)
+    r = run(app, "sample", ckpt, "--prompt", "abcd", "-n", "20", "--seed", "1")
+    assert r.exit_code == 0, r.output
+    assert len(r.stdout.encode()) >= len("abcd") + 1
+    r = run(app, "sample", ckpt, "--prompt", "abcd", "-n", "21")
+    assert r.exit_code == 2 and r.stdout == "" and "maximum of 24" in r.stderr, r.output
+
+
+def test_train_removes_what_a_killed_run_left_beside_its_checkpoint(app, data, tmp_path):
+    import subprocess
+    import sys
+
+    from edgeattn._atomic import _host
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "ckpt"
+    stale = tmp_path / f".ckpt.tmp-{_host()}-{dead.pid}-abcd1234"  # a checkpoint save killed mid-write
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)
+    mine = tmp_path / ".ckpt.keep"  # not our naming: never touched
+    mine.write_text("x")
+    r = run(app, "train", "--data", data, "--out", out, "--steps", "1", *TINY, *FAST)
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", ".ckpt.keep", "data", "cache"])

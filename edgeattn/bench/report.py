@@ -328,7 +328,9 @@ def print_report(doc: dict, console) -> None:
         for e in r["errors"]:
             console.print(f"[red]failed[/red] {escape(e)}")
     for m in doc["missing"]:
-        console.print(f"[yellow]missing[/yellow] {m['mixer']}: {escape(m['reason'])}; re-run: {m['command']}")
+        console.print(
+            f"[yellow]missing[/yellow] {m['mixer']}: {escape(m['reason'])}; re-run: {escape(m['command'])}"
+        )
 
 
 def print_comparison(cmp: dict, console) -> None:

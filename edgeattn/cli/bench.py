@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import Command, check_output_dir, cli_errors
 
 _WHAT = "What to benchmark"
 _HOW = "Measurement"
@@ -204,6 +204,7 @@ def bench(
     """Benchmark decode latency, resident memory and prefill speed, next to each family's analytic floor."""
     import json
 
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from edgeattn.bench import report
@@ -218,8 +219,12 @@ def bench(
     if not artifacts and not mixers:
         raise ValueError("give artifact directories, or --mixers gla,retnet,softmax to export fresh ones")
     targets = load_targets(list(artifacts or []))
-    if export_dir is not None and export_dir.exists() and any(export_dir.iterdir()):
-        raise ValueError(f"--export-dir {export_dir} exists and is not empty")
+    if out is not None:
+        check_output_dir(out, "--out")
+    if export_dir is not None:
+        check_output_dir(export_dir, "--export-dir")
+        if export_dir.exists() and any(export_dir.iterdir()):
+            raise ValueError(f"--export-dir {export_dir} exists and is not empty")
     settings = Settings(
         backends=backends,
         contexts=ctx,
@@ -281,12 +286,12 @@ def bench(
         report.print_comparison(doc["comparison"], console)
     if out is not None:
         files = report.write_outputs(doc, out)
-        console.print(f"wrote {', '.join(str(f) for f in files)}")
+        console.print(f"wrote {escape(', '.join(str(f) for f in files))}")
         if doc.get("plots_skipped"):
-            console.print(f"[yellow]plots skipped[/yellow]: {doc['plots_skipped']}")
+            console.print(f"[yellow]plots skipped[/yellow]: {escape(doc['plots_skipped'])}")
     console.file.flush()
     typer.echo(json.dumps(report.headline(doc, out)))
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bench")(bench)
+    app.command("bench", cls=Command)(bench)

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn._deps import require
+from edgeattn.cli._common import Command, cli_errors
 
 
 @cli_errors
@@ -17,15 +18,25 @@ def check(
         int, typer.Option(min=2, help="Tokens to compare (prefill chunks, then single steps).")
     ] = 300,
     tolerance: Annotated[
-        float | None, typer.Option(help="Max relative logit difference (default by precision).")
+        float | None,
+        typer.Option(
+            min=0.0, help="Max relative logit difference (default by precision).", show_default=False
+        ),
     ] = None,
     text: Annotated[Path | None, typer.Option(help="Text file to feed (default: Python's os.py).")] = None,
-    threads: Annotated[int | None, typer.Option()] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="Intra-op threads (default: the runtime's).")
+    ] = None,
 ) -> None:
-    """Run the artifact and its PyTorch model side by side; exit 1 on a mismatch."""
+    """Run the artifact and its PyTorch model side by side; exit 1 on a mismatch.
+
+    Needs the train extra (PyTorch and onnx)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    for module in ("torch", "onnx"):  # on the base install: one line naming the extra, before any work
+        require(module)
     from edgeattn.export.check import check_artifact
 
     if text is not None and not text.is_file():
@@ -47,7 +58,7 @@ def check(
         if report.tensorrt:
             console.print("TensorRT 10 compatibility: [red]problems[/red]")
             for p in report.tensorrt:
-                console.print(f"  - {p}")
+                console.print(f"  - {escape(p)}")
         else:
             console.print("TensorRT 10 compatibility: [green]every op and attribute is supported[/green]")
     if not report.ok:
@@ -57,4 +68,4 @@ def check(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("check")(check)
+    app.command("check", cls=Command)(check)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import Command, check_output_dir, cli_errors
 
 
 class Target(str, Enum):
@@ -32,8 +32,8 @@ def export(
     precision: Annotated[
         Precision, typer.Option(help="Weights and activations; the state stays float32.")
     ] = Precision.fp32,
-    batch: Annotated[int, typer.Option(help="Static batch size of the graphs.")] = 1,
-    prefill_chunk: Annotated[int, typer.Option(help="Tokens per call of prefill.onnx.")] = 64,
+    batch: Annotated[int, typer.Option(min=1, help="Static batch size of the graphs.")] = 1,
+    prefill_chunk: Annotated[int, typer.Option(min=2, help="Tokens per call of prefill.onnx.")] = 64,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     cpp_example: Annotated[
         bool, typer.Option("--cpp-example", help="Print the commands that build the C++ example against OUT.")
@@ -44,6 +44,7 @@ def export(
 
     if not checkpoint.exists():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
+    check_output_dir(out, "--out")
     path = export_model(
         checkpoint,
         out,
@@ -74,4 +75,4 @@ def export(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export")(export)
+    app.command("export", cls=Command)(export)

@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import importlib
+from typing import Annotated
 
 import typer
 
+from edgeattn.cli._common import Group
+
 app = typer.Typer(
     name="edgeattn",
+    cls=Group,
     help="Linear-attention language models from training to edge devices.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from edgeattn import __version__
+
+        typer.echo(f"edgeattn {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Linear-attention language models from training to edge devices."""
+
 
 # Each module defines `register(app)`; torch is imported inside the commands that need it only.
 COMMANDS = ("train", "sample", "export", "run", "check", "bench")

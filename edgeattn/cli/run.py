@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import TEMPERATURE, TOP_P, Command, check_output_file, cli_errors
 
 
 class Backend(str, Enum):
@@ -29,21 +29,39 @@ def peak_rss_bytes() -> int:
 def run(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory written by `edgeattn export`.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "def ",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=0)] = 200,
-    backend: Annotated[Backend, typer.Option()] = Backend.onnxruntime,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option(min=0)] = 0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
-    seed: Annotated[int | None, typer.Option()] = None,
-    threads: Annotated[int | None, typer.Option(help="Intra-op threads.")] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", min=0, help="Tokens to generate.")
+    ] = 200,
+    backend: Annotated[
+        Backend, typer.Option(help="Runtime: onnxruntime, torch (needs the train extra) or tensorrt.")
+    ] = Backend.onnxruntime,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, help="Softmax temperature; 0 is greedy.")
+    ] = TEMPERATURE,
+    top_k: Annotated[int, typer.Option(min=0, help="Keep the k most likely tokens (0: all).")] = 0,
+    top_p: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="Keep the most likely tokens up to this probability mass (1: all)."
+        ),
+    ] = TOP_P,
+    seed: Annotated[int | None, typer.Option(help="Seed of the sampler (default: random).")] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="Intra-op threads (default: the runtime's).")
+    ] = None,
     state_in: Annotated[Path | None, typer.Option(help="Resume from a state file (same model).")] = None,
-    state_out: Annotated[Path | None, typer.Option(help="Save the state after generating.")] = None,
+    state_out: Annotated[Path | None, typer.Option(help="Save the state here after generating.")] = None,
 ) -> None:
-    """Generate text token by token, keeping the fixed-size state inside the runtime."""
+    """Generate text token by token, keeping the fixed-size state inside the runtime.
+
+    The text goes to stdout; the closing line of figures (tokens/s, peak memory) to stderr."""
     from edgeattn.runtimes import open_session
 
+    # Everything a user can get wrong is refused before the model is loaded.
     if state_in is not None and not state_in.is_file():
         raise ValueError(f"state file {state_in} does not exist")
+    if state_out is not None:
+        check_output_file(state_out, "--state-out")
     sess = open_session(artifact, backend=backend.value, threads=threads)
     if state_in is not None:
         sess.load_state(state_in)
@@ -51,21 +69,25 @@ def run(
     pieces = sess.generate_text(
         prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
     )
-    # The first piece checks and prefills the prompt, so a bad prompt prints nothing but its error; then
-    # the prompt is echoed so the continuation reads as text, as with `edgeattn sample`.
+    # The first piece checks and prefills the prompt (and the length), so a bad prompt prints nothing but
+    # its error; then the prompt is echoed so the continuation reads as text, as with `edgeattn sample`.
     sys.stdout.write(prompt + next(pieces, ""))
-    for piece in pieces:
-        sys.stdout.write(piece)
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:  # the text ends its line, so that an error or the figures start their own
+        sys.stdout.write("\n")
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
     if state_out is not None:
         sess.save_state(state_out)
-    typer.echo("")
     typer.echo(
         f"[{backend.value}] {max_new_tokens} tokens in {elapsed:.2f} s ({max_new_tokens / max(elapsed, 1e-9):.1f} tokens/s), "
-        f"prompt {len(prompt.encode())} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB"
+        f"prompt {len(prompt.encode())} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB",
+        err=True,
     )
 
 
 def register(app: typer.Typer) -> None:
-    app.command("run")(run)
+    app.command("run", cls=Command)(run)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import Command, cli_errors
 
 # The small default model, sized for a 10-minute run on 2 CPU cores (benchmarks/train_quality.py): on
 # so small a budget (~2M bytes) width 128 learns as much per step as 256 at twice the steps per second.
@@ -35,7 +35,16 @@ def model_config(config: Path | None, overrides: dict, resumed=None):
     if isinstance(overrides.get("mixer"), str) and "," in overrides["mixer"]:
         names = [n.strip() for n in overrides["mixer"].split(",")]
         overrides["mixer"] = names
-        overrides.setdefault("n_layers", len(names))
+        if "n_layers" in overrides and overrides["n_layers"] != len(names):
+            raise ValueError(
+                f"--mixer names {len(names)} layers but --n-layers is {overrides['n_layers']}: "
+                "give one mixer per layer, or leave --n-layers out"
+            )
+        if "n_layers" not in overrides and int(os.environ.get("RANK", "0")) == 0:
+            typer.echo(
+                f"note: --mixer names {len(names)} layers, so the model has {len(names)} layers", err=True
+            )
+        overrides["n_layers"] = len(names)
     from_file = {}
     if config is not None:
         if not config.is_file():
@@ -75,8 +84,9 @@ def train(
             help="Continue this checkpoint's run: its options unless given again; --out defaults to it."
         ),
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a checkpoint already in --out.")] = False,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")
+        bool, typer.Option("--overwrite", hidden=True, help="The old name of --force.")
     ] = False,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.", show_default="auto")] = None,
     fsdp: Annotated[
@@ -89,6 +99,10 @@ def train(
     n_layers: Annotated[int | None, _model("Layers.", "4")] = None,
     n_heads: Annotated[int | None, _model("Heads.", "4")] = None,
     chunk_size: Annotated[int | None, _model("Chunk of the chunkwise training form.", "8")] = None,
+    max_seq_len: Annotated[
+        int | None,
+        _model("Longest context of a softmax model (its KV cache; the export's max_length).", "2048"),
+    ] = None,
     config: Annotated[Path | None, _model("JSON file of EdgeConfig fields (flags win).")] = None,
     data: Annotated[
         Path | None, _train("Text file or directory of text files.", "the Python stdlib's source")
@@ -145,9 +159,10 @@ def train(
         "n_layers": n_layers,
         "n_heads": n_heads,
         "chunk_size": chunk_size,
+        "max_seq_len": max_seq_len,
     }
     model_cfg = model_config(config, overrides, resumed_cfg)
-    r = run_training(model_cfg, cfg, out=out, resume=resume, overwrite=overwrite)
+    r = run_training(model_cfg, cfg, out=out, resume=resume, overwrite=force or overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         typer.echo(
             f"done: step {r.step}, {r.tokens:,} tokens in {r.elapsed:.0f} s "
@@ -158,4 +173,4 @@ def train(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train)
+    app.command("train", cls=Command)(train)

@@ -16,12 +16,11 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 from edgeattn import __version__
-from edgeattn._atomic import replace_dir
+from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
 
@@ -134,6 +133,15 @@ def fingerprint(checkpoint: Path) -> str:
     return h.hexdigest()
 
 
+def check_apart(checkpoint: Path, out: Path) -> None:
+    """Refuse an output that is, contains or lies inside the checkpoint (it would copy itself into
+    itself, or ``force`` would delete the checkpoint's training state)."""
+    c, o = checkpoint.resolve(), out.resolve()
+    if o == c or c in o.parents or o in c.parents:
+        where = "is" if o == c else ("lies inside" if c in o.parents else "contains")
+        raise ValueError(f"--out {out} {where} the checkpoint {checkpoint}; choose a directory outside it")
+
+
 def export_model(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
@@ -159,6 +167,7 @@ def export_model(
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
     checkpoint, out = Path(checkpoint), Path(out)
+    check_apart(checkpoint, out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
     model = EdgeLM.load(checkpoint).eval()
@@ -167,8 +176,7 @@ def export_model(
     entries = state_entries(model, batch_size)
     softmax_like = any(isinstance(d, str) for e in entries for d in e["shape"])
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = make_temp_dir(out)
     try:
         module = GraphModule(model, batch_size).eval()
         _export_graph(module, 1, batch_size, entries, tmp / "step.onnx", target)

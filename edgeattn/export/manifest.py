@@ -90,6 +90,8 @@ class Manifest:
     def load(cls, root: str | os.PathLike, verify: bool = True) -> Manifest:
         root = Path(root)
         path = root / MANIFEST
+        if not root.exists():
+            raise ValueError(f"artifact {root} does not exist")
         if not root.is_dir():
             raise ValueError(f"{root} is not an artifact directory")
         if not path.is_file():

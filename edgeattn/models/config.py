@@ -49,6 +49,9 @@ class EdgeConfig:
         for name in names:
             if name not in MIXERS:
                 raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if self.num_v_heads % self.n_heads:
@@ -59,9 +62,6 @@ class EdgeConfig:
             raise ValueError(
                 f"conv_size must be >= 2 (the conv state keeps conv_size - 1 inputs), got {self.conv_size}"
             )
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def mixers(self) -> list[str]:

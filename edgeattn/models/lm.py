@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from edgeattn._atomic import replace_dir
+from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.layers import build_mixer
 from edgeattn.models.config import EdgeConfig
@@ -131,22 +130,28 @@ class EdgeLM(nn.Module):
     # ---- checkpoints: a directory with safetensors weights and a JSON config, written atomically ----
 
     def save(self, path: str | os.PathLike) -> Path:
-        from safetensors.torch import save_file
-
+        """Write the checkpoint directory ``path`` whole (a temporary beside it, swapped into place)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        tmp = make_temp_dir(path)
         try:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-            if self.cfg.tie_embeddings:
-                tensors.pop("lm_head.weight", None)
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-            (tmp / CONFIG).write_text(self.cfg.to_json())
+            self.save_files(tmp)
             replace_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
+
+    def save_files(self, directory: str | os.PathLike) -> None:
+        """Write model.safetensors and config.json into the existing ``directory`` (not atomic: ``save``
+        and the trainer's checkpoints call it on a temporary directory)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        if self.cfg.tie_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+        (directory / CONFIG).write_text(self.cfg.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike, map_location: str = "cpu") -> EdgeLM:

@@ -193,6 +193,14 @@ class Session(ABC):
         check_sampling(temperature, top_k, top_p)  # before any work
         rng = np.random.default_rng(seed)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
+        limit = self.manifest.max_length
+        if limit is not None and self.position + ids.shape[1] + max_new_tokens > limit:
+            held = f"{self.position} tokens in the state + " if self.position else ""
+            raise ValueError(
+                f"{held}{ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed this softmax "
+                f"baseline's maximum of {limit} (its KV cache grows with every token); generate at most "
+                f"{max(limit - self.position - ids.shape[1], 0)}, or use a linear-attention model"
+            )
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:
             raise ValueError("the prompt is empty")

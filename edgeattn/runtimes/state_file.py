@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
+from edgeattn._atomic import make_temp_file
 
 FORMAT = "edgeattn-state"
 FORMAT_VERSION = 1
@@ -57,7 +58,9 @@ def save_state(
     head += b" " * (-len(head) % 8)
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file name for the state")
+    fd, tmp = make_temp_file(path)  # a missing directory: FileNotFoundError naming it
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(head)))

@@ -21,13 +21,12 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgeattn._atomic import replace_dir
+from edgeattn._atomic import cleanup_stale, make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
@@ -150,12 +149,11 @@ def write_checkpoint(
     out: Path, model_state: dict, model_cfg: EdgeConfig, trainer_state: dict, summary: dict
 ) -> None:
     """Write the checkpoint to a temp directory next to ``out``, then swap it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
+    tmp = make_temp_dir(out)
     try:
         model = EdgeLM(model_cfg)
         model.load_state_dict(model_state)
-        model.save(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
+        model.save_files(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
         torch.save(trainer_state, tmp / STATE)
         (tmp / STATE_JSON).write_text(json.dumps(summary, indent=2, sort_keys=True))
         replace_dir(tmp, out)
@@ -177,7 +175,7 @@ def check_out_dir(out: Path, resume: Path | None, overwrite: bool) -> None:
     if not is_checkpoint(out):
         raise ValueError(f"--out {out} exists and is not a checkpoint; choose an empty or new directory")
     if not overwrite:
-        raise ValueError(f"--out {out} already holds a checkpoint; pass --resume {out} or --overwrite")
+        raise ValueError(f"--out {out} already holds a checkpoint; pass --resume {out} or --force")
 
 
 # ---- the loop ----
@@ -243,7 +241,7 @@ def _console(enabled: bool):
 
 
 def _progress(console):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -252,6 +250,8 @@ def _progress(console):
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[tps]} tok/s"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=console,
         transient=False,
     )
@@ -293,6 +293,8 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
         model_cfg = ckpt_cfg
     model_cfg = EdgeConfig() if model_cfg is None else model_cfg
     if out is not None:
+        if info.is_main:
+            cleanup_stale(out)  # what a killed earlier run left beside it (see edgeattn._atomic)
         check_out_dir(out, resume, overwrite)
     torch.manual_seed(cfg.seed)
     model = EdgeLM.load(resume) if resume is not None else EdgeLM(model_cfg)  # unknown mixers fail here

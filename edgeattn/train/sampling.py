@@ -47,6 +47,17 @@ def sample_next(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: floa
     return torch.where(overflow, greedy, torch.multinomial(probs, 1, generator=generator).squeeze(-1))
 
 
+def max_length(model) -> int | None:
+    """Tokens a model may hold: ``max_seq_len`` where the state grows with the context (a softmax KV
+    cache; what an export records as ``max_length``), None for a fixed-size state."""
+    try:
+        specs = model.state_spec(1)
+    except ValueError:  # aft_full has no recurrent state at all; generating says so itself
+        return None
+    grows = any(isinstance(d, str) for layer in specs for s in layer for d in s.shape)
+    return model.cfg.max_seq_len if grows else None
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -63,6 +74,13 @@ def generate(
         raise ValueError("the prompt must hold at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    limit = max_length(model)
+    if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(
+            f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens exceed this softmax model's "
+            f"maximum of {limit} (max_seq_len, as its export would record); generate at most "
+            f"{max(limit - len(prompt_ids), 0)}, or train it with a larger --max-seq-len"
+        )
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(0 if seed is None else seed)

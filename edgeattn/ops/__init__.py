@@ -2,10 +2,14 @@
 
 from edgeattn.ops.aft import aft, aft_full
 from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.dispatch import METHODS, attention
 from edgeattn.ops.flash import mixed_chunk_attention
 from edgeattn.ops.linear import elu1, linear_attention
+from edgeattn.ops.lsh import lsh_attention
+from edgeattn.ops.nystrom import nystrom_attention
 from edgeattn.ops.performer import favor_features, performer_attention
 from edgeattn.ops.retnet import retention
+from edgeattn.ops.rff import rff_attention, rff_features
 from edgeattn.ops.softmax import softmax_attention
 
 __all__ = [
@@ -19,4 +23,10 @@ __all__ = [
     "performer_attention",
     "retention",
     "softmax_attention",
+    "METHODS",
+    "attention",
+    "lsh_attention",
+    "nystrom_attention",
+    "rff_attention",
+    "rff_features",
 ]

@@ -20,6 +20,7 @@ MIXERS: tuple[str, ...] = (
     "softmax",  # causal softmax with a growing KV cache (the baseline)
     "swa",  # sliding-window softmax with attention sinks (fixed ring buffer)
     "aft_full",  # AFT with learned pairwise biases, training only
+    "reformer",  # Reformer shared-QK LSH attention, a KV cache like softmax
 )
 
 _LAZY = {

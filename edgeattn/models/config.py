@@ -30,6 +30,11 @@ class EdgeConfig:
     flash_expansion: float = 2.0  # flash: GAU hidden size = expansion * d_model
     flash_qk_dim: int = 128  # flash: size s of the shared Z
     max_seq_len: int = 2048  # softmax: KV-cache bound of an exported baseline; aft_full: bias size
+    # linear, performer: "elu1", "favor" (FAVOR+) or "rff" (random Fourier features, feature_dim
+    # frequencies -> 2 * feature_dim features); "default" keeps each family's own (elu1, favor)
+    feature_map: str = "default"
+    lsh_buckets: int = 8  # reformer: angular LSH buckets per round (1 or even)
+    lsh_rounds: int = 2  # reformer: hashing rounds, averaged by their log-sum-exp
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
 
     def __post_init__(self) -> None:

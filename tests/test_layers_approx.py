@@ -127,7 +127,7 @@ def test_state_specs_and_feature_maps():
         ("value", (3, 2, "past_length", 16)),
     ]
     assert layer.rotations.shape == (2, 16, 2) and "rotations" in layer.state_dict()
-    assert [s.shape for s in make_layer("performer_rff").state_spec(1)] == [(1, 2, 48, 16), (1, 2, 48)]
+    assert [s.shape for s in make_layer("performer_rff").state_spec(1)] == [(1, 2, 49, 16), (1, 2, 49)]
     # "default" keeps each family's own map: the performer's projection is unchanged.
     cfg = EdgeConfig(d_model=32, n_layers=1, n_heads=2, mixer="performer", feature_dim=16)
     perf = build_mixer("performer", cfg)

@@ -13,7 +13,7 @@ from edgeattn.ops.common.fused import fused_enabled, fused_linear_attention
 from edgeattn.ops.linear import elu1
 from edgeattn.ops.performer import favor_features, orthogonal_random_features
 from edgeattn.ops.retnet import retnet_log_gammas
-from edgeattn.ops.rff import gaussian_projection, rff_softmax_features, safe_divide
+from edgeattn.ops.rff import gaussian_projection, rff_recurrence, rff_softmax_features
 
 torch = require("torch")
 nn = torch.nn
@@ -127,8 +127,8 @@ class _FeatureMapped(GatedRecurrenceMixer):
 
     ``cfg.feature_map`` picks the map ("default": the family's own). "rff" (random Fourier features,
     ``edgeattn.ops.rff``) estimates exp(q . k / sqrt(K)) with signed features, so its normalizer can be
-    <= 0: the layer then runs the recurrence on ``[v, 1]`` unnormalized and divides by ``max(den, eps)``
-    itself (same state names and shapes: ``recurrent_state`` [B, H, 2m, V], ``normalizer`` [B, H, 2m]).
+    <= 0: the layer runs ``rff_recurrence``, which floors it (same state names; ``recurrent_state``
+    [B, H, 2m + 1, V], ``normalizer`` [B, H, 2m + 1], the extra row carrying the key weights).
     """
 
     normalize = True
@@ -153,7 +153,7 @@ class _FeatureMapped(GatedRecurrenceMixer):
 
     @property
     def key_dim(self) -> int:
-        return {"elu1": self.head_dim, "favor": self.cfg.feature_dim, "rff": 2 * self.cfg.feature_dim}[
+        return {"elu1": self.head_dim, "favor": self.cfg.feature_dim, "rff": 2 * self.cfg.feature_dim + 1}[
             self.feature_map
         ]
 
@@ -173,26 +173,11 @@ class _FeatureMapped(GatedRecurrenceMixer):
             state = self.init_state(B, x.device)
         else:
             self.check_state(state, B)
-        S0 = torch.cat(
-            [state["recurrent_state"], state["normalizer"].unsqueeze(-1)], dim=-1
-        )  # [B, H, 2m, V + 1]
-        v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)  # the normalizer is the state of a ones column
-        if T == 1:
-            o, S, _ = gated_recurrence_step(q[:, 0], k[:, 0], v[:, 0], None, S0, None, scale=1.0)
-            o = o.unsqueeze(1)
-        else:
-            o, S = gated_linear_attention(
-                q,
-                k,
-                v,
-                None,
-                scale=1.0,
-                initial_state=S0,
-                output_final_state=True,
-                chunk_size=self.cfg.chunk_size,
-            )
-        o = safe_divide(o[..., :Dh], o[..., Dh:], self.eps)
-        return self.output(o.to(x.dtype), x), {"recurrent_state": S[..., :Dh], "normalizer": S[..., Dh]}
+        init = (state["recurrent_state"], state["normalizer"])
+        # T == 1: one exported step (the recurrent form of a single token), else the chunk form.
+        mode = "recurrent" if T == 1 else "chunk"
+        o, (S, z) = rff_recurrence(q, k, v, init, eps=self.eps, mode=mode, chunk_size=self.cfg.chunk_size)
+        return self.output(o.to(x.dtype), x), {"recurrent_state": S, "normalizer": z}
 
 
 FEATURE_MAPS = {

@@ -11,11 +11,14 @@ The query factor cancels between numerator and denominator, so ``rff_attention``
 ``phi_q = phi(x)`` and ``phi_k = exp(|y|^2 / 2) phi(y)`` (exponent clamped at 30, as FAVOR+ does) in the
 normalized recurrence ``o_t = phi_q S_t / den_t``, ``den_t = phi_q . z_t``.
 
-The safe normalizer: unlike FAVOR+'s positive features, RFF similarity estimates can be negative,
-so ``den_t`` can be <= 0 although the exact sum is positive. The op divides by ``max(den_t, eps)``:
-the output stays finite (at most ``|num| / eps``) and never flips sign through a negative
-denominator; ``den_t`` is clamped, never replaced by ``|den_t|``. With enough features the estimate
-of the self term alone (exact: phi(y) . phi(y) = 1) keeps ``den_t`` positive in practice.
+The safe normalizer: unlike FAVOR+'s positive features, RFF similarity estimates are signed, so
+``den_t`` can be <= 0 although the exact sum is positive. Each estimate phi_q . phi_k_j lies in
+[-w_j, w_j] (|phi(x)| = 1, w_j = exp(|y_j|^2 / 2)), so ``den_t`` is only known up to noise of order
+``W_t / sqrt(m)`` with ``W_t = sum_{j<=t} w_j``. The op divides by ``max(den_t, W_t / sqrt(m), eps)``:
+denominators below the noise level are floored at it (biasing such outputs towards 0 rather than
+amplifying noise), and ``|o_t| <= sqrt(m) max_j |v_j|`` whatever the inputs. ``W_t`` rides in the
+recurrence as one extra feature (``w_j`` for keys, 0 for queries), so the state is
+``(S [B, H, 2m + 1, V], z [B, H, 2m + 1])`` with ``z[..., 2m] = W``.
 """
 
 from __future__ import annotations
@@ -50,16 +53,49 @@ def rff_features(x: Tensor, projection: Tensor) -> Tensor:
 
 
 def rff_softmax_features(q: Tensor, k: Tensor, projection: Tensor) -> tuple[Tensor, Tensor]:
-    """Features whose dot product estimates exp(q . k / sqrt(K)) up to the query factor (see module doc)."""
+    """[..., 2m + 1] features whose dot product estimates exp(q . k / sqrt(K)) up to the query factor,
+    the last one carrying the key weight w = exp(|y|^2 / 2) (0 for queries; see the module doc)."""
     s = q.shape[-1] ** -0.25
     x, y = q * s, k * s
-    mag = (0.5 * (y * y).sum(-1, keepdim=True)).clamp(max=_MAX_EXPONENT)
-    return rff_features(x, projection), torch.exp(mag) * rff_features(y, projection)
+    w = torch.exp((0.5 * (y * y).sum(-1, keepdim=True)).clamp(max=_MAX_EXPONENT))
+    fq = rff_features(x, projection)
+    return torch.cat([fq, torch.zeros_like(fq[..., :1])], -1), torch.cat(
+        [w * rff_features(y, projection), w], -1
+    )
 
 
-def safe_divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
-    """num / max(den, eps): the RFF normalizer (den may be <= 0 for an estimate of a positive sum)."""
-    return num / den.clamp_min(eps)
+def safe_divide(num: Tensor, den: Tensor, weight_sum: Tensor, m: int, eps: float) -> Tensor:
+    """num / max(den, weight_sum / sqrt(m), eps): the RFF normalizer (den may be <= 0)."""
+    floor = (weight_sum / math.sqrt(m)).clamp_min(eps)
+    return num / torch.maximum(den, floor)
+
+
+def rff_recurrence(fq, fk, v, initial_state=None, *, eps=1e-6, mode="chunk", chunk_size=64):
+    """The normalized recurrence over ``rff_softmax_features`` (fq, fk [B, T, H, 2m + 1]), dividing
+    safely. ``initial_state`` (S [B, H, 2m + 1, V], z [B, H, 2m + 1]) or None.
+    Returns (o [B, T, H, V], (S, z))."""
+    B, T, H, M = fq.shape
+    V = v.shape[-1]
+    S0 = None
+    if initial_state is not None:
+        S0 = torch.cat([initial_state[0], initial_state[1].unsqueeze(-1)], dim=-1)  # [B, H, 2m + 1, V + 1]
+    v_ext = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)  # the normalizer is the state of a ones column
+    o, S = gated_linear_attention(
+        fq,
+        fk,
+        v_ext,
+        None,
+        scale=1.0,
+        initial_state=S0,
+        output_final_state=True,
+        mode=mode,
+        chunk_size=chunk_size,
+    )
+    w_sum = fk[..., -1:].to(o.dtype).cumsum(1)  # [B, T, H, 1]
+    if initial_state is not None:
+        w_sum = w_sum + initial_state[1][..., -1].to(o.dtype)[:, None, :, None]
+    o = safe_divide(o[..., :V], o[..., V:], w_sum, (M - 1) // 2, eps)
+    return o, (S[..., :V], S[..., V])
 
 
 def rff_attention(
@@ -78,16 +114,16 @@ def rff_attention(
     """Softmax attention estimated with random Fourier features, on raw ``q, k: [B, T, H, K]``.
 
     ``projection: [m, K]`` (``gaussian_projection``) is shared by all heads; the state is
-    ``(S [B, H, 2m, V], z [B, H, 2m])`` as for the other normalized families. ``causal=False`` sums over
-    the whole sequence (no state). The denominator is clamped at ``eps`` (module docstring).
+    ``(S [B, H, 2m + 1, V], z [B, H, 2m + 1])``. ``causal=False`` sums over the whole sequence (no
+    state). The denominator is floored at ``max(W_t / sqrt(m), eps)`` (module docstring).
     """
     check_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
     check_dims("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
     check_dims("v", v, (B, T, H, None), "[B, T, H, V] (B, T, H as q)")
     check_dims("projection", projection, (None, K), "[m, K]")
-    V = v.shape[-1]
     fq, fk = rff_softmax_features(q, k, projection)
+    m = projection.shape[0]
     if not causal:
         if initial_state is not None or output_final_state:
             raise ValueError(
@@ -95,33 +131,27 @@ def rff_attention(
             )
         acc = torch.promote_types(q.dtype, torch.float32)
         fq, fk, vf = fq.to(acc), fk.to(acc), v.to(acc)
-        kv = torch.einsum("bthm,bthv->bhmv", fk, vf)  # [B, H, 2m, V]
+        kv = torch.einsum("bthm,bthv->bhmv", fk, vf)  # [B, H, 2m + 1, V]
+        z = fk.sum(1)  # [B, H, 2m + 1]
         num = torch.einsum("bthm,bhmv->bthv", fq, kv)
-        den = torch.einsum("bthm,bhm->bth", fq, fk.sum(1)).unsqueeze(-1)
-        return safe_divide(num, den, eps).to(q.dtype), None
-    # The normalizer is the state of a value column of ones; the division happens here, clamped.
-    S0 = None
+        den = torch.einsum("bthm,bhm->bth", fq, z).unsqueeze(-1)
+        w_sum = z[..., -1][:, None, :, None]
+        return safe_divide(num, den, w_sum, m, eps).to(q.dtype), None
     if initial_state is not None:
         if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
-            raise ValueError("initial_state must be a pair (S [B, H, 2m, V], z [B, H, 2m])")
-        M = fq.shape[-1]
-        check_dims("initial_state[0]", initial_state[0], (B, H, M, V), "[B, H, 2m, V]")
-        check_dims("initial_state[1]", initial_state[1], (B, H, M), "[B, H, 2m]")
-        S0 = torch.cat([initial_state[0], initial_state[1].unsqueeze(-1)], dim=-1)
-    v_ext = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)  # [B, T, H, V + 1]
-    o, S = gated_linear_attention(
-        fq,
-        fk,
-        v_ext,
-        None,
-        scale=1.0,
-        initial_state=S0,
-        output_final_state=True,
-        mode=mode,
-        chunk_size=chunk_size,
-    )
-    o = safe_divide(o[..., :V], o[..., V:], eps)
-    return o, ((S[..., :V], S[..., V]) if output_final_state else None)
+            raise ValueError("initial_state must be a pair (S [B, H, 2m + 1, V], z [B, H, 2m + 1])")
+        M, V = fq.shape[-1], v.shape[-1]
+        check_dims("initial_state[0]", initial_state[0], (B, H, M, V), "[B, H, 2m + 1, V]")
+        check_dims("initial_state[1]", initial_state[1], (B, H, M), "[B, H, 2m + 1]")
+    o, state = rff_recurrence(fq, fk, v, initial_state, eps=eps, mode=mode, chunk_size=chunk_size)
+    return o.to(q.dtype), (state if output_final_state else None)
 
 
-__all__ = ["gaussian_projection", "rff_attention", "rff_features", "rff_softmax_features", "safe_divide"]
+__all__ = [
+    "gaussian_projection",
+    "rff_attention",
+    "rff_features",
+    "rff_recurrence",
+    "rff_softmax_features",
+    "safe_divide",
+]

@@ -38,7 +38,7 @@ def _root(
 
 
 # Each module defines `register(app)`; torch is imported inside the commands that need it only.
-COMMANDS = ("train", "sample", "export", "run", "check", "bench")
+COMMANDS = ("train", "sample", "export", "run", "check", "bench", "analyze")
 
 for _name in COMMANDS:
     importlib.import_module(f"edgeattn.cli.{_name}").register(app)

@@ -1,6 +1,14 @@
 """One nn.Module per family, registered by mixer name (``MIXER_REGISTRY``)."""
 
-from edgeattn.layers import aft, delta, flash, gated, mamba2, softmax  # noqa: F401  (each registers its mixers)
+from edgeattn.layers import (  # noqa: F401  (each registers its mixers)
+    aft,
+    delta,
+    flash,
+    gated,
+    mamba2,
+    reformer,
+    softmax,
+)
 from edgeattn.layers.base import MIXER_REGISTRY, Mixer, StateSpec, register_mixer
 
 

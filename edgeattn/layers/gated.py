@@ -13,6 +13,7 @@ from edgeattn.ops.common.fused import fused_enabled, fused_linear_attention
 from edgeattn.ops.linear import elu1
 from edgeattn.ops.performer import favor_features, orthogonal_random_features
 from edgeattn.ops.retnet import retnet_log_gammas
+from edgeattn.ops.rff import gaussian_projection, rff_recurrence, rff_softmax_features
 
 torch = require("torch")
 nn = torch.nn
@@ -121,33 +122,87 @@ class GatedRecurrenceMixer(Mixer):
         return o / (den + 1e-6), S, z.squeeze(-1)
 
 
-@register_mixer("linear")
-class LinearAttention(GatedRecurrenceMixer):
-    """Linear Transformer: elu+1 features, normalized, no decay."""
+class _FeatureMapped(GatedRecurrenceMixer):
+    """Linear Transformer and Performer: a normalized recurrence over a feature map of q and k.
+
+    ``cfg.feature_map`` picks the map ("default": the family's own). "rff" (random Fourier features,
+    ``edgeattn.ops.rff``) estimates exp(q . k / sqrt(K)) with signed features, so its normalizer can be
+    <= 0: the layer runs ``rff_recurrence``, which floors it (same state names; ``recurrent_state``
+    [B, H, 2m + 1, V], ``normalizer`` [B, H, 2m + 1], the extra row carrying the key weights).
+    """
 
     normalize = True
-
-    def features(self, q, k):
-        return elu1(q), elu1(k)
-
-
-@register_mixer("performer")
-class Performer(GatedRecurrenceMixer):
-    """FAVOR+: positive orthogonal random features, fixed after construction (a buffer, so it is saved)."""
-
-    normalize = True
+    default_map = "elu1"
+    eps = 1e-6
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
+        name = self.default_map if cfg.feature_map == "default" else cfg.feature_map
+        if name not in FEATURE_MAPS:
+            raise ValueError(
+                f"feature_map must be 'default' or one of {', '.join(FEATURE_MAPS)}, got {cfg.feature_map!r}"
+            )
+        self.feature_map = name
         gen = torch.Generator().manual_seed(1234 + layer_idx)
-        self.register_buffer("projection", orthogonal_random_features(cfg.feature_dim, self.head_dim, gen))
+        if name == "favor":
+            self.register_buffer(
+                "projection", orthogonal_random_features(cfg.feature_dim, self.head_dim, gen)
+            )
+        elif name == "rff":
+            self.register_buffer("projection", gaussian_projection(cfg.feature_dim, self.head_dim, gen))
 
     @property
     def key_dim(self) -> int:
-        return self.cfg.feature_dim
+        return {"elu1": self.head_dim, "favor": self.cfg.feature_dim, "rff": 2 * self.cfg.feature_dim + 1}[
+            self.feature_map
+        ]
 
     def features(self, q, k):
-        return favor_features(q, self.projection, is_query=True), favor_features(k, self.projection)
+        return FEATURE_MAPS[self.feature_map](self, q, k)
+
+    def forward(self, x, state=None):
+        if self.feature_map != "rff":
+            return super().forward(x, state)
+        B, T, _ = x.shape
+        H, Dh = self.n_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, H, Dh)
+        v = self.v_proj(x).view(B, T, H, Dh)
+        q, k = self.features(q, k)
+        if state is None:
+            state = self.init_state(B, x.device)
+        else:
+            self.check_state(state, B)
+        init = (state["recurrent_state"], state["normalizer"])
+        # T == 1: one exported step (the recurrent form of a single token), else the chunk form.
+        mode = "recurrent" if T == 1 else "chunk"
+        o, (S, z) = rff_recurrence(q, k, v, init, eps=self.eps, mode=mode, chunk_size=self.cfg.chunk_size)
+        return self.output(o.to(x.dtype), x), {"recurrent_state": S, "normalizer": z}
+
+
+FEATURE_MAPS = {
+    "elu1": lambda layer, q, k: (elu1(q), elu1(k)),
+    "favor": lambda layer, q, k: (
+        favor_features(q, layer.projection, is_query=True),
+        favor_features(k, layer.projection),
+    ),
+    "rff": lambda layer, q, k: rff_softmax_features(q, k, layer.projection),
+}
+
+
+@register_mixer("linear")
+class LinearAttention(_FeatureMapped):
+    """Linear Transformer: elu+1 features (by default), normalized, no decay."""
+
+    default_map = "elu1"
+
+
+@register_mixer("performer")
+class Performer(_FeatureMapped):
+    """FAVOR+ (by default): positive orthogonal random features, fixed after construction (a buffer, so
+    it is saved)."""
+
+    default_map = "favor"
 
 
 class _HeadNormGate(nn.Module):

@@ -38,6 +38,11 @@ class EdgeConfig:
     mamba_head_dim: int = 16  # mamba2: P, channels per head; heads = mamba_expand * d_model / P
     mamba_expand: int = 2  # mamba2: inner width I = mamba_expand * d_model
     mamba_n_groups: int = 1  # mamba2: G groups of B and C shared by the heads (and of the gated norm)
+    # linear, performer: "elu1", "favor" (FAVOR+) or "rff" (random Fourier features, feature_dim
+    # frequencies -> 2 * feature_dim features); "default" keeps each family's own (elu1, favor)
+    feature_map: str = "default"
+    lsh_buckets: int = 8  # reformer: angular LSH buckets per round (1 or even)
+    lsh_rounds: int = 2  # reformer: hashing rounds, averaged by their log-sum-exp
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
 
     def __post_init__(self) -> None:

@@ -84,7 +84,8 @@ def test_manifest_alone_drives_a_raw_inference_session(ckpts, tmp_path):
         logits.append(outs[0])
         state = {s["input"]: o for s, o in zip(manifest["state"], outs[1:])}
     sess = open_session(art)
-    assert np.array_equal(np.concatenate(logits, 1)[:, -1], sess.prefill(ids))
+    # not bitwise: a plain session prepacks its matrices, edgeattn's (one shared copy of the weights) does not
+    np.testing.assert_allclose(np.concatenate(logits, 1)[:, -1], sess.prefill(ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mixer", ["gla", "swa", "softmax", "gated_deltanet", "mamba2"])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from edgeattn.export.manifest import Manifest
 
-BYTES_PER_PARAM = {"fp32": 4, "fp16": 2, "int8": 1}
+BYTES_PER_PARAM = {"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}
 
 
 @dataclass(frozen=True)
@@ -158,15 +158,26 @@ def checkpoint_tensors(manifest: Manifest) -> dict[str, list[int]] | None:
     return {k: list(v["shape"]) for k, v in header.items()}
 
 
-def graph_bytes(manifest: Manifest, graph: str) -> int:
-    rel = manifest.data["graphs"][graph]["path"]
+def _file_bytes(manifest: Manifest, rel: str) -> int:
     info = manifest.data.get("files", {}).get(rel, {})
     return int(info.get("bytes") or (manifest.root / rel).stat().st_size)
 
 
+def shared_weight_bytes(manifest: Manifest) -> int:
+    """Bytes of the weights file the graphs share (0 when each graph holds its own initializers)."""
+    weights = manifest.data.get("weights")
+    return _file_bytes(manifest, weights["path"]) if weights else 0
+
+
+def graph_bytes(manifest: Manifest, graph: str) -> int:
+    """Bytes one graph reads: its file plus the shared weights file, if any."""
+    return _file_bytes(manifest, manifest.data["graphs"][graph]["path"]) + shared_weight_bytes(manifest)
+
+
 def artifact_bytes(manifest: Manifest) -> int:
-    """Bytes of the graphs a runtime loads (the checkpoint copy is left out)."""
-    return sum(graph_bytes(manifest, g) for g in manifest.data["graphs"])
+    """Bytes of the graphs a runtime loads, shared weights counted once (the checkpoint copy is left out)."""
+    own = sum(_file_bytes(manifest, info["path"]) for info in manifest.data["graphs"].values())
+    return own + shared_weight_bytes(manifest)
 
 
 @dataclass
@@ -218,7 +229,7 @@ def cost(manifest: Manifest) -> Cost:
             math.prod(s) for k, s in tensors.items() if len(s) == 2 and (tied or not k.startswith("embed."))
         )
     else:  # exported without its checkpoint: estimate from the step graph's size
-        params = matrix = weight // BYTES_PER_PARAM.get(manifest.precision, 4)
+        params = matrix = int(weight // BYTES_PER_PARAM.get(manifest.precision, 4))
     return Cost(
         params=int(params),
         matrix_params=int(matrix),

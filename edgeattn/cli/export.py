@@ -20,6 +20,7 @@ class Precision(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
     int8 = "int8"
+    int4 = "int4"
 
 
 @cli_errors
@@ -30,8 +31,23 @@ def export(
         Target, typer.Option(help="onnxruntime: fused contrib op; portable: standard ops for TensorRT.")
     ] = Target.onnxruntime,
     precision: Annotated[
-        Precision, typer.Option(help="Weights and activations; the state stays float32.")
+        Precision,
+        typer.Option(
+            help="Weights and activations; the state stays float32. int4: weights only (MatMulNBits)."
+        ),
     ] = Precision.fp32,
+    int4_block_size: Annotated[
+        int, typer.Option(help="int4: weights per quantization block (a power of two >= 16: 32 or 128).")
+    ] = 32,
+    int4_asymmetric: Annotated[
+        bool, typer.Option("--int4-asymmetric", help="int4: a zero point per block (default: symmetric).")
+    ] = False,
+    no_checkpoint: Annotated[
+        bool,
+        typer.Option(
+            "--no-checkpoint", help="Leave the torch checkpoint out (the torch backend and `check` need it)."
+        ),
+    ] = False,
     batch: Annotated[int, typer.Option(min=1, help="Static batch size of the graphs.")] = 1,
     prefill_chunk: Annotated[int, typer.Option(min=2, help="Tokens per call of prefill.onnx.")] = 64,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
@@ -53,8 +69,12 @@ def export(
         batch_size=batch,
         prefill_chunk=prefill_chunk,
         force=force,
+        include_checkpoint=not no_checkpoint,
+        quantization={"block_size": int4_block_size, "symmetric": not int4_asymmetric}
+        if precision == Precision.int4
+        else None,
     )
-    size = sum(p.stat().st_size for p in path.rglob("*.onnx"))
+    size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"
     )

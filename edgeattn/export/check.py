@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Relative logit tolerance (max |diff| / max |logit|) per precision.
-DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-2, "int8": 0.3}
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-2, "int8": 0.3, "int4": 0.3}
 
 
 def default_text(n_bytes: int) -> bytes:
@@ -65,6 +65,11 @@ def check_artifact(
     from edgeattn.runtimes import open_session
 
     art = open_session(artifact, backend="onnxruntime", threads=threads)
+    if art.manifest.checkpoint is None:
+        raise ValueError(
+            f"{artifact} was exported with --no-checkpoint: check compares it with its PyTorch model and needs "
+            "the checkpoint inside the artifact (export again without --no-checkpoint)"
+        )
     ref = open_session(artifact, backend="torch", threads=threads)
     m = art.manifest
     if m.max_length is not None:
@@ -77,7 +82,7 @@ def check_artifact(
     got, want = run_logits(art, inp), run_logits(ref, inp)
     report = CheckReport(tolerance=DEFAULT_TOLERANCE[m.precision] if tolerance is None else tolerance)
     for g in ("prefill", "step"):
-        ops = Counter(n.op_type for n in onnx.load(str(m.graph_path(g))).graph.node)
+        ops = Counter(n.op_type for n in onnx.load(str(m.graph_path(g)), load_external_data=False).graph.node)
         a, b = got[g], want[g]
         diff = float(np.abs(a - b).max()) if a.size else 0.0
         scale = float(np.abs(b).max()) if b.size else 1.0
@@ -92,7 +97,7 @@ def check_artifact(
     report.bpb = {"torch": bits_per_byte(full_want, targets), "artifact": bits_per_byte(full_got, targets)}
     if m.target == "portable":
         report.tensorrt = sorted(
-            set(tensorrt_report(onnx.load(str(m.graph_path("step")))))
-            | set(tensorrt_report(onnx.load(str(m.graph_path("prefill")))))
+            set(tensorrt_report(onnx.load(str(m.graph_path("step")), load_external_data=False)))
+            | set(tensorrt_report(onnx.load(str(m.graph_path("prefill")), load_external_data=False)))
         )
     return report

@@ -27,7 +27,7 @@ from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_fi
 torch = require("torch")
 
 TARGETS = ("onnxruntime", "portable")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 OPSET = 17
 FUSED_MIN_ORT = "1.31.0"
 # LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
@@ -152,8 +152,15 @@ def export_model(
     prefill_chunk: int = 64,
     force: bool = False,
     include_checkpoint: bool = True,
+    shared_weights: bool = True,
+    quantization: dict | None = None,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
+
+    ``shared_weights``: both graphs read their initializers from one ``weights.bin`` (stored once);
+    False keeps each graph self-contained (two copies). ``include_checkpoint``: copy the torch checkpoint
+    into the artifact (the torch backend and ``check`` need it). ``quantization``: int4 options
+    (``edgeattn.export.precision.INT4_DEFAULTS``).
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -164,6 +171,10 @@ def export_model(
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int4" and target != "onnxruntime":
+        raise ValueError(
+            "precision int4 uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
+        )
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
     checkpoint, out = Path(checkpoint), Path(out)
@@ -185,8 +196,14 @@ def export_model(
             from edgeattn.export.precision import convert_precision
 
             for name in ("step.onnx", "prefill.onnx"):
-                convert_precision(tmp / name, precision, entries)
+                convert_precision(tmp / name, precision, entries, **(quantization or {}))
         files = ["step.onnx", "prefill.onnx"]
+        weights = None
+        if shared_weights:
+            from edgeattn.export.weights import share_weights
+
+            weights = share_weights(tmp, ["step.onnx", "prefill.onnx"])
+            files.append(weights["path"])
         if include_checkpoint:
             shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
             files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
@@ -202,7 +219,7 @@ def export_model(
             "batch_size": batch_size,
             "target": target,
             "precision": precision,
-            "opset": OPSET,
+            "opset": 21 if precision == "int4" else OPSET,
             "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
             "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
             "max_length": cfg.max_seq_len if softmax_like else None,
@@ -213,6 +230,7 @@ def export_model(
                 "prefill": {"path": "prefill.onnx", "tokens": prefill_chunk},
             },
             "state": entries,
+            "weights": weights,
             "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
             "files": {f: {} for f in files},
         }

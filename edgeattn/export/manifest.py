@@ -75,6 +75,16 @@ class Manifest:
     def prefill_tokens(self) -> int:
         return int(self.data["graphs"]["prefill"]["tokens"])
 
+    @property
+    def weights(self) -> dict | None:
+        """The shared weights file's table (``path``, ``bytes``, ``tensors``), or None when each graph holds its own."""
+        return self.data.get("weights")
+
+    @property
+    def checkpoint(self) -> Path | None:
+        ckpt = self.data.get("checkpoint")
+        return self.root / ckpt if ckpt else None
+
     def graph_path(self, name: str) -> Path:
         return self.root / self.data["graphs"][name]["path"]
 

@@ -9,6 +9,11 @@
   logits were off by 40%.
 - int8: ONNX Runtime's dynamic quantization of the MatMul projections whose weights are initializers
   (int8 weights, activations quantized per call); the recurrence itself is untouched.
+- int4: weight-only blockwise quantization with ONNX Runtime's ``MatMulNBitsQuantizer``: every MatMul with
+  an initializer weight becomes ``com.microsoft.MatMulNBits`` (the tied lm head included) and the embedding
+  ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
+  Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
+  points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path).
 """
 
 from __future__ import annotations
@@ -129,8 +134,42 @@ def fp32_nodes(model, entries) -> list[str]:
     return sorted(names)
 
 
-def convert_precision(path: Path, precision: str, entries: list[dict]) -> None:
-    """Rewrite the graph at ``path`` in ``precision`` (in place, atomically)."""
+INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4}
+INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
+
+
+def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):
+    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
+    from onnx import version_converter
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 (32 or 128), got {block_size}")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise ValueError(f"accuracy_level must be 0..4 (MatMulNBits' attribute), got {accuracy_level}")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs every node on the root logger
+    try:
+        # the quantizer would only relabel the opset; the converter rewrites the ops that changed
+        model = version_converter.convert_version(model, INT4_OPSET)
+        q = MatMulNBitsQuantizer(
+            model,
+            bits=4,
+            block_size=block_size,
+            is_symmetric=symmetric,
+            accuracy_level=accuracy_level,
+            op_types_to_quantize=("MatMul", "Gather"),
+            quant_axes=(("MatMul", 0), ("Gather", 1)),
+        )
+        q.process()
+    finally:
+        root.setLevel(level)
+    return q.model.model
+
+
+def convert_precision(path: Path, precision: str, entries: list[dict], **options) -> None:
+    """Rewrite the graph at ``path`` in ``precision`` (in place, atomically); ``options`` are int4's."""
     import onnx
 
     path = Path(path)
@@ -170,6 +209,8 @@ def convert_precision(path: Path, precision: str, entries: list[dict]) -> None:
             finally:
                 root.setLevel(level)
                 os.unlink(src)
+        elif precision == "int4":
+            onnx.save(quantize_int4(model, **{**INT4_DEFAULTS, **options}), tmp)
         else:
             raise ValueError(f"unknown precision {precision!r}")
         rel = logit_error(reference, tmp, entries)

@@ -1,7 +1,15 @@
 """ONNX Runtime backend. The state never leaves ONNX Runtime between tokens: each fixed-size state tensor
 lives in two pre-allocated OrtValues, and each graph has two IOBindings (A -> B and B -> A), so a step
 only writes the token id and runs. A growing KV cache (the softmax baseline) is fed back from the
-outputs ONNX Runtime allocated."""
+outputs ONNX Runtime allocated.
+
+Weights: in an fp32 artifact whose graphs keep their initializers in one shared file (the manifest's
+``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
+sessions as the same OrtValue (``SessionOptions.add_initializer``), with prepacking off: each session
+would otherwise keep a packed copy of every matrix of its own (ONNX Runtime's Python API has no shared
+prepacked-weights container). Quantized graphs (int8, int4) are left to prepack, each session its own
+copy: MatMulNBits without its packed form ran 35x slower (92.5M GLA, 1 thread).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +40,28 @@ def pick_providers(device: str | None = None) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+SHARED_PRECISIONS = ("fp32",)  # precisions whose sessions share one in-memory copy of the weights
+
+
+def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
+    """One read-only OrtValue per tensor of the shared weights file, by every initializer name it serves."""
+    info = manifest.weights
+    path = manifest.root / info["path"]
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    values = {}
+    for t in info["tensors"]:
+        start, length = int(t["offset"]), int(t["length"])
+        if start < 0 or start + length > data.size:
+            raise ValueError(
+                f"{path}: tensor {t['names'][0]!r} lies outside the file (manifest and file disagree)"
+            )
+        array = data[start : start + length].view(np.dtype(t["dtype"])).reshape(t["shape"])
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        for name in t["names"]:
+            values[name] = value
+    return values
+
+
 class OnnxRuntimeSession(Session):
     backend = "onnxruntime"
 
@@ -52,6 +82,12 @@ class OnnxRuntimeSession(Session):
             so.inter_op_num_threads = 1
         providers = pick_providers(device)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        self._weights = None  # the shared initializers; they must outlive the sessions
+        if manifest.weights is not None and self.device == "cpu" and manifest.precision in SHARED_PRECISIONS:
+            self._weights = shared_initializers(manifest)
+            so.add_session_config_entry("session.disable_prepacking", "1")
+            for name, value in self._weights.items():
+                so.add_initializer(name, value)
         try:
             self.sessions = {
                 g: ort.InferenceSession(str(manifest.graph_path(g)), so, providers=providers)

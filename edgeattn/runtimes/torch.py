@@ -20,7 +20,8 @@ class TorchSession(Session):
         ckpt = manifest.data.get("checkpoint")
         if not ckpt:
             raise ValueError(
-                f"{manifest.root} was exported without its checkpoint; the torch backend needs it"
+                f"{manifest.root} was exported with --no-checkpoint: the torch backend needs the checkpoint "
+                "inside the artifact (export again without --no-checkpoint)"
             )
         if threads:
             torch.set_num_threads(threads)

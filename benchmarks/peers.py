@@ -1,0 +1,488 @@
+"""edgeattn against onnxruntime-genai 0.18 on this CPU: decode, prefill and memory of equal-size models.
+
+What it builds (random weights: speed and memory do not depend on them; vocabulary 256, d_model 768,
+12 layers, 12 heads, about 92.5M parameters; ``--quick``: d_model 128, 2 layers, 2 heads):
+- edgeattn ``gla`` and the ``softmax`` KV-cache baseline: ``EdgeLM`` exported with ``export_model`` (fp32,
+  onnxruntime target, one shared weights file, no checkpoint), run by edgeattn's ONNX Runtime session;
+- the same sizes as ``transformers`` configs (random init, ``save_pretrained``) built by onnxruntime-genai's
+  own builder (``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu``) and run by its
+  Generator: Llama (GQA op, KV buffer shared between past and present), Qwen3.5 with every layer linear
+  (Gated DeltaNet through ONNX Runtime's LinearAttention op) and Qwen3.5 with 3 Gated DeltaNet : 1
+  attention. Each peer's MLP width is chosen so that its parameter count is closest to edgeattn's gla.
+
+What it measures, each (model, threads) in a fresh worker process, the workers interleaved (repeat r
+runs every configuration once, in an order rotated by r), median over ``--repeats``:
+- decode ms/token (median of ``--steps`` single steps) at each context. How the context is reached:
+  edgeattn sessions get a state of the right size set directly (``set_state``: random values; gla's
+  state does not grow, softmax's KV cache holds c tokens); onnxruntime-genai has no API to set its
+  cache, so its Generator prefills c random tokens through ``append_tokens`` in chunks of 1024;
+- resident memory of the process (psutil RSS) after the steps at each context;
+- prefill tokens/s: 1024 random tokens from an empty state (edgeattn: prefill.onnx in chunks; genai: one
+  ``append_tokens`` call).
+The softmax baseline's KV cache at 16384 tokens needs ~10 GB: it is measured only up to
+``--softmax-max-context`` (default 4096) unless asked.
+
+    python benchmarks/peers.py [--threads 1,2] [--repeats 3] [--contexts 128,4096,16384] [--workdir DIR]
+    python benchmarks/peers.py --quick          # seconds: proves the harness (tests/test_peers.py)
+
+Prints a markdown table, ratios against edgeattn gla, then ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FULL = dict(d_model=768, n_layers=12, n_heads=12)
+QUICK = dict(d_model=128, n_layers=2, n_heads=2)
+VOCAB = 256
+MODELS = ("edgeattn-gla", "edgeattn-softmax", "genai-llama", "genai-qwen35-gdn", "genai-qwen35-hybrid")
+LABELS = {
+    "edgeattn-gla": "edgeattn `gla` (ONNX Runtime session)",
+    "edgeattn-softmax": "edgeattn `softmax` baseline",
+    "genai-llama": "onnxruntime-genai, Llama (GQA op, preallocated KV buffer)",
+    "genai-qwen35-gdn": "onnxruntime-genai, Qwen3.5 layout, all layers Gated DeltaNet",
+    "genai-qwen35-hybrid": "onnxruntime-genai, Qwen3.5 3 GDN : 1 attention",
+}
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building the models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_edgeattn(root: Path, size: dict, mixer: str, max_len: int) -> tuple[Path, int]:
+    import torch
+
+    from edgeattn.export import export_model
+    from edgeattn.models import EdgeConfig, EdgeLM
+
+    torch.manual_seed(0)
+    model = EdgeLM(EdgeConfig(vocab_size=VOCAB, mixer=mixer, max_seq_len=max_len, **size))
+    params = sum(p.numel() for p in model.parameters())
+    ckpt = model.save(root / f"{mixer}_ckpt")
+    art = export_model(ckpt, root / f"edgeattn-{mixer}", include_checkpoint=False, force=True)
+    return art, params
+
+
+def _hf_config(kind: str, size: dict, intermediate: int, max_len: int):
+    d, L, H = size["d_model"], size["n_layers"], size["n_heads"]
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=d,
+        intermediate_size=intermediate,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    from transformers import Qwen3_5TextConfig
+
+    if kind == "qwen35-gdn":
+        layer_types = ["linear_attention"] * L
+    else:  # 3 Gated DeltaNet : 1 full attention, as Qwen3.5 itself
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)]
+    return Qwen3_5TextConfig(
+        **common,
+        head_dim=d // H,
+        layer_types=layer_types,
+        linear_num_key_heads=H,
+        linear_num_value_heads=H,
+        linear_key_head_dim=d // H,
+        linear_value_head_dim=d // H,
+        linear_conv_kernel_dim=4,
+    )
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer of exactly 256 tokens (the byte-level BPE alphabet, no merges), fast format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    order = sorted(alphabet)
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(order)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=order[0], eos_token=order[1], pad_token=order[1]
+    )
+
+
+def _hf_params(kind: str, size: dict, intermediate: int, max_len: int) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(kind, size, intermediate, max_len))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_genai(root: Path, kind: str, size: dict, target_params: int, max_len: int) -> tuple[Path, int]:
+    """A transformers model of ~target_params (MLP width searched in steps of 32), built by genai's builder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = _hf_params(kind, size, 32, max_len)
+    per_unit = (_hf_params(kind, size, 64, max_len) - base) / 32  # parameters per unit of MLP width
+    inter = max(32, round((32 + (target_params - base) / per_unit) / 32) * 32)
+    cfg = _hf_config(kind, size, inter, max_len)
+    if kind != "llama":
+        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]  # the builder knows Qwen3.5 by this name
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    hf = root / f"hf-{kind}"
+    model.save_pretrained(hf)
+    byte_tokenizer().save_pretrained(hf)  # the builder copies a tokenizer into its output
+    if kind != "llama":  # save_pretrained writes the class's own name back
+        data = json.loads((hf / "config.json").read_text())
+        data["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+        (hf / "config.json").write_text(json.dumps(data))
+    out = root / f"genai-{kind}"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", "fp32", "-e", "cpu", "-c", str(root / "cache")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"onnxruntime-genai's builder failed for {kind}: {tail[0]}")
+    # the search must be greedy and allow the longest context
+    conf = json.loads((out / "genai_config.json").read_text())
+    conf["search"].update(max_length=max_len, do_sample=False, num_beams=1)
+    conf["model"]["context_length"] = max(int(conf["model"].get("context_length", 0)), max_len)
+    (out / "genai_config.json").write_text(json.dumps(conf, indent=2))
+    return out, params
+
+
+def build_all(root: Path, models: list[str], size: dict, max_len: int) -> dict[str, dict]:
+    built = {}
+    gla, gla_params = build_edgeattn(root, size, "gla", max_len)
+    built["edgeattn-gla"] = {"path": str(gla), "params": gla_params}
+    for name in models:
+        if name in built:
+            continue
+        try:
+            if name == "edgeattn-softmax":
+                path, params = build_edgeattn(root, size, "softmax", max_len)
+            else:
+                path, params = build_genai(root, name.removeprefix("genai-"), size, gla_params, max_len)
+            built[name] = {"path": str(path), "params": params}
+        except Exception as e:  # one model that cannot be built is reported, not fatal
+            built[name] = {"error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}
+    return built
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the worker: one model, one thread count, one process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def worker_edgeattn(cfg: dict) -> dict:
+    import numpy as np
+
+    from edgeattn.runtimes import open_session
+
+    sess = open_session(cfg["path"], threads=cfg["threads"])
+    m = sess.manifest
+    rng = np.random.default_rng(0)
+    out = {"rss_load": _rss(), "contexts": {}}
+    for c in cfg["contexts"]:
+        state = {}
+        for e in m.state:  # a state of c tokens: the KV cache's dynamic length, or the fixed recurrent size
+            shape = [c if isinstance(d, str) else d for d in e.shape]
+            state[e.input] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        sess.set_state(state, position=c)
+        del state
+        sess.step(np.array([[3]], dtype=np.int64))  # untimed: first touch after the load
+        times = []
+        for i in range(cfg["steps"]):
+            t = time.perf_counter()
+            sess.step(np.array([[i % VOCAB]], dtype=np.int64))
+            times.append(time.perf_counter() - t)
+        out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss()}
+    ids = rng.integers(0, VOCAB, (1, cfg["prefill"]), dtype=np.int64)
+    sess.reset()
+    t = time.perf_counter()
+    sess.prefill(ids)
+    out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
+    return out
+
+
+def worker_genai(cfg: dict) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(cfg["path"])  # CPU: the provider the builder wrote into genai_config.json
+    rng = np.random.default_rng(0)
+    out = {"rss_load": _rss(), "contexts": {}}
+    max_len = max(cfg["contexts"]) + cfg["steps"] + 8
+
+    def generator(length: int):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length, do_sample=False)
+        return og.Generator(model, params)
+
+    gen = generator(max_len)
+    pos = 0
+    for c in cfg["contexts"]:
+        while pos < c:  # reach the context: prefill random tokens in chunks
+            n = min(1024, c - pos)
+            gen.append_tokens(rng.integers(2, VOCAB, n, dtype=np.int32))
+            pos += n
+        gen.generate_next_token()  # untimed
+        times = []
+        for _ in range(cfg["steps"]):
+            t = time.perf_counter()
+            gen.generate_next_token()
+            times.append(time.perf_counter() - t)
+        pos += cfg["steps"] + 1
+        out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss()}
+    del gen
+    gen = generator(cfg["prefill"] + 8)
+    ids = rng.integers(2, VOCAB, cfg["prefill"], dtype=np.int32)
+    t = time.perf_counter()
+    gen.append_tokens(ids)
+    out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
+    return out
+
+
+def worker_main(cfg: dict) -> None:
+    if cfg["threads"]:
+        os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
+    if cfg["model"].startswith("genai-"):
+        # genai reads its session options from genai_config.json: the thread count goes there per worker
+        conf_path = Path(cfg["path"]) / "genai_config.json"
+        conf = json.loads(conf_path.read_text())
+        opts = conf["model"]["decoder"].setdefault("session_options", {})
+        if opts.get("intra_op_num_threads") != cfg["threads"]:
+            opts.update(intra_op_num_threads=cfg["threads"], inter_op_num_threads=1)
+            conf_path.write_text(json.dumps(conf, indent=2))
+        result = worker_genai(cfg)
+    else:
+        result = worker_edgeattn(cfg)
+    print(json.dumps(result))
+
+
+def run_worker(cfg: dict, timeout: float | None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if res.returncode != 0:
+        lines = (res.stderr or res.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit {res.returncode}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median over repeats of every figure; errors kept."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"] if runs else "not run"}
+    ctxs = sorted({int(c) for r in ok for c in r["contexts"]})
+    out = {"n": len(ok), "contexts": {}}
+    for c in ctxs:
+        vals = [r["contexts"][str(c)] for r in ok if str(c) in r["contexts"]]
+        out["contexts"][c] = {
+            "ms": statistics.median(v["ms"] for v in vals),
+            "ms_min": min(v["ms"] for v in vals),
+            "ms_max": max(v["ms"] for v in vals),
+            "rss_mib": statistics.median(v["rss"] for v in vals) / MiB,
+        }
+    out["prefill_tps"] = statistics.median(r["prefill_tps"] for r in ok)
+    out["rss_load_mib"] = statistics.median(r["rss_load"] for r in ok) / MiB
+    return out
+
+
+def print_table(results: dict, built: dict, contexts: list[int], threads: list[int]) -> dict:
+    ratios = {}
+    lo, hi = contexts[0], contexts[-1]
+    for th in threads:
+        print(f"\n{th} thread(s), batch 1, median of fresh processes [min-max]\n")
+        head = " | ".join(f"decode ms @{c}" for c in contexts)
+        print(f"| model | params | {head} | RSS MiB @{lo} | @{hi} | prefill tok/s (1024) |")
+        print("|---|---|" + "---|" * len(contexts) + "---|---|---|")
+        for name, info in built.items():
+            s = results.get(f"{name}@{th}", {"error": info.get("error", "not run")})
+            if "error" in s:
+                print(f"| {LABELS[name]} | - | {s['error']} |")
+                continue
+            cells = []
+            for c in contexts:
+                v = s["contexts"].get(c)
+                cells.append(f"{v['ms']:.2f} [{v['ms_min']:.2f}-{v['ms_max']:.2f}]" if v else "-")
+            rss = [f"{s['contexts'][c]['rss_mib']:.0f}" if c in s["contexts"] else "-" for c in (lo, hi)]
+            print(
+                f"| {LABELS[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {rss[0]} | {rss[1]} "
+                f"| {s['prefill_tps']:,.0f} |"
+            )
+        base = results.get(f"edgeattn-gla@{th}", {})
+        if "error" in base or not base:
+            continue
+        print(
+            f"\nratios, {th} thread(s): peer / edgeattn gla (decode > 1: edgeattn faster; RSS > 1: edgeattn smaller)"
+        )
+        for name in built:
+            s = results.get(f"{name}@{th}", {})
+            if name == "edgeattn-gla" or "error" in s or not s:
+                continue
+            r = {
+                f"decode@{c}": s["contexts"][c]["ms"] / base["contexts"][c]["ms"]
+                for c in contexts
+                if c in s["contexts"] and c in base["contexts"]
+            }
+            r.update(
+                {
+                    f"rss@{c}": s["contexts"][c]["rss_mib"] / base["contexts"][c]["rss_mib"]
+                    for c in (lo, hi)
+                    if c in s["contexts"] and c in base["contexts"]
+                }
+            )
+            r["prefill"] = base["prefill_tps"] / s["prefill_tps"]
+            ratios[f"{name}@{th}"] = r
+            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="tiny models and short contexts (seconds)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per context")
+    ap.add_argument("--contexts", default="128,4096,16384")
+    ap.add_argument("--softmax-max-context", type=int, default=4096)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(json.loads(args.worker))
+        return
+
+    size = QUICK if args.quick else FULL
+    contexts = [16, 64] if args.quick else sorted(int(c) for c in args.contexts.split(","))
+    threads = [1] if args.quick else [int(t) for t in args.threads.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    steps = 4 if args.quick else args.steps
+    prefill = 64 if args.quick else 1024
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    max_len = max(contexts) + steps + prefill + 64
+
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="edgeattn-peers-")
+        root = Path(tmp.name)
+    else:
+        root = args.workdir
+        root.mkdir(parents=True, exist_ok=True)
+    try:
+        cache = root / "built.json"
+        key = {"size": size, "max_len": max_len, "models": models}
+        built = json.loads(cache.read_text()) if cache.is_file() else None
+        if not built or built.get("key") != key:
+            t = time.time()
+            built = {"key": key, "models": build_all(root, models, size, max_len)}
+            cache.write_text(json.dumps(built))
+            print(f"built {len(models)} models in {time.time() - t:.0f} s", file=sys.stderr)
+        built = {k: v for k, v in built["models"].items() if k in models}
+
+        runs: dict[str, list[dict]] = {}
+        configs = []
+        for th in threads:
+            for name, info in built.items():
+                if "error" in info:
+                    continue
+                ctx = contexts
+                if name == "edgeattn-softmax":
+                    ctx = [c for c in contexts if c <= args.softmax_max_context]
+                configs.append(
+                    {"model": name, "path": info["path"], "threads": th, "contexts": ctx}
+                    | {"steps": steps, "prefill": prefill}
+                )
+        for r in range(repeats):
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for cfg in order:
+                key = f"{cfg['model']}@{cfg['threads']}"
+                res = run_worker(cfg, args.timeout)
+                runs.setdefault(key, []).append(res)
+                status = res.get("error") or " ".join(
+                    f"@{c} {v['ms']:.2f} ms" for c, v in res["contexts"].items()
+                )
+                print(f"[repeat {r + 1}/{repeats}] {key}: {status}", file=sys.stderr, flush=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    results = {k: summarize(v) for k, v in runs.items()}
+    ratios = print_table(results, built, contexts, threads)
+    skipped = {}
+    if "edgeattn-softmax" in built and any(c > args.softmax_max_context for c in contexts):
+        skipped["edgeattn-softmax"] = (
+            f"contexts above {args.softmax_max_context} skipped (KV cache of ~10 GB at 16384 on 92.5M); "
+            "--softmax-max-context to include"
+        )
+    for name, why in skipped.items():
+        print(f"\nnote: {name}: {why}")
+    import onnxruntime
+    import onnxruntime_genai
+
+    print(
+        json.dumps(
+            {
+                "size": size,
+                "contexts": contexts,
+                "threads": threads,
+                "repeats": repeats,
+                "steps": steps,
+                "params": {k: v.get("params") for k, v in built.items()},
+                "errors": {k: v["error"] for k, v in built.items() if "error" in v},
+                "results": {
+                    k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
+                    for k, v in results.items()
+                },
+                "ratios": ratios,
+                "skipped": skipped,
+                "versions": {
+                    "onnxruntime": onnxruntime.__version__,
+                    "onnxruntime_genai": onnxruntime_genai.__version__,
+                },
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""One copy of the weights on disk: the graphs' initializers moved into one external-data file.
+
+``share_weights(root, ["step.onnx", "prefill.onnx"])`` writes every initializer of at least
+``MIN_BYTES`` bytes once into ``weights.bin`` (identical contents stored once, whatever their names),
+each at an offset aligned to ``ALIGN`` bytes, and points both graphs at it with ONNX's standard
+external-data fields (``location``, ``offset``, ``length``): any ONNX Runtime loads them as they are.
+It returns the table that the manifest keeps under ``"weights"``, so a runtime can build each tensor
+once from the file and hand the same buffer to every session (``OnnxRuntimeSession``) without parsing
+the graphs (the base install has no ``onnx``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+WEIGHTS_FILE = "weights.bin"
+MIN_BYTES = 1024  # smaller initializers (shapes, scalars) stay inside the graphs, where folding wants them
+ALIGN = 4096  # page-aligned offsets: ONNX Runtime can map them, numpy views them without a copy
+
+# ONNX TensorProto data types -> numpy dtype names, for the ones an exported graph stores as weights
+ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 10: "float16", 11: "float64"}
+
+
+def _raw(init) -> bytes:
+    from onnx import numpy_helper
+
+    if init.HasField("raw_data"):
+        return init.raw_data
+    return numpy_helper.to_array(init).tobytes()
+
+
+def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = WEIGHTS_FILE) -> dict:
+    """Move the large initializers of the graphs under ``root`` into ``root / data_name``, once each.
+
+    Two initializers with the same bytes, dtype and shape are stored once; one name that means different
+    contents in two graphs is renamed in the later graph (its nodes follow), so every name maps to one
+    tensor. Returns ``{"path": data_name, "bytes": n, "tensors": [{"names", "dtype", "shape", "offset",
+    "length", "sha256"}]}``.
+    """
+    import onnx
+
+    root = Path(root)
+    tensors: dict[str, dict] = {}  # content key -> entry
+    by_name: dict[str, str] = {}  # initializer name -> content key
+    models = {g: onnx.load(str(root / g)) for g in graphs}
+    tmp = root / f".{data_name}.tmp"
+    offset = 0
+    with open(tmp, "wb") as f:
+        for model in models.values():
+            renames = {}
+            for init in model.graph.initializer:
+                if init.data_type not in ONNX_DTYPES:
+                    continue
+                raw = _raw(init)
+                if len(raw) < MIN_BYTES:
+                    continue
+                digest = hashlib.sha256(raw).hexdigest()
+                key = f"{init.data_type}:{list(init.dims)}:{digest}"
+                if init.name in by_name and by_name[init.name] != key:
+                    new = f"{init.name}.{digest[:12]}"
+                    renames[init.name] = new
+                    init.name = new
+                by_name[init.name] = key
+                if key not in tensors:
+                    pad = -offset % ALIGN
+                    f.write(b"\0" * pad)
+                    offset += pad
+                    f.write(raw)
+                    tensors[key] = {
+                        "names": [],
+                        "dtype": ONNX_DTYPES[init.data_type],
+                        "shape": list(init.dims),
+                        "offset": offset,
+                        "length": len(raw),
+                        "sha256": digest,
+                    }
+                    offset += len(raw)
+                entry = tensors[key]
+                if init.name not in entry["names"]:
+                    entry["names"].append(init.name)
+                init.ClearField("raw_data")
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                    init.ClearField(field)
+                init.data_location = onnx.TensorProto.EXTERNAL
+                del init.external_data[:]
+                for k, v in (
+                    ("location", data_name),
+                    ("offset", entry["offset"]),
+                    ("length", entry["length"]),
+                ):
+                    init.external_data.add(key=k, value=str(v))
+            if renames:
+                for node in model.graph.node:
+                    node.input[:] = [renames.get(i, i) for i in node.input]
+    try:
+        for g, model in models.items():
+            part = root / f".{g}.tmp"
+            with open(part, "wb") as f:
+                f.write(model.SerializeToString())
+            os.replace(part, root / g)
+        os.replace(tmp, root / data_name)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return {"path": data_name, "bytes": offset, "tensors": list(tensors.values())}

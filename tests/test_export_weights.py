@@ -1,0 +1,205 @@
+"""One copy of the weights (weights.bin shared by both graphs), --no-checkpoint, and int4 (MatMulNBits)."""
+
+import hashlib
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from edgeattn.export import Manifest, export_model
+from edgeattn.export.check import check_artifact, run_logits
+from edgeattn.export.manifest import sha256_file
+from edgeattn.export.weights import MIN_BYTES
+from edgeattn.models import EdgeLM
+from edgeattn.runtimes import open_session
+from tests.export_helpers import PREFILL, make_checkpoint, text_ids
+
+GRAPHS = ("step", "prefill")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {m: make_checkpoint(root / m.replace(",", "_"), m) for m in ("gla", "gla,softmax")}
+
+
+def raw_logits(art: Manifest, ids, so_factory) -> np.ndarray:
+    """Prefill chunks then steps through plain InferenceSessions that load the graphs as they are."""
+    sessions = {g: ort.InferenceSession(str(art.graph_path(g)), so_factory()) for g in GRAPHS}
+    state = {
+        e.input: np.zeros([0 if isinstance(d, str) else d for d in e.shape], np.float32) for e in art.state
+    }
+    C, out, t = art.prefill_tokens, [], 0
+    while t < ids.shape[1]:
+        g, n = ("prefill", C) if ids.shape[1] - t >= C else ("step", 1)
+        res = sessions[g].run(None, {"input_ids": ids[:, t : t + n], **state})
+        out.append(res[0])
+        state = {e.input: v for e, v in zip(art.state, res[1:])}
+        t += n
+    return np.concatenate(out, 1)
+
+
+def options(prepack: bool):
+    def make():
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        return so
+
+    return make
+
+
+def initializer_bytes(path) -> dict[str, bytes]:
+    """Every initializer of a self-contained graph, by name: its raw bytes."""
+    return {i.name: numpy_helper.to_array(i).tobytes() for i in onnx.load(str(path)).graph.initializer}
+
+
+@pytest.mark.parametrize("mixer", ["gla", "gla,softmax"])
+def test_shared_weights_equal_todays_layout_bitwise(ckpts, tmp_path, mixer):
+    shared = Manifest.load(export_model(ckpts[mixer], tmp_path / "shared", prefill_chunk=PREFILL))
+    legacy = Manifest.load(
+        export_model(ckpts[mixer], tmp_path / "legacy", prefill_chunk=PREFILL, shared_weights=False)
+    )
+    assert shared.weights is not None and legacy.weights is None
+    ids = text_ids(2 * PREFILL + 9)
+    # the graphs are today's graphs: ONNX Runtime loading either layout by itself gives the same bits
+    for prepack in (True, False):
+        np.testing.assert_array_equal(
+            raw_logits(shared, ids, options(prepack)), raw_logits(legacy, ids, options(prepack))
+        )
+    # the session that shares one OrtValue per weight between its two graphs (prepacking off) as well
+    got = run_logits(open_session(shared.root), ids)
+    want = raw_logits(legacy, ids, options(prepack=False))
+    np.testing.assert_array_equal(np.concatenate([got["prefill"], got["step"]], 1), want)
+
+
+def test_weights_stored_once_and_covered_by_the_manifest(ckpts, tmp_path):
+    legacy = export_model(ckpts["gla"], tmp_path / "legacy", prefill_chunk=PREFILL, shared_weights=False)
+    art = export_model(ckpts["gla"], tmp_path / "shared", prefill_chunk=PREFILL, include_checkpoint=False)
+    data = json.loads((art / "edgeattn.json").read_text())
+    assert set(data["files"]) == {"step.onnx", "prefill.onnx", "weights.bin"}
+    for name, info in data["files"].items():
+        assert info["sha256"] == sha256_file(art / name) and info["bytes"] == (art / name).stat().st_size
+    # the large initializers of today's graphs, once each by content
+    big = {b for g in ("step.onnx", "prefill.onnx") for b in initializer_bytes(legacy / g).values()}
+    big = {b for b in big if len(b) >= MIN_BYTES}
+    blob = (art / "weights.bin").read_bytes()
+    stored = [blob[t["offset"] : t["offset"] + t["length"]] for t in data["weights"]["tensors"]]
+    assert len(stored) == len(set(stored)) == len(big) and set(stored) == big
+    assert len(blob) < sum(len(b) for b in big) + 4096 * len(big)  # no second copy, only alignment padding
+    for g in ("step.onnx", "prefill.onnx"):
+        graph = onnx.load(str(art / g), load_external_data=False).graph
+        inline = [i for i in graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL]
+        assert all(len(i.raw_data) < MIN_BYTES for i in inline)
+        assert (art / g).stat().st_size < 0.2 * len(blob)
+    assert not (art / "checkpoint").exists()
+    # a corrupted weights file is refused like a corrupted graph
+    with open(art / "weights.bin", "r+b") as f:
+        f.seek(data["weights"]["tensors"][0]["offset"])
+        f.write(b"\x01\x02")
+    with pytest.raises(ValueError, match="weights.bin does not match its sha256"):
+        open_session(art)
+
+
+def test_no_checkpoint_artifact_runs_and_torch_and_check_say_what_they_need(ckpts, tmp_path):
+    art = export_model(ckpts["gla"], tmp_path / "a", prefill_chunk=PREFILL, include_checkpoint=False)
+    assert open_session(art).prefill(text_ids(20)).shape == (1, 256)
+    with pytest.raises(ValueError, match="--no-checkpoint"):
+        open_session(art, backend="torch")
+    with pytest.raises(ValueError, match="check compares it with its PyTorch model .*--no-checkpoint"):
+        check_artifact(art, tokens=20)
+
+
+def test_cli_export_no_checkpoint_and_int4_options(ckpts, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from edgeattn.cli import check, export
+
+    app = typer.Typer()
+    export.register(app)
+    check.register(app)
+    runner = CliRunner()
+    out = tmp_path / "a"
+    res = runner.invoke(app, ["export", str(ckpts["gla"]), "--out", str(out), "--no-checkpoint"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["check", str(out), "--tokens", "20"])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "--no-checkpoint" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(ckpts["gla"]),
+            "--out",
+            str(tmp_path / "b"),
+            "--precision",
+            "int4",
+            "--target",
+            "portable",
+        ],
+    )
+    assert res.exit_code == 2 and "target 'onnxruntime'" in res.output, res.output
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(ckpts["gla"]),
+            "--out",
+            str(tmp_path / "c"),
+            "--precision",
+            "int4",
+            "--int4-block-size",
+            "48",
+        ],
+    )
+    assert res.exit_code == 2 and "power of two" in res.output, res.output
+    assert not (tmp_path / "c").exists()
+    res = runner.invoke(
+        app,
+        ["export", str(ckpts["gla"]), "--out", str(tmp_path / "d"), "--precision", "int4"]
+        + ["--int4-block-size", "16", "--int4-asymmetric"],
+    )
+    assert res.exit_code == 0, res.output
+    nodes = onnx.load(str(tmp_path / "d" / "step.onnx"), load_external_data=False).graph.node
+    attrs = {a.name: a for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute}
+    assert attrs["block_size"].i == 16
+    assert any(n.op_type == "MatMulNBits" and len(n.input) >= 4 and n.input[3] for n in nodes)  # zero points
+
+
+INT4_MAX_REL = 0.15  # max |logit diff| / max |logit| against the fp32 PyTorch model, d_model 64
+
+
+def test_int4_graph_uses_matmulnbits_and_stays_within_its_bound(tmp_path):
+    # weights at the training init scale (std 0.02), d_model 64 so that a block of 32 is a fraction of a row
+    torch.manual_seed(0)
+    from tests.export_helpers import tiny_config
+
+    ckpt = EdgeLM(tiny_config("gla", d_model=64, n_heads=2)).save(tmp_path / "ckpt")
+    art = export_model(ckpt, tmp_path / "int4", precision="int4", prefill_chunk=PREFILL)
+    m = Manifest.load(art)
+    for g in GRAPHS:
+        graph = onnx.load(str(m.graph_path(g)), load_external_data=False).graph
+        weights = {i.name for i in graph.initializer}
+        ops = [(n.domain, n.op_type) for n in graph.node]
+        assert ("com.microsoft", "MatMulNBits") in ops and ("com.microsoft", "GatherBlockQuantized") in ops
+        # no projection left in float32: every MatMul left multiplies two activations
+        assert not [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights]
+        assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0] in weights]
+    ids = text_ids(2 * PREFILL + 9)
+    with torch.no_grad():
+        want = EdgeLM.load(ckpt).eval()(torch.from_numpy(ids))[0].numpy()
+    got = run_logits(open_session(art), ids)
+    got = np.concatenate([got["prefill"], got["step"]], 1)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel <= INT4_MAX_REL, rel
+    assert rel > 1e-4  # it really is quantized
+    assert (
+        hashlib.sha256((art / "weights.bin").read_bytes()).hexdigest()
+        == m.data["files"]["weights.bin"]["sha256"]
+    )

@@ -50,6 +50,7 @@ COMPLEXITY: dict[str, Complexity] = {
     "flash": Complexity("O(T^2 s)", "O(T C (s + e) + T s e)", "O(C (s + e) + s e)", "O(C (s + e) + s e)"),
     "softmax": Complexity("O(T^2 d)", "O(T^2 d)", "O(T d)", "O(T d)"),
     "swa": Complexity("O(T W d)", "O(T W d)", "O(W d)", "O(W d)"),
+    "reformer": Complexity("O(R T^2 d)", "O(R T^2 d)", "O(R T d b)", "O(T d)"),  # whole buckets, masked
 }
 UNKNOWN = Complexity("?", "?", "?", "?")
 
@@ -87,6 +88,14 @@ def _flash(c: dict, t: int) -> float:
     return 4 * s * e + 2 * C * (s + e) + 4 * C
 
 
+def _reformer(c: dict, t: int) -> float:
+    """Hash the query and every cached key (R rounds, b/2 rotations each), then softmax over the cache."""
+    D, H = c["d_model"], c["n_heads"]
+    R, b = c.get("lsh_rounds", 2), c.get("lsh_buckets", 8)
+    n = t + 1
+    return R * (n * D * b + 4 * n * D + 3 * H * n)
+
+
 # Mixer work per layer per token beyond its weight matmuls: name -> f(model config, context) -> FLOPs.
 MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "linear": _gated(lambda c: c["d_model"] // c["n_heads"], normalized=True),
@@ -102,6 +111,7 @@ MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "flash": _flash,
     "softmax": _softmax,
     "swa": _swa,
+    "reformer": _reformer,
 }
 
 

@@ -244,6 +244,9 @@ def test_lsh_whole_buckets_continue_from_a_cache():
     assert_close("cache + chunk", torch.cat([a, b], 1), full, 1e-10)
     rec, _ = lsh_attention(q, None, v, mode="recurrent", **kw)
     assert_close("recurrent", rec, full, 1e-10)
+    kn12 = F.normalize(q[:, 12:], dim=-1)
+    nv, _ = lsh_attention(q[:, 12:], kn12, v[:, 12:], exclude_self=True, initial_state=st, mode="naive", **kw)
+    assert_close("naive after a cache", nv, full[:, 12:], 1e-10)
     # The exported step: the last row of the dense form.
     rot = lsh_rotations(8, 4, 2, torch.Generator().manual_seed(5), dtype=torch.float64)
     kn = F.normalize(q, dim=-1).transpose(1, 2)

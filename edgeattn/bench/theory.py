@@ -54,6 +54,7 @@ COMPLEXITY: dict[str, Complexity] = {
     "gated_deltanet": _LINEAR,
     "kda": _LINEAR,
     "mamba2": Complexity("O(T^2 e)", "O(T C e + T e N)", "O(e N)", "O(e N)"),  # e = expand * d, N state size
+    "reformer": Complexity("O(R T^2 d)", "O(R T^2 d)", "O(R T d b)", "O(T d)"),  # whole buckets, masked
 }
 UNKNOWN = Complexity("?", "?", "?", "?")
 
@@ -108,6 +109,14 @@ def _mamba2(c: dict, t: int) -> float:
     return 5 * inner * N + 2 * inner + 2 * c.get("conv_size", 4) * (inner + 2 * G * N)
 
 
+def _reformer(c: dict, t: int) -> float:
+    """Hash the query and every cached key (R rounds, b/2 rotations each), then softmax over the cache."""
+    D, H = c["d_model"], c["n_heads"]
+    R, b = c.get("lsh_rounds", 2), c.get("lsh_buckets", 8)
+    n = t + 1
+    return R * (n * D * b + 4 * n * D + 3 * H * n)
+
+
 # Mixer work per layer per token beyond its weight matmuls: name -> f(model config, context) -> FLOPs.
 MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "linear": _gated(lambda c: c["d_model"] // c["n_heads"], normalized=True),
@@ -127,6 +136,7 @@ MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "gated_deltanet": _delta,
     "kda": _delta,
     "mamba2": _mamba2,
+    "reformer": _reformer,
 }
 
 

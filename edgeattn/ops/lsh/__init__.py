@@ -113,34 +113,40 @@ def _dense(q, k, v, bq, bk, qpos, kpos, *, scale, causal, exclude_self, chunk_q=
     return _combine(o, lse)
 
 
-def _naive(q, k, v, bq, bk, *, scale, causal, exclude_self, C):
-    """Per query token: build P_r(i) from the definition, softmax over it, then combine the rounds."""
-    B, H, T, _ = q.shape
+def _naive(q, key, value, bq, bk, *, scale, causal, exclude_self, C):
+    """Per query token: build P_r(i) from the definition, softmax over it, then combine the rounds.
+    q [B, H, T, K]; key, value [B, H, L + T, D] (a cache of L tokens first); query i is token L + i."""
+    T, N = q.shape[2], key.shape[2]
+    L = N - T
     R = bq.shape[2]
-    rq = _ranks(bq) if C is not None else None  # [B, H, R, T]
+    rq = _ranks(bq) if C is not None else None  # [B, H, R, T] (C is None whenever L > 0)
     rk = _ranks(bk) if C is not None else None
     outs = []
     for i in range(T):
         o_r, l_r = [], []
         for r in range(R):
-            allowed = bk[:, :, r] == bq[:, :, r, i : i + 1]  # [B, H, T]
+            allowed = bk[:, :, r] == bq[:, :, r, i : i + 1]  # [B, H, L + T]
             if causal:
-                allowed = allowed & (torch.arange(T) <= i)
+                allowed = allowed & (torch.arange(N, device=q.device) <= L + i)
             if C is not None:
                 cq = rq[:, :, r, i : i + 1] // C
                 ck = rk[:, :, r] // C
                 allowed = allowed & ((ck == cq) | (ck == cq - 1))
             if exclude_self:
-                allowed[:, :, i] = False
+                allowed[:, :, L + i] = False
             alone = ~allowed.any(-1)  # [B, H]
-            allowed[:, :, i] = allowed[:, :, i] | alone
-            s = (scale * (k * q[:, :, i : i + 1]).sum(-1)).masked_fill(~allowed, float("-inf"))  # [B, H, T]
+            allowed[:, :, L + i] = allowed[:, :, L + i] | alone
+            s = (scale * (key * q[:, :, i : i + 1]).sum(-1)).masked_fill(
+                ~allowed, float("-inf")
+            )  # [B, H, L + T]
             lse = torch.logsumexp(s, -1)
-            o_r.append((torch.exp(s - lse[..., None]).unsqueeze(-1) * v).sum(2))  # [B, H, V]
+            o_r.append((torch.exp(s - lse[..., None]).unsqueeze(-1) * value).sum(2))  # [B, H, V]
             l_r.append(lse)
         w = torch.softmax(torch.stack(l_r, 0), 0).unsqueeze(-1)  # [R, B, H, 1]
         outs.append((w * torch.stack(o_r, 0)).sum(0))
-    return torch.stack(outs, dim=2)  # [B, H, T, V]
+    return (
+        torch.stack(outs, dim=2) if outs else value.new_zeros(*q.shape[:3], value.shape[-1])
+    )  # [B, H, T, V]
 
 
 def _take(x: Tensor, idx: Tensor) -> Tensor:
@@ -318,14 +324,8 @@ def lsh_attention(
         bk = bq if shared and L == 0 else lsh_buckets(key, rot).permute(0, 1, 3, 2)  # [B, H, R, L + T]
         C = bucket_size
         if mode == "naive":
-            o = (
-                _naive(qh, kh, vh, bq, bk, scale=scale, causal=causal, exclude_self=exclude_self, C=C)
-                if L == 0
-                else None
-            )
-            if o is None:  # with a cache: the dense rows are the per-token sets (whole buckets)
-                mode = "parallel"
-        if mode == "chunk" and chunked:
+            o = _naive(qh, key, value, bq, bk, scale=scale, causal=causal, exclude_self=exclude_self, C=C)
+        elif mode == "chunk" and chunked:
             o = _chunked(qh, kh, vh, bq, bk, scale=scale, causal=causal, exclude_self=exclude_self, C=C)
         elif mode in ("chunk", "parallel"):
             qpos = torch.arange(L, L + T, device=q.device)

@@ -277,7 +277,7 @@ def test_numeric_options_out_of_range_are_one_line_errors(artifact):
         (["check", artifact, "--tolerance", "nan"], "--tolerance"),
         (["check", artifact, "--threads", "-1"], "--threads"),
         (["export", artifact, "--out", "x", "--batch", "0"], "--batch"),
-        (["export", artifact, "--out", "x", "--precision", "int4"], "--precision"),
+        (["export", artifact, "--out", "x", "--precision", "int2"], "--precision"),
     ):
         assert_bad_input(invoke_main(*args), name)
 

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import Command, cli_errors
 
 
 def _ints(name: str, text: str) -> list[int]:
@@ -271,4 +271,4 @@ def analyze(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("analyze")(analyze)
+    app.command("analyze", cls=Command)(analyze)

@@ -247,3 +247,98 @@ def test_bad_arguments(generate, artifact):
     for args in (["-n", "x"], ["--bogus", "1"], ["--top-p", "0"]):
         res = run(generate, artifact, PROMPT, *args, check=False)
         assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# state files that lie, and manifests that do not match their graphs: C++ refuses what Python refuses
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _state_data_start(raw: bytes) -> int:
+    return 8 + int.from_bytes(raw[:8], "little")
+
+
+def test_cpp_refuses_flipped_bytes_nan_and_old_state_files(generate, artifact, tmp_path):
+    import hashlib
+    import struct
+
+    from tests.test_state_file import _header_file
+
+    drv = OrtDriver(artifact)
+    drv.greedy(list(PROMPT), 5)
+    good = tmp_path / "good.state"
+    drv.save_state(good)
+    raw = good.read_bytes()
+    start = _state_data_start(raw)
+    cases = {}
+    for i, offset in enumerate((start, start + 5, (start + len(raw)) // 2, len(raw) - 1)):
+        bad = bytearray(raw)
+        bad[offset] ^= 0x10
+        cases[f"flip{i}"] = (bytes(bad), "does not match the data_sha256")
+    # NaN with a correct checksum, as another writer could produce
+    header = json.loads(raw[8:start])
+    data = bytearray(raw[start:])
+    data[0:4] = struct.pack("<f", float("nan"))
+    header["__metadata__"]["data_sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    _header_file(tmp_path / "nan.state", header, bytes(data))
+    cases["nan"] = ((tmp_path / "nan.state").read_bytes(), "holds NaN or inf")
+    header["__metadata__"]["format_version"] = "1"  # the old format: no checksum
+    del header["__metadata__"]["data_sha256"]
+    _header_file(tmp_path / "v1.state", header, raw[start:])
+    cases["v1"] = ((tmp_path / "v1.state").read_bytes(), "before state files carried a checksum")
+
+    for name, (content, message) in cases.items():
+        path = tmp_path / f"{name}.state"
+        path.write_bytes(content)
+        res = run(generate, artifact, b"!", "-n", 3, "--state-in", path, check=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode != 0 and len(lines) == 1, (name, res.stderr)
+        assert lines[0].startswith("generate: error: ") and message in lines[0], (name, lines[0])
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):  # Python agrees
+            load_state(path)
+    run(generate, artifact, b"!", "-n", 3, "--state-in", good)  # the untouched file still loads
+
+
+def test_cpp_state_file_format(generate, artifact, tmp_path):
+    """C++ writes format_version 2 with the sha256 of the tensor bytes, as Python does, byte for byte."""
+    import hashlib
+
+    cpp = tmp_path / "cpp.state"
+    run(generate, artifact, PROMPT, "-n", 10, "--state-out", cpp)
+    raw = cpp.read_bytes()
+    meta = json.loads(raw[8 : _state_data_start(raw)])["__metadata__"]
+    assert meta["format_version"] == "2"
+    assert meta["data_sha256"] == hashlib.sha256(raw[_state_data_start(raw) :]).hexdigest()
+    tensors, meta_py = load_state(cpp)
+    py = tmp_path / "py.state"
+    save_state(py, tensors, meta_py["fingerprint"], int(meta_py["position"]))
+    assert py.read_bytes()[_state_data_start(py.read_bytes()) :] == raw[_state_data_start(raw) :]
+    assert load_state(py)[1]["data_sha256"] == meta["data_sha256"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "state shape",
+        "vocab_size",
+        "prefill tokens",
+        "input_ids name",
+        "state input name",
+        "state without shape",
+        "file without sha256",
+        "graph not listed",
+        "state dtype",
+    ],
+)
+def test_cpp_and_python_refuse_the_same_manifest_edits(generate, artifact, tmp_path, case):
+    from edgeattn.runtimes import open_session
+    from tests.test_manifest import EDITS, edit
+
+    root = tmp_path / "art"
+    shutil.copytree(artifact, root)
+    edit(root, EDITS[case][0])
+    res = run(generate, root, PROMPT, "-n", 3, check=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("generate: error: "), res.stderr
+    with pytest.raises(ValueError, match=None):
+        open_session(root, threads=1)

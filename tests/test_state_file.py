@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -35,7 +36,14 @@ def test_round_trip(tmp_path):
         assert tensors[name].dtype == np.float32
         np.testing.assert_array_equal(tensors[name], t)
         assert tensors[name].flags.writeable
-    assert meta == {"format": "edgeattn-state", "format_version": "1", "fingerprint": FP, "position": "7"}
+    data = b"".join(np.ascontiguousarray(t, "<f4").tobytes() for t in _state().values())
+    assert meta == {
+        "format": "edgeattn-state",
+        "format_version": "2",
+        "fingerprint": FP,
+        "position": "7",
+        "data_sha256": hashlib.sha256(data).hexdigest(),  # of every tensor byte, in file order
+    }
     assert [p.name for p in tmp_path.iterdir()] == ["s.state"]  # no temporary file left behind
 
 
@@ -95,7 +103,14 @@ def _header_file(path, header: dict, data: bytes = b"") -> None:
 
 
 def _meta(**over) -> dict:
-    return {"format": "edgeattn-state", "format_version": "1", "fingerprint": FP, "position": "0", **over}
+    return {
+        "format": "edgeattn-state",
+        "format_version": "2",
+        "fingerprint": FP,
+        "position": "0",
+        "data_sha256": "0" * 64,
+        **over,
+    }
 
 
 @pytest.mark.parametrize(
@@ -108,7 +123,12 @@ def _meta(**over) -> dict:
         (lambda p: _header_file(p, {"__metadata__": {"format": "other"}}), "format"),
         (lambda p: _header_file(p, {"__metadata__": _meta(position="-1")}), "position"),
         (lambda p: _header_file(p, {"__metadata__": _meta(fingerprint="")}), "fingerprint"),
-        (lambda p: _header_file(p, {"__metadata__": _meta(format_version="2")}), "format_version 2"),
+        (lambda p: _header_file(p, {"__metadata__": _meta(format_version="3")}), "format_version 3"),
+        (
+            lambda p: _header_file(p, {"__metadata__": _meta(format_version="1")}),
+            "before state files carried",
+        ),
+        (lambda p: _header_file(p, {"__metadata__": _meta(data_sha256="")}), "data_sha256"),
         (
             lambda p: _header_file(
                 p,
@@ -180,3 +200,41 @@ def test_check_state_dynamic_dims_match_any_size():
     check_state(tensors, {"past_key_values.0.key": (1, 2, "past_length", 4)})
     with pytest.raises(ValueError, match="shape"):
         check_state(tensors, {"past_key_values.0.key": (1, 3, "past_length", 4)})
+
+
+def test_every_byte_flip_in_the_tensor_data_is_refused(tmp_path):
+    path = tmp_path / "s.state"
+    save_state(path, _state(), FP, 5)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    data_start = 8 + n
+    assert len(raw) - data_start == 4 * sum(t.size for t in _state().values())
+    flipped = tmp_path / "flipped.state"
+    for i in range(data_start, len(raw)):
+        for bit in (0, 7):
+            bad = bytearray(raw)
+            bad[i] ^= 1 << bit
+            flipped.write_bytes(bytes(bad))
+            with pytest.raises(ValueError, match="does not match the data_sha256|NaN or inf"):
+                load_state(flipped)
+    load_state(path)  # the original still loads
+
+
+def test_non_finite_state_is_refused(tmp_path):
+    for value in (np.nan, np.inf, -np.inf):
+        state = _state()
+        state["past_key_values.1.normalizer"][0, 1, 2] = value
+        with pytest.raises(ValueError, match="NaN or inf"):
+            save_state(tmp_path / "s.state", state, FP, 0)
+        assert not (tmp_path / "s.state").exists()
+    # a file with NaN and a correct checksum (written by hand, as another writer could) is refused on load
+    state = _state()
+    state["past_key_values.0.recurrent_state"][0, 0, 0, 0] = np.nan
+    blobs = [np.ascontiguousarray(t, "<f4").tobytes() for t in state.values()]
+    header, offset = {"__metadata__": _meta(data_sha256=hashlib.sha256(b"".join(blobs)).hexdigest())}, 0
+    for (name, t), blob in zip(state.items(), blobs):
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+    _header_file(tmp_path / "nan.state", header, b"".join(blobs))
+    with pytest.raises(ValueError, match="past_key_values.0.recurrent_state holds NaN or inf"):
+        load_state(tmp_path / "nan.state")

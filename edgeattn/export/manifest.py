@@ -61,11 +61,11 @@ class Manifest:
 
     @property
     def target(self) -> str:
-        return self.data["target"]
+        return self.data.get("target", "")
 
     @property
     def precision(self) -> str:
-        return self.data["precision"]
+        return self.data.get("precision", "fp32")
 
     @property
     def max_length(self) -> int | None:
@@ -117,9 +117,7 @@ class Manifest:
             raise ValueError(
                 f"{path} has format_version {version!r}; this edgeattn reads up to {FORMAT_VERSION}: upgrade edgeattn"
             )
-        for key in ("fingerprint", "vocab_size", "batch_size", "graphs", "state", "files"):
-            if key not in data:
-                raise ValueError(f"{path} lacks the key {key!r}")
+        check_structure(data, str(path))
         m = cls(root, data)
         if verify:
             m.verify_files()
@@ -134,6 +132,135 @@ class Manifest:
                 raise ValueError(
                     f"{p} does not match its sha256 in {MANIFEST}: the file is corrupt or was edited"
                 )
+
+    def graph_io(self, graph: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """What ``graph`` must take and return: name -> (element type, shape), a str dimension dynamic."""
+        B, V = self.batch_size, self.vocab_size
+        T = 1 if graph == "step" else self.prefill_tokens
+        inputs = {self.input_ids_name: ("int64", (B, T))}
+        outputs = {self.logits_name: ("float32", (B, T, V))}
+        for e in self.state:
+            inputs[e.input] = (e.dtype, e.shape)
+            outputs[e.output] = (e.dtype, e.shape)
+        return inputs, outputs
+
+    def check_graph_io(self, graph: str, inputs: dict[str, tuple], outputs: dict[str, tuple]) -> None:
+        """Compare a graph's real inputs and outputs (name -> (element type, shape), where a dimension that is
+        None or a str is symbolic) with the manifest; ValueError naming the tensor. The graph may have
+        outputs the manifest does not list, not inputs (nothing would feed them)."""
+        where = f"{self.graph_path(graph)}"
+        want_in, want_out = self.graph_io(graph)
+        for kind, want, got in (("input", want_in, inputs), ("output", want_out, outputs)):
+            for name, (dtype, shape) in want.items():
+                if name not in got:
+                    raise ValueError(
+                        f"{where} has no {kind} named {name!r}, which {MANIFEST} lists: the manifest does not "
+                        "belong to this graph (edited?)"
+                    )
+                got_type, got_shape = got[name]
+                if got_type != dtype:
+                    raise ValueError(f"{where}: {kind} {name!r} is {got_type}, {MANIFEST} says {dtype}")
+                ok = len(got_shape) == len(shape) and all(
+                    isinstance(w, str) or g is None or isinstance(g, str) or int(g) == int(w)
+                    for g, w in zip(got_shape, shape)
+                )
+                if not ok:
+                    raise ValueError(
+                        f"{where}: {kind} {name!r} has shape {list(got_shape)}, {MANIFEST} says {list(shape)}"
+                    )
+        extra = sorted(set(inputs) - set(want_in))
+        if extra:
+            raise ValueError(f"{where} has the input {extra[0]!r}, which {MANIFEST} does not list")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_structure(data: dict, where: str) -> None:
+    """ValueError naming the field unless ``data`` has every field a session reads, with the right type, and
+    lists (with a sha256) every file a session runs: both graphs and, when there is one, the checkpoint."""
+
+    def need(obj: dict, key: str, types, what: str, ctx: str = ""):
+        if not isinstance(obj, dict) or key not in obj:
+            raise ValueError(f"{where} lacks the key {ctx + key!r}")
+        value = obj[key]
+        if not isinstance(value, types) or (types is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: {ctx + key!r} must be {what}, got {value!r}")
+        return value
+
+    need(data, "fingerprint", str, "a string")
+    for key in ("vocab_size", "batch_size"):
+        if need(data, key, int, "a positive integer") < 1:
+            raise ValueError(f"{where}: {key!r} must be a positive integer, got {data[key]!r}")
+    if data.get("max_length") is not None and (
+        not isinstance(data["max_length"], int)
+        or isinstance(data["max_length"], bool)
+        or data["max_length"] < 1
+    ):
+        raise ValueError(
+            f"{where}: 'max_length' must be null or a positive integer, got {data['max_length']!r}"
+        )
+    for key in ("target", "precision"):
+        if key in data and not isinstance(data[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {data[key]!r}")
+    for key, name in (("inputs", "input_ids"), ("outputs", "logits")):
+        if key in data:
+            need(data, key, dict, "an object")
+            if name in data[key]:
+                need(data[key], name, str, "a string", f"{key}.")
+    graphs = need(data, "graphs", dict, "an object")
+    for g in ("step", "prefill"):
+        info = need(graphs, g, dict, "an object", "graphs.")
+        need(info, "path", str, "a string", f"graphs.{g}.")
+        tokens = need(info, "tokens", int, "a positive integer", f"graphs.{g}.")
+        if tokens < 1 or (g == "step" and tokens != 1):
+            raise ValueError(
+                f"{where}: 'graphs.{g}.tokens' must be {'1' if g == 'step' else '>= 1'}, got {tokens}"
+            )
+    state = need(data, "state", list, "a list")
+    for i, e in enumerate(state):
+        ctx = f"state[{i}]."
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: 'state[{i}]' must be an object, got {e!r}")
+        for key in ("input", "output", "name"):
+            need(e, key, str, "a string", ctx)
+        need(e, "layer", int, "an integer", ctx)
+        shape = need(e, "shape", list, "a list of sizes", ctx)
+        if not all(
+            isinstance(d, str) or isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(
+                f"{where}: '{ctx}shape' must hold sizes >= 0 (or names of dynamic sizes), got {shape!r}"
+            )
+        if need(e, "dtype", str, "a string", ctx) != "float32":
+            raise ValueError(
+                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is), got {e['dtype']!r}"
+            )
+    names = [
+        data.get("inputs", {}).get("input_ids", "input_ids"),
+        data.get("outputs", {}).get("logits", "logits"),
+    ]
+    names += [e["input"] for e in state] + [e["output"] for e in state]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{where}: the graph tensor name {dup[0]!r} is used twice")
+    files = need(data, "files", dict, "an object")
+    for name, info in files.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"{where}: 'files.{name}' must be an object with a sha256")
+        sha = need(info, "sha256", str, "a sha256 hex digest", f"files.{name}.")
+        if len(sha) != 64 or not set(sha) <= _HEX:
+            raise ValueError(f"{where}: 'files.{name}.sha256' must be a sha256 hex digest, got {sha!r}")
+    # what a session runs must be verifiable: a file missing from "files" would run unchecked
+    needed = [graphs[g]["path"] for g in ("step", "prefill")]
+    ckpt = data.get("checkpoint")
+    if ckpt:
+        if not isinstance(ckpt, str):
+            raise ValueError(f"{where}: 'checkpoint' must be null or a directory name, got {ckpt!r}")
+        needed += [f"{ckpt}/config.json", f"{ckpt}/model.safetensors"]
+    for name in needed:
+        if name not in files:
+            raise ValueError(f"{where}: {name} is not listed under 'files', so it cannot be verified")
 
 
 def write_manifest(root: Path, data: dict) -> None:

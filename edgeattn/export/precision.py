@@ -26,6 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+
+class PrecisionWarning(UserWarning):
+    """A reduced-precision graph whose logits differ from float32's by more than ``edgeattn check`` accepts."""
+
+
 FP32_OPS = [
     "Exp",
     "CumSum",
@@ -125,6 +130,33 @@ def _drop_round_trips(model) -> None:
             graph.node.remove(n)
 
 
+def _sort_topologically(model) -> None:
+    """The float16 converter appends its Casts at the end of the node list; ONNX (and TensorRT's parser) want
+    every node after the nodes whose outputs it reads."""
+    graph = model.graph
+    nodes = list(graph.node)
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
+    waiting = {i: {x for x in n.input if x not in available and x in producer} for i, n in enumerate(nodes)}
+    readers: dict[int, list[int]] = {}
+    for i, deps in waiting.items():
+        for x in deps:
+            readers.setdefault(producer[x], []).append(i)
+    ready = [i for i, deps in waiting.items() if not deps]
+    order = []
+    while ready:
+        i = ready.pop(0)
+        order.append(i)
+        for j in readers.get(i, []):
+            waiting[j] = {x for x in waiting[j] if producer[x] != i}
+            if not waiting[j]:
+                ready.append(j)
+    if len(order) != len(nodes):
+        raise ValueError("the converted graph has a cycle; this is a bug in edgeattn's precision conversion")
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
+
+
 def fp32_nodes(model, entries) -> list[str]:
     """The nodes an fp16 graph keeps in float32 besides ``FP32_OPS``: state reads and writes, gate and
     norm regions (``FP32_REGIONS``)."""
@@ -191,6 +223,7 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
                 node_block_list=fp32_nodes(model, entries),
             )
             _drop_round_trips(converted)
+            _sort_topologically(converted)
             onnx.save(converted, tmp)
         elif precision == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -220,6 +253,7 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
             warnings.warn(
                 f"{path.name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
                 f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
+                PrecisionWarning,
                 stacklevel=2,
             )
         os.replace(tmp, path)

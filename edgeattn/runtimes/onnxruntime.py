@@ -28,6 +28,14 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+
+
+def _io(args) -> dict[str, tuple]:
+    """ONNX Runtime's NodeArgs -> name -> (element type, shape), as ``Manifest.check_graph_io`` takes them."""
+    return {a.name: (_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
+
+
 def pick_providers(device: str | None = None) -> list[str]:
     """CUDA when onnxruntime-gpu and a GPU are present (or asked for), CPU otherwise."""
     available = ort.get_available_providers()
@@ -95,6 +103,8 @@ class OnnxRuntimeSession(Session):
             }
         except Exception as e:  # ORT raises its own exception types for invalid graphs
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
+        for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
+            manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
         self.dynamic = any(e.dynamic for e in manifest.state)
         B, V = manifest.batch_size, manifest.vocab_size
         self._ids = {g: self._alloc((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}

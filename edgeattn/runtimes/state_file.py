@@ -3,7 +3,10 @@
 Layout: 8-byte little-endian header length N, N bytes of JSON header (padded with spaces to a multiple of 8),
 then the raw little-endian float32 bytes of every tensor, back to back in header order. The header maps each
 state input name to ``{"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}`` and ``__metadata__`` to
-``{"format": "edgeattn-state", "format_version": "1", "fingerprint": ..., "position": ...}`` (all strings).
+``{"format": "edgeattn-state", "format_version": "2", "fingerprint": ..., "position": ...,
+"data_sha256": ...}`` (all strings); ``data_sha256`` is the sha256 of all the tensor bytes, so a flipped
+byte is refused. Non-finite values (NaN, inf) are refused on save and on load. Version 1 files (no
+checksum) are refused with a message saying so.
 
 The C++ runtime (edgeattn/runtimes/cpp) reads and writes the same files, so a state saved by one resumes in
 the other. Any safetensors reader opens them too.
@@ -11,6 +14,7 @@ the other. Any safetensors reader opens them too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -22,7 +26,7 @@ import numpy as np
 from edgeattn._atomic import make_temp_file
 
 FORMAT = "edgeattn-state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: __metadata__ carries data_sha256; version 1 files had no checksum and are refused
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors limit; a larger "header" is a corrupt or foreign file
 
 
@@ -34,26 +38,30 @@ def save_state(
         raise ValueError("save_state needs the artifact's fingerprint (a non-empty string)")
     if int(position) < 0:
         raise ValueError(f"position must be >= 0, got {position}")
-    header: dict = {
-        "__metadata__": {
-            "format": FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "fingerprint": fingerprint,
-            "position": str(int(position)),
-        }
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "fingerprint": fingerprint,
+        "position": str(int(position)),
     }
+    header: dict = {"__metadata__": meta}
     blobs = []
     offset = 0
+    digest = hashlib.sha256()
     for name, t in tensors.items():
         if name == "__metadata__":
             raise ValueError("a state tensor cannot be named __metadata__")
         a = np.asarray(t)
         if a.dtype != np.float32:
             raise ValueError(f"state tensor {name!r} is {a.dtype}; state files hold float32 only")
+        if not np.isfinite(a).all():
+            raise ValueError(f"state tensor {name!r} holds NaN or inf; a state file holds finite values only")
         blob = np.ascontiguousarray(a, dtype="<f4").tobytes()
         header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
+        digest.update(blob)
         offset += len(blob)
+    meta["data_sha256"] = digest.hexdigest()
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
 
@@ -158,6 +166,14 @@ def _parse(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
         raise ValueError(
             f"{path} has state format_version {version}; this edgeattn reads up to {FORMAT_VERSION}"
         )
+    if version < FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is a state file of format_version {version}, written before state files carried a "
+            f"checksum; this edgeattn reads version {FORMAT_VERSION}: save the state again"
+        )
+    checksum = meta.get("data_sha256", "")
+    if len(checksum) != 64 or not set(checksum) <= set("0123456789abcdef"):
+        raise bad("no data_sha256 (a sha256 hex digest) in __metadata__")
     if not meta.get("fingerprint"):
         raise bad("no fingerprint in __metadata__")
     position = meta.get("position", "")
@@ -192,4 +208,9 @@ def _parse(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
         cursor = end
     if cursor != len(data):
         raise bad(f"{len(data) - cursor} bytes after the last tensor")
+    if hashlib.sha256(data).hexdigest() != checksum:
+        raise ValueError(f"{path} is corrupt: its tensor data does not match the data_sha256 in its header")
+    for name, t in tensors.items():
+        if not np.isfinite(t).all():
+            raise ValueError(f"{path}: state tensor {name} holds NaN or inf; a state must be finite")
     return tensors, meta

@@ -9,6 +9,28 @@ from edgeattn.export.manifest import Manifest
 from edgeattn.runtimes.base import Session
 
 
+def check_model(manifest: Manifest, model) -> None:
+    """The manifest against the checkpoint this backend runs: vocabulary and state tensors (ValueError)."""
+    where = f"{manifest.root}/edgeattn.json"
+    if manifest.vocab_size != model.cfg.vocab_size:
+        raise ValueError(
+            f"{where} says vocab_size {manifest.vocab_size}, its checkpoint has {model.cfg.vocab_size}"
+        )
+    specs = [
+        (layer, s)
+        for layer, layer_specs in enumerate(model.state_spec(manifest.batch_size))
+        for s in layer_specs
+    ]
+    entries = [(e.layer, e.name, tuple(e.shape)) for e in manifest.state]
+    expected = [(layer, s.name, tuple(s.shape)) for layer, s in specs]
+    if entries != expected:
+        diff = next(
+            (f"{a} != {b}" for a, b in zip(entries, expected) if a != b),
+            f"{len(entries)} entries != {len(expected)}",
+        )
+        raise ValueError(f"{where}: the state list does not match its checkpoint's state ({diff})")
+
+
 class TorchSession(Session):
     backend = "torch"
 
@@ -27,6 +49,7 @@ class TorchSession(Session):
             torch.set_num_threads(threads)
         self.device = device or "cpu"
         self.model = EdgeLM.load(manifest.root / ckpt).to(self.device).eval()
+        check_model(manifest, self.model)
         self.specs = [(e.input, e.layer, e.name) for e in manifest.state]
         self._reset_state()
 

@@ -2,7 +2,8 @@
 
 Within a chunk of C tokens the log-gates are summed, b_t = sum_{j<=t} g_j, and token i reaches token t
 (i <= t) with weight exp(b_t - b_i) <= 1; across chunks a [K, V] state is carried. Every exponent is a
-difference that is <= 0, so gates down to -1e4 per step underflow to 0 instead of overflowing.
+difference that is <= 0, so gates down to -1e4 per step underflow to 0 instead of overflowing. A gate of
+-inf would make -inf - (-inf) = NaN: ``gated_linear_attention`` clamps gates at -1000 before calling these.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // SHA-256 (FIPS 180-4) of a file, to verify the artifact's files against the manifest. Self-contained: the
 // runtime needs no crypto library for an integrity check.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "edgeattn/session.hpp"
+#include "state_file.hpp"
 
 namespace edgeattn {
 namespace {
@@ -90,5 +92,15 @@ std::string sha256_hex(const std::string& path) {
   if (in.bad()) throw IntegrityError("error reading " + path);
   return sha.hex();
 }
+
+namespace detail {
+
+std::string sha256_hex(const void* data, size_t size) {
+  Sha256 sha;
+  sha.update(static_cast<const uint8_t*>(data), size);
+  return sha.hex();
+}
+
+}  // namespace detail
 
 }  // namespace edgeattn

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -39,16 +40,24 @@ int64_t numel(const std::vector<int64_t>& shape) {
 void write_state_file(const std::string& path, const std::vector<StateTensorView>& tensors,
                       const std::string& fingerprint, int64_t position) {
   json header = json::object();
-  header["__metadata__"] = {{"format", "edgeattn-state"},
-                            {"format_version", std::to_string(kFormatVersion)},
-                            {"fingerprint", fingerprint},
-                            {"position", std::to_string(position)}};
   uint64_t offset = 0;
+  std::string data;  // every tensor's bytes, back to back: hashed, then written
   for (const auto& t : tensors) {
-    const uint64_t bytes = static_cast<uint64_t>(numel(t.shape)) * sizeof(float);
+    const size_t n = static_cast<size_t>(numel(t.shape));
+    for (size_t i = 0; i < n; ++i)
+      if (!std::isfinite(t.data[i]))
+        throw StateFileError("cannot write state file " + path + ": state tensor " + t.name +
+                             " holds NaN or inf; a state file holds finite values only");
+    const uint64_t bytes = static_cast<uint64_t>(n) * sizeof(float);
     header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    data.append(reinterpret_cast<const char*>(t.data), bytes);
     offset += bytes;
   }
+  header["__metadata__"] = {{"format", "edgeattn-state"},
+                            {"format_version", std::to_string(kStateFormatVersion)},
+                            {"fingerprint", fingerprint},
+                            {"position", std::to_string(position)},
+                            {"data_sha256", sha256_hex(data.data(), data.size())}};
   std::string head = header.dump();
   head.append((8 - head.size() % 8) % 8, ' ');
 
@@ -59,10 +68,7 @@ void write_state_file(const std::string& path, const std::vector<StateTensorView
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(head.size()) >> (8 * i));
   bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(head.data(), 1, head.size(), f) == head.size();
-  for (const auto& t : tensors) {
-    const size_t n = static_cast<size_t>(numel(t.shape));
-    ok = ok && std::fwrite(t.data, sizeof(float), n, f) == n;
-  }
+  ok = ok && std::fwrite(data.data(), 1, data.size(), f) == data.size();
   ok = ok && std::fflush(f) == 0;
 #if defined(__unix__) || defined(__APPLE__)
   ok = ok && ::fsync(fileno(f)) == 0;
@@ -107,9 +113,16 @@ LoadedState read_state_file(const std::string& path) {
   const std::string version = meta.value("format_version", "");
   if (version.empty() || version.find_first_not_of("0123456789") != std::string::npos)
     throw bad("format_version \"" + version + "\" is not an integer");
-  if (std::stoll(version) > kFormatVersion)
+  if (version.size() > 9 || std::stoll(version) > kStateFormatVersion)
     throw StateFileError(path + " has state format_version " + version + "; this edgeattn runtime reads up to " +
-                         std::to_string(kFormatVersion));
+                         std::to_string(kStateFormatVersion));
+  if (std::stoll(version) < kStateFormatVersion)
+    throw StateFileError(path + " is a state file of format_version " + version +
+                         ", written before state files carried a checksum; this edgeattn runtime reads version " +
+                         std::to_string(kStateFormatVersion) + ": save the state again");
+  const std::string checksum = meta.value("data_sha256", "");
+  if (checksum.size() != 64 || checksum.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw bad("no data_sha256 (a sha256 hex digest) in __metadata__");
   out.fingerprint = meta.value("fingerprint", "");
   if (out.fingerprint.empty()) throw bad("no fingerprint in __metadata__");
   const std::string position = meta.value("position", "");
@@ -157,6 +170,12 @@ LoadedState read_state_file(const std::string& path) {
     cursor = end;
   }
   if (cursor != data_size) throw bad(std::to_string(data_size - cursor) + " bytes after the last tensor");
+  if (sha256_hex(data, data_size) != checksum)
+    throw StateFileError(path + " is corrupt: its tensor data does not match the data_sha256 in its header");
+  for (size_t i = 0; i < out.data.size(); ++i)
+    for (float x : out.data[i])
+      if (!std::isfinite(x))
+        throw StateFileError(path + ": state tensor " + out.names[i] + " holds NaN or inf; a state must be finite");
   return out;
 }
 

@@ -52,7 +52,7 @@ struct RuntimeError : Error {
 
 // ---- manifest -------------------------------------------------------------------------------------------------
 
-constexpr int kFormatVersion = 1;  // the newest artifact and state-file format this runtime reads
+constexpr int kFormatVersion = 1;  // the newest artifact (manifest) format this runtime reads; state files: 2
 
 struct StateEntry {
   std::string input;   // past_key_values.{layer}.{name}

@@ -133,8 +133,13 @@ def delta_rule(
             outs.append(o_t)
         o = torch.stack(outs, dim=1) if outs else vf.new_zeros(B, 0, HV, V)
     elif _use_kernel(q, k, v, backend):
-        from edgeattn.kernels import chunk_delta_rule_triton
-
+        try:
+            from edgeattn.kernels import chunk_delta_rule_triton
+        except ImportError as e:
+            raise ValueError(
+                "the Triton delta-rule kernel is not available (edgeattn.kernels.chunk_delta_rule_triton); "
+                "use backend='torch'"
+            ) from e
         # The kernels take bf16/fp16 as they are (float32 accumulation): no float32 copies.
         o, S = chunk_delta_rule_triton(
             q, k, v, beta, gate, scale=scale, initial_state=S0, chunk_size=chunk_size

@@ -20,6 +20,10 @@ MIXERS: tuple[str, ...] = (
     "softmax",  # causal softmax with a growing KV cache (the baseline)
     "swa",  # sliding-window softmax with attention sinks (fixed ring buffer)
     "aft_full",  # AFT with learned pairwise biases, training only
+    "deltanet",  # DeltaNet: delta rule, short convs, L2-normalised q/k
+    "gated_deltanet",  # Gated DeltaNet (Qwen3.5): delta rule with a per-head decay, gated output norm
+    "kda",  # Kimi Delta Attention: delta rule with a per-key-dimension decay
+    "mamba2",  # Mamba2 SSD: scalar-gated recurrence with B/C as key/query, D skip, gated norm
 )
 
 _LAZY = {

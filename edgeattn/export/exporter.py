@@ -31,6 +31,9 @@ TARGETS = ("onnxruntime", "portable")
 PRECISIONS = ("fp32", "fp16", "int8")
 OPSET = 17
 FUSED_MIN_ORT = "1.31.0"
+# LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
+FUSED_DELTA_MIN_ORT = "1.32.0"
+DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -106,7 +109,22 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
             custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
+    if target == "onnxruntime":
+        import onnx
+
+        from edgeattn.ops.common.fused_delta import fix_optional_inputs
+
+        graph = onnx.load(str(path))
+        if fix_optional_inputs(graph):
+            onnx.save(graph, str(path))
     del model
+
+
+def min_onnxruntime(cfg, target: str) -> str:
+    """The oldest ONNX Runtime that runs the graphs of ``target``."""
+    if target != "onnxruntime":
+        return "1.16.0"
+    return FUSED_DELTA_MIN_ORT if DELTA_FAMILIES & set(cfg.mixers) else FUSED_MIN_ORT
 
 
 def fingerprint(checkpoint: Path) -> str:
@@ -177,7 +195,7 @@ def export_model(
             "target": target,
             "precision": precision,
             "opset": OPSET,
-            "requires": {"onnxruntime": FUSED_MIN_ORT if target == "onnxruntime" else "1.16.0"},
+            "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
             "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
             "max_length": cfg.max_seq_len if softmax_like else None,
             "inputs": {"input_ids": "input_ids"},

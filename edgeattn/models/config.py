@@ -30,6 +30,14 @@ class EdgeConfig:
     flash_expansion: float = 2.0  # flash: GAU hidden size = expansion * d_model
     flash_qk_dim: int = 128  # flash: size s of the shared Z
     max_seq_len: int = 2048  # softmax: KV-cache bound of an exported baseline; aft_full: bias size
+    num_v_heads: int = 0  # deltanet/gated_deltanet/kda: value heads HV, a multiple of n_heads (0: n_heads)
+    expand_v: float = 1.0  # deltanet/gated_deltanet/kda: value head width = expand_v * head_dim
+    allow_neg_eigval: bool = False  # deltanet/gated_deltanet/kda: beta = 2 sigmoid(.) in (0, 2)
+    conv_size: int = 4  # deltanet/gated_deltanet/kda/mamba2: short convolution width W (state W - 1)
+    ssm_state_size: int = 16  # mamba2: N, the state size per head (B and C width per group)
+    mamba_head_dim: int = 16  # mamba2: P, channels per head; heads = mamba_expand * d_model / P
+    mamba_expand: int = 2  # mamba2: inner width I = mamba_expand * d_model
+    mamba_n_groups: int = 1  # mamba2: G groups of B and C shared by the heads (and of the gated norm)
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
 
     def __post_init__(self) -> None:
@@ -43,6 +51,14 @@ class EdgeConfig:
                 raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.num_v_heads % self.n_heads:
+            raise ValueError(
+                f"num_v_heads ({self.num_v_heads}) must be a multiple of n_heads ({self.n_heads})"
+            )
+        if self.conv_size < 2:
+            raise ValueError(
+                f"conv_size must be >= 2 (the conv state keeps conv_size - 1 inputs), got {self.conv_size}"
+            )
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

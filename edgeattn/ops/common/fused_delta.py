@@ -1,0 +1,138 @@
+"""ONNX Runtime's fused delta-rule and short-convolution contrib ops, for the `onnxruntime` export target.
+
+Like ``fused.py``: in PyTorch these compute with edgeattn's own ops; traced for ONNX export inside
+``fused_onnxruntime_op()`` each becomes one contrib node (onnxruntime >= 1.31, checked against 1.32):
+
+    com.microsoft.LinearAttention(query [B,T,HQ*K], key [B,T,HV*K], value [B,T,HV*V], past_state [B,HV,K,V],
+                                  decay "" | [B,T,HV] | [B,T,HV*K], beta [B,T,HV]) -> output [B,T,HV*V], present_state
+        update_rule "delta" (no decay) or "gated_delta"; HQ < HV is ONNX Runtime's "inverse GQA":
+        query head h serves KV heads h*HV/HQ ... (h+1)*HV/HQ - 1, the key is given per value head.
+    com.microsoft.CausalConvWithState(input [B,D,T], weight [D,1,W], bias [D]?, past_state [B,D,W-1])
+        -> output [B,D,T], present_state [B,D,W-1]; activation "silu" or "none".
+
+The TorchScript exporter cannot write an empty optional input, so the decay-less "delta" node is traced
+with its beta in the decay slot and ``fix_optional_inputs`` moves it to the beta slot after export.
+"""
+
+from __future__ import annotations
+
+from edgeattn._deps import require
+
+torch = require("torch")
+
+
+def _is_none(x) -> bool:
+    return x is None or (hasattr(x, "node") and x.node().mustBeNone())
+
+
+class _DeltaRuleOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, state, g, beta, scale: float, q_heads: int, kv_heads: int):
+        from edgeattn.ops.delta import delta_rule
+
+        B, T, _ = q.shape
+        HQ, HV = q_heads, kv_heads
+        K, V = q.shape[-1] // HQ, v.shape[-1] // HV
+        qh = q.view(B, T, HQ, K).repeat_interleave(HV // HQ, dim=2)  # [B, T, HV, K]
+        gate = (
+            None
+            if g is None
+            else g.view(B, T, HV, -1).squeeze(-1)
+            if g.shape[-1] == HV
+            else g.view(B, T, HV, K)
+        )
+        o, S = delta_rule(
+            qh,
+            k.view(B, T, HV, K),
+            v.view(B, T, HV, V),
+            beta,
+            gate,
+            scale=scale,
+            initial_state=state,
+            output_final_state=True,
+        )
+        return o.reshape(B, T, HV * V), S
+
+    @staticmethod
+    def symbolic(g, q, k, v, state, decay, beta, scale: float, q_heads: int, kv_heads: int):
+        gated = not _is_none(decay)
+        inputs = [q, k, v, state, decay, beta] if gated else [q, k, v, state, beta]
+        out, present = g.op(
+            "com.microsoft::LinearAttention",
+            *inputs,
+            q_num_heads_i=q_heads,
+            kv_num_heads_i=kv_heads,
+            scale_f=float(scale),
+            update_rule_s="gated_delta" if gated else "delta",
+            outputs=2,
+        )
+        out.setType(v.type())
+        present.setType(state.type())
+        return out, present
+
+
+def fused_delta_rule(q, k, v, beta, g, state, *, scale: float):
+    """q, k: [B, T, H, K], v: [B, T, HV, V], beta: [B, T, HV], g: None, [B, T, HV] or [B, T, HV, K]
+    (log space), state [B, HV, K, V]. Returns (o [B, T, HV, V] scaled, new state)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    k = k.repeat_interleave(HV // H, dim=2) if HV != H else k  # the op takes one key per value head
+    qp, kp, vp = (x.reshape(B, T, -1).float() for x in (q, k, v))
+    decay = None if g is None else g.reshape(B, T, -1).float()
+    # Plain ints: a traced size passed to apply() breaks the TorchScript tracer.
+    o, S = _DeltaRuleOp.apply(qp, kp, vp, state, decay, beta.float(), float(scale), int(H), int(HV))
+    return o.view(B, T, HV, V), S
+
+
+class _CausalConvOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, activation: str):
+        from edgeattn.ops.conv import short_conv
+
+        y, S = short_conv(
+            x.transpose(1, 2),
+            weight.squeeze(1),
+            bias,
+            activation=None if activation == "none" else activation,
+            initial_state=state,
+            output_final_state=True,
+        )
+        return y.transpose(1, 2), S
+
+    @staticmethod
+    def symbolic(g, x, weight, bias, state, activation: str):
+        out, present = g.op(
+            "com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s=activation, outputs=2
+        )
+        out.setType(x.type())
+        present.setType(state.type())
+        return out, present
+
+
+def fused_short_conv(x, weight, bias, state, *, activation: str | None):
+    """x: [B, T, D], weight [D, W], bias [D] or None, state [B, D, W-1] -> (y [B, T, D], new state)."""
+    y, S = _CausalConvOp.apply(
+        x.float().transpose(1, 2),  # [B, D, T]
+        weight.float().unsqueeze(1),  # [D, 1, W], ONNX Conv's depthwise layout
+        # A zero bias rather than an absent one: the exporter cannot write an empty optional input.
+        weight.new_zeros(weight.shape[0]) if bias is None else bias.float(),
+        state.float(),
+        "none" if activation is None else activation,
+    )
+    return y.transpose(1, 2), S
+
+
+def fix_optional_inputs(model) -> bool:
+    """Write the empty optional inputs the TorchScript exporter cannot (see the module docstring):
+    a 5-input "delta" LinearAttention gets ``""`` as its decay. Returns whether anything changed."""
+    changed = False
+    for node in model.graph.node:
+        if node.domain != "com.microsoft" or node.op_type != "LinearAttention":
+            continue
+        rule = next((a.s.decode() for a in node.attribute if a.name == "update_rule"), "gated_delta")
+        if rule == "delta" and len(node.input) == 5:
+            beta = node.input[4]
+            node.input[4] = ""
+            node.input.append(beta)
+            changed = True
+    return changed

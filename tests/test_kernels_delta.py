@@ -263,3 +263,53 @@ def test_public_op_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="float64 inputs"):
         delta_rule(*(x.double() for x in (q, k, v, beta, g)), mode="chunk", backend="triton")
     assert len(calls) == 1
+
+
+# -- a tiny model trained with each backend --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n_layers, steps",
+    [(1, 3), pytest.param(2, 20, marks=pytest.mark.slow)],  # the 20-step curve is slow here
+)
+def test_tiny_gated_deltanet_model_follows_the_torch_loss_curve(monkeypatch, n_layers, steps):
+    import edgeattn.kernels
+    from edgeattn.models import EdgeConfig, EdgeLM
+
+    # HV = 2H value heads, chunks of 16 over 32 tokens: two chunks per call
+    cfg = EdgeConfig(
+        d_model=32, n_layers=n_layers, n_heads=2, mixer="gated_deltanet", chunk_size=16, num_v_heads=4
+    )
+    text = torch.tensor(list(b"def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n" * 8))
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(text) - 34, (1,), generator=gen)
+        batches.append(torch.stack([text[s : s + 33] for s in starts]).to(DEVICE))
+
+    calls = []
+    fn = edgeattn.kernels.chunk_delta_rule_triton
+    monkeypatch.setattr(
+        edgeattn.kernels, "chunk_delta_rule_triton", lambda *a, **kw: calls.append(1) or fn(*a, **kw)
+    )
+    curves = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("EDGEATTN_KERNELS", backend)
+        torch.manual_seed(0)
+        model = EdgeLM(cfg).to(DEVICE)
+        # eps 1e-6 as in test_kernels.py's GLA curve: float-noise gradients must not become lr-sized steps
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+        losses = []
+        for batch in batches:
+            logits, _ = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[backend] = losses
+    assert len(calls) == n_layers * steps  # every layer, every step, with backend triton
+    diffs = [abs(a - b) for a, b in zip(curves["torch"], curves["triton"])]
+    print(f"loss curves over {steps} steps: max difference {max(diffs):.2e}")
+    assert max(diffs) <= 1e-3, f"loss curves differ by up to {max(diffs):.2e}: {curves}"
+    assert curves["triton"][-1] < curves["triton"][0]

@@ -10,7 +10,7 @@ CUDA a Triton kernel (chosen in ``edgeattn.ops.backend``); the math is in README
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.backend import resolve_backend
+from edgeattn.ops.backend import use_kernel
 from edgeattn.ops.delta.chunk import chunk_delta_rule
 from edgeattn.ops.delta.naive import naive_delta_rule
 from edgeattn.ops.delta.step import delta_rule_step
@@ -33,16 +33,14 @@ def _check_beta(beta: Tensor) -> None:
         raise ValueError(f"beta must lie in [0, 2] (no NaN), got values in [{lo:.4g}, {hi:.4g}]")
 
 
-def _run_kernel(q, k, v, beta, g, initial_state, chunk_size):
-    """The one call into the Triton delta-rule kernel; its contract is in ``delta_rule``'s docstring."""
-    try:
-        from edgeattn.kernels import chunk_delta_rule_triton
-    except ImportError as e:
-        raise ValueError(
-            "the Triton delta-rule kernel is not available (edgeattn.kernels.chunk_delta_rule_triton); "
-            "use backend='torch'"
-        ) from e
-    return chunk_delta_rule_triton(q, k, v, beta, g, initial_state=initial_state, chunk_size=chunk_size)
+def _use_kernel(q, k, v, backend) -> bool:
+    """Whether this chunk-form call runs the Triton kernel (``edgeattn.ops.backend.use_kernel``)."""
+    uncovered = {
+        f"{q.dtype} inputs": q.dtype not in (torch.float32, torch.bfloat16, torch.float16),
+        "q, k, v of different dtypes": not (q.dtype == k.dtype == v.dtype),
+        f"head size K = {q.shape[-1]} > 256": q.shape[-1] > 256,
+    }
+    return use_kernel(q.device.type, backend, uncovered, "delta-rule kernels")
 
 
 def delta_rule(
@@ -75,12 +73,13 @@ def delta_rule(
     "chunk" (chunkwise WY form). ``backend`` ("auto", "torch", "triton"; see ``edgeattn.ops.backend``)
     picks the chunk implementation. With "triton" it calls
 
-        edgeattn.kernels.chunk_delta_rule_triton(q, k, v, beta, g, *, initial_state, chunk_size)
-            -> (o [B, T, HV, V] UNSCALED (scale is applied here), final_state [B, HV, K, V] float32)
+        edgeattn.kernels.chunk_delta_rule_triton(q, k, v, beta, g, *, scale, initial_state, chunk_size)
+            -> (o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] float32)
 
     with q, k [B, T, H, K] (not expanded to HV heads), v [B, T, HV, V] and beta [B, T, HV] as given
-    (bf16/fp16 unconverted, float32 otherwise), g None or the float32 log-gate [B, T, HV, G] with G = 1
-    (scalar gate) or G = K, initial_state None or float32 [B, HV, K, V]; differentiable in every input.
+    (bf16/fp16 unconverted), g None or the float32 log-gate [B, T, HV, G] with G = 1 (scalar gate) or
+    G = K, initial_state None or float32 [B, HV, K, V]; differentiable in every input. float64 inputs,
+    mixed dtypes of q, k, v and K > 256 run the PyTorch form (a ValueError with backend="triton").
     """
     check_mode(mode, MODES)
     check_rank("q", q, 4, "[B, T, H, K]")
@@ -133,12 +132,18 @@ def delta_rule(
             )
             outs.append(o_t)
         o = torch.stack(outs, dim=1) if outs else vf.new_zeros(B, 0, HV, V)
-    elif resolve_backend(q.device.type, backend) == "triton":
+    elif _use_kernel(q, k, v, backend):
+        try:
+            from edgeattn.kernels import chunk_delta_rule_triton
+        except ImportError as e:
+            raise ValueError(
+                "the Triton delta-rule kernel is not available (edgeattn.kernels.chunk_delta_rule_triton); "
+                "use backend='torch'"
+            ) from e
         # The kernels take bf16/fp16 as they are (float32 accumulation): no float32 copies.
-        low = q.dtype in (torch.bfloat16, torch.float16)
-        args = (q, k, v, beta) if low else (qf, kf, vf, bf)
-        o, S = _run_kernel(*args, gate, S0, chunk_size)
-        o = o.to(acc) * scale
+        o, S = chunk_delta_rule_triton(
+            q, k, v, beta, gate, scale=scale, initial_state=S0, chunk_size=chunk_size
+        )
     else:
         o, S = chunk_delta_rule(qf, kf, vf, bf, gate, initial_state=S0, chunk_size=chunk_size)
         o = o * scale

@@ -280,3 +280,15 @@ def test_kda_equals_transformers_kimi_linear_delta_attention(monkeypatch):
         want = ref(x)
         got, _ = ours(x)
     assert_close("kda vs Kimi Linear", got, want, 1e-4)
+
+
+@pytest.mark.parametrize("mixer, precision", [("gated_deltanet", "fp16"), ("mamba2", "int8")])
+def test_reduced_precision_with_the_fused_ops_stays_close(tmp_path, mixer, precision):
+    from edgeattn.export.check import check_artifact
+
+    ckpt = make_checkpoint(tmp_path / "ck", mixer)
+    art = export_model(ckpt, tmp_path / "art", precision=precision, prefill_chunk=PREFILL)
+    assert _rules(art / "step.onnx")[0].keys() == {"LinearAttention", "CausalConvWithState"}
+    report = check_artifact(art, tokens=120)
+    assert report.ok, report.graphs
+    assert abs(report.bpb["artifact"] - report.bpb["torch"]) < 0.01 * report.bpb["torch"]

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from edgeattn.export import export_model
+from edgeattn.export import Manifest, export_model
 from edgeattn.export.check import run_logits
 from edgeattn.layers import build_mixer
 from edgeattn.models import EdgeConfig, EdgeLM
@@ -105,6 +105,16 @@ def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, ru
         if rule == "delta":  # no decay: the optional input is left empty and beta is the sixth
             assert all(len(i) == 6 and i[4] == "" and i[5] for i in inputs)
         assert _rules(portable / g) == ({}, [])
+    assert (
+        Manifest.load(fused).data["requires"]["onnxruntime"] == "1.32.0"
+    )  # the version these ops were checked on
+    ids = text_ids(40)  # with HV = 2H (mamba2: 4 heads, 1 group) both targets equal PyTorch
+    with torch.no_grad():
+        ref = EdgeLM.load(ckpt).eval()(torch.from_numpy(ids))[0].numpy()
+    for art in (fused, portable):
+        got = run_logits(open_session(art), ids)
+        full = np.concatenate([got["prefill"], got["step"]], axis=1)
+        assert np.abs(full - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), art.name
     if mixer == "kda":  # the per-key-dimension gate goes to the op as [B, T, HV * K]
         model = onnx.shape_inference.infer_shapes(onnx.load(str(fused / "prefill.onnx")))
         shapes = {

@@ -205,3 +205,20 @@ def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     os.replace(out, old)
     os.replace(tmp, out)
     _remove(old)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` whole: a temporary file beside it (parents created), then a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = make_temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

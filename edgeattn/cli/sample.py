@@ -16,7 +16,9 @@ from edgeattn.cli._common import TEMPERATURE, TOP_P, Command, cli_errors
 @cli_errors
 def sample(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory written by `edgeattn train`.")],
-    prompt: Annotated[str, typer.Option(help="Text to continue (UTF-8 bytes are the tokens).")] = "\n",
+    prompt: Annotated[
+        str, typer.Option(help="Text to continue (UTF-8 bytes are the tokens).", show_default="a newline")
+    ] = "\n",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", min=0, help="Bytes to generate.")
     ] = 200,

@@ -35,7 +35,6 @@ import ctypes
 import os
 import re
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -143,18 +142,9 @@ def default_cache_dir(artifact_root: str | os.PathLike) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from edgeattn._atomic import write_bytes
+
+    write_bytes(path, data)
 
 
 def graph_tokens(manifest: Manifest, graph: str) -> int:

@@ -29,11 +29,12 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from edgeattn._atomic import make_temp_file
 
 CACHE_ENV = "EDGEATTN_CACHE_DIR"
 CACHE_VERSION = 1  # bump when the cache layout changes
@@ -110,19 +111,16 @@ def build_cache(files: list[Path], directory: Path | None = None) -> Path:
     if total == 0:
         raise ValueError("the data is empty (0 bytes of text)")
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=directory)
+    fd, tmp = make_temp_file(out)  # with the usual mode (see edgeattn._atomic)
     try:
         with os.fdopen(fd, "wb") as f:
             for p in files:
                 with open(p, "rb") as src:
                     while block := src.read(_BLOCK):
                         f.write(block)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600
         os.replace(tmp, out)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return out
 

@@ -315,8 +315,9 @@ def make_fake_tensorrt(cudart: FakeCudart, version: str = "10.3.0.26", fast_fp16
             self.network, self.logger, self.errors = network, logger, []
 
         def parse_from_file(self, path):
-            data = Path(path).read_bytes()
-            model = onnx.load_from_string(data)
+            # external weights (weights.bin) resolve beside the file, and the engine holds them, as TensorRT's do
+            model = onnx.load(str(path))
+            data = model.SerializeToString()
             for i, n in enumerate(model.graph.node):
                 if n.domain not in ("", "ai.onnx") or n.op_type not in TENSORRT10_OPS:
                     self.errors.append(

@@ -1036,3 +1036,24 @@ def test_real_tensorrt_matches_onnxruntime(gla_art, tmp_path):
     assert again.engine_sources == {"step": "cache", "prefill": "cache"}
     sess.close()
     again.close()
+
+
+def test_engine_cache_tells_apart_two_models_whose_graphs_differ_only_in_weights(fake, tmp_path):
+    from edgeattn.export import export_model
+    from tests.export_helpers import make_checkpoint, text_ids
+
+    arts = [
+        export_model(
+            make_checkpoint(tmp_path / f"c{s}", "gla", seed=s), tmp_path / f"a{s}", target="portable"
+        )
+        for s in (0, 1)
+    ]
+    # the weights live in weights.bin: the graph files of two models of one config are the same bytes
+    assert (arts[0] / "step.onnx").read_bytes() == (arts[1] / "step.onnx").read_bytes()
+    cache = tmp_path / "cache"
+    TensorRTSession(Manifest.load(arts[0]), cache_dir=cache).close()
+    second = TensorRTSession(Manifest.load(arts[1]), cache_dir=cache)
+    assert second.engine_sources == {"step": "built", "prefill": "built"}
+    ids = text_ids(70)
+    assert_close(second.prefill(ids), open_session(arts[1]).prefill(ids))
+    second.close()

@@ -135,6 +135,12 @@ def eval_bpb(trained: Path, root: Path, n: int, threads: int) -> dict:
     return out
 
 
+def print_bpb(bpb: dict, args) -> None:
+    print(f"bits per byte on {args.eval_bytes} held-out bytes ({args.trained}):")
+    for k, v in bpb.items():
+        print(f"  {k:<16}{v:.4f}  ({(v / bpb['fp32'] - 1) * 100:+.2f}%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -143,7 +149,16 @@ def main() -> None:
     ap.add_argument("--rss-repeats", type=int, default=3)
     ap.add_argument("--trained", type=Path, default=None)
     ap.add_argument("--eval-bytes", type=int, default=8192)
+    ap.add_argument("--bpb-only", action="store_true", help="only the bits per byte of --trained")
     args = ap.parse_args()
+    if args.bpb_only:
+        if args.trained is None:
+            ap.error("--bpb-only needs --trained CKPT")
+        with tempfile.TemporaryDirectory(prefix="edgeattn-weights-") as tmp:
+            bpb = eval_bpb(args.trained, Path(tmp), args.eval_bytes, args.threads)
+        print_bpb(bpb, args)
+        print(json.dumps({"bpb": bpb, "int4_bpb_increase": {k: v / bpb["fp32"] - 1 for k, v in bpb.items()}}))
+        return
 
     import torch
 
@@ -198,9 +213,7 @@ def main() -> None:
         f"int4 decode vs fp32 shared: {speedup:.2f}x; vs fp32 today: {decode['fp32 today (two copies)'] / decode['int4 (b32 sym)']:.2f}x"
     )
     if bpb:
-        print(f"bits per byte on {args.eval_bytes} held-out bytes ({args.trained}):")
-        for k, v in bpb.items():
-            print(f"  {k:<16}{v:.4f}  ({(v / bpb['fp32'] - 1) * 100:+.2f}%)")
+        print_bpb(bpb, args)
     print(
         json.dumps(
             {

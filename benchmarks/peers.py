@@ -2,7 +2,8 @@
 
 What it builds (random weights: speed and memory do not depend on them; vocabulary 256, d_model 768,
 12 layers, 12 heads, about 92.5M parameters; ``--quick``: d_model 128, 2 layers, 2 heads):
-- edgeattn ``gla`` and the ``softmax`` KV-cache baseline: ``EdgeLM`` exported with ``export_model`` (fp32,
+- edgeattn ``gla`` and the ``softmax`` KV-cache baseline (its default MLP width: 85.2M parameters at full
+  size): ``EdgeLM`` exported with ``export_model`` (fp32,
   onnxruntime target, one shared weights file, no checkpoint), run by edgeattn's ONNX Runtime session;
 - the same sizes as ``transformers`` configs (random init, ``save_pretrained``) built by onnxruntime-genai's
   own builder (``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu``) and run by its
@@ -384,6 +385,11 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="only print the table of the runs logged in --workdir (runs.jsonl)",
+    )
     args = ap.parse_args()
     if args.worker:
         worker_main(json.loads(args.worker))
@@ -419,9 +425,15 @@ def main() -> None:
             print(f"built {len(models)} models in {time.time() - t:.0f} s", file=sys.stderr)
         built = {k: v for k, v in built["models"].items() if k in models}
 
+        log = root / "runs.jsonl"  # every worker's result, as it comes: a cut-short run can still be reported
         runs: dict[str, list[dict]] = {}
+        if args.report:
+            for line in log.read_text().splitlines() if log.is_file() else []:
+                entry = json.loads(line)
+                runs.setdefault(entry["key"], []).append(entry["result"])
+            repeats = max((len(v) for v in runs.values()), default=0)
         configs = []
-        for th in threads:
+        for th in [] if args.report else threads:
             for name, info in built.items():
                 if "error" in info:
                     continue
@@ -432,12 +444,14 @@ def main() -> None:
                     {"model": name, "path": info["path"], "threads": th, "contexts": ctx}
                     | {"steps": steps, "prefill": prefill}
                 )
-        for r in range(repeats):
+        for r in range(0 if args.report else repeats):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for cfg in order:
                 key = f"{cfg['model']}@{cfg['threads']}"
                 res = run_worker(cfg, args.timeout)
                 runs.setdefault(key, []).append(res)
+                with open(log, "a") as f:
+                    f.write(json.dumps({"key": key, "cfg": cfg, "result": res}) + "\n")
                 status = res.get("error") or " ".join(
                     f"@{c} {v['ms']:.2f} ms" for c, v in res["contexts"].items()
                 )

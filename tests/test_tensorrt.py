@@ -315,8 +315,9 @@ def make_fake_tensorrt(cudart: FakeCudart, version: str = "10.3.0.26", fast_fp16
             self.network, self.logger, self.errors = network, logger, []
 
         def parse_from_file(self, path):
-            data = Path(path).read_bytes()
-            model = onnx.load_from_string(data)
+            # external weights (weights.bin) resolve beside the file, and the engine holds them, as TensorRT's do
+            model = onnx.load(str(path))
+            data = model.SerializeToString()
             for i, n in enumerate(model.graph.node):
                 if n.domain not in ("", "ai.onnx") or n.op_type not in TENSORRT10_OPS:
                     self.errors.append(
@@ -1035,3 +1036,24 @@ def test_real_tensorrt_matches_onnxruntime(gla_art, tmp_path):
     assert again.engine_sources == {"step": "cache", "prefill": "cache"}
     sess.close()
     again.close()
+
+
+def test_engine_cache_tells_apart_two_models_whose_graphs_differ_only_in_weights(fake, tmp_path):
+    from edgeattn.export import export_model
+    from tests.export_helpers import make_checkpoint, text_ids
+
+    arts = [
+        export_model(
+            make_checkpoint(tmp_path / f"c{s}", "gla", seed=s), tmp_path / f"a{s}", target="portable"
+        )
+        for s in (0, 1)
+    ]
+    # the weights live in weights.bin: the graph files of two models of one config are the same bytes
+    assert (arts[0] / "step.onnx").read_bytes() == (arts[1] / "step.onnx").read_bytes()
+    cache = tmp_path / "cache"
+    TensorRTSession(Manifest.load(arts[0]), cache_dir=cache).close()
+    second = TensorRTSession(Manifest.load(arts[1]), cache_dir=cache)
+    assert second.engine_sources == {"step": "built", "prefill": "built"}
+    ids = text_ids(70)
+    assert_close(second.prefill(ids), open_session(arts[1]).prefill(ids))
+    second.close()

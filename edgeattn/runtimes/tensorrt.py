@@ -32,6 +32,7 @@ Every call holds the session's lock (``edgeattn.runtimes.base``: a session may b
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import sys
@@ -367,6 +368,10 @@ class TensorRTSession(Session):
         trt, m = self._trt, self.manifest
         info = m.data.get("files", {}).get(m.data["graphs"][graph]["path"], {})
         sha = info.get("sha256") or sha256_file(m.graph_path(graph))
+        if m.weights:  # the graph names its weights by byte range only: the engine depends on their file too
+            w = m.data.get("files", {}).get(m.weights["path"], {}).get("sha256")
+            w = w or sha256_file(m.root / m.weights["path"])
+            sha = hashlib.sha256(f"{sha}:{w}".encode()).hexdigest()
         fp16 = m.precision == "fp16"
         path = self.cache_dir / engine_file_name(graph, sha, trt.__version__, self.gpu_name, fp16)
         self.engine_paths[graph] = path

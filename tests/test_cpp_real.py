@@ -31,6 +31,9 @@ PREFILL = 16
 PROMPT = b"Once upon a time, in a land far away, a"  # 40 tokens: 2 prefill chunks + 8 steps
 PROMPT2 = b" and then, one fine morning, the fox"  # 36 tokens, fed after a loaded state
 TOL = 1e-5
+# Python's session hands ONNX Runtime one shared in-memory copy of the weights (no prepacking), the C++
+# session loads weights.bin itself (prepacked MatMul weights): the GEMMs round differently, ~2e-5 apart.
+LOGITS_TOL = 1e-4
 ARTIFACTS = [
     "gla-onnxruntime",
     "gla-portable",
@@ -106,7 +109,7 @@ def py_greedy(sess, prompt: bytes, n: int) -> tuple[list[int], np.ndarray]:
 
 def assert_logits_equal(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.shape == expected.shape
-    np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(got, expected, rtol=LOGITS_TOL, atol=LOGITS_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------------

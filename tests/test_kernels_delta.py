@@ -207,8 +207,8 @@ def test_bad_inputs_raise_value_error():
         chunk_delta_rule_triton(q, k, v, beta, g, scale=1.0, initial_state=S0[:, :2])
     with pytest.raises(ValueError, match="one dtype"):
         chunk_delta_rule_triton(q, k, v.double(), beta, scale=1.0)
-    with pytest.raises(ValueError, match="K <= 256"):
-        big = torch.zeros(1, 4, 2, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="K <= 128"):
+        big = torch.zeros(1, 4, 2, 256, device=DEVICE)
         chunk_delta_rule_triton(big, big, v, beta, scale=1.0)
 
 

@@ -339,3 +339,18 @@ def test_step_and_chunk_export_to_onnx_opset17(tmp_path, gate, form):
     want = module(*args)
     for name, a, b in zip(("o", "S"), got, want):
         assert_close(name, torch.from_numpy(a), b, 1e-5)
+
+
+def test_traceable_substitution_inverse_equals_solve_triangular():
+    """The chunk form's triangular inverse: the row-by-row substitution (used while tracing for ONNX)
+    against torch.linalg.solve_triangular (used in PyTorch), values and gradients."""
+    from edgeattn.ops.delta.chunk import substitution_inverse, unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(0)
+    L = (torch.randn(2, 3, 64, 64, generator=gen, dtype=torch.float64) * 0.2).tril(-1).requires_grad_()
+    a, b = substitution_inverse(L), unit_lower_inverse(L)
+    eye = torch.eye(64, dtype=torch.float64)
+    assert_close("inverse", (eye + L) @ a, eye.expand(2, 3, 64, 64), 1e-12)
+    assert_close("inverse", a, b, 1e-12)
+    for i, (x, y) in enumerate(zip(grads([a], [L]), grads([b], [L]))):
+        assert_close(f"grad {i}", x.tril(-1), y.tril(-1), 1e-10)

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from edgeattn.export import export_model
+from edgeattn.export import Manifest, export_model
 from edgeattn.export.check import run_logits
 from edgeattn.layers import build_mixer
 from edgeattn.models import EdgeConfig, EdgeLM
@@ -105,6 +105,16 @@ def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, ru
         if rule == "delta":  # no decay: the optional input is left empty and beta is the sixth
             assert all(len(i) == 6 and i[4] == "" and i[5] for i in inputs)
         assert _rules(portable / g) == ({}, [])
+    assert (
+        Manifest.load(fused).data["requires"]["onnxruntime"] == "1.32.0"
+    )  # the version these ops were checked on
+    ids = text_ids(40)  # with HV = 2H (mamba2: 4 heads, 1 group) both targets equal PyTorch
+    with torch.no_grad():
+        ref = EdgeLM.load(ckpt).eval()(torch.from_numpy(ids))[0].numpy()
+    for art in (fused, portable):
+        got = run_logits(open_session(art), ids)
+        full = np.concatenate([got["prefill"], got["step"]], axis=1)
+        assert np.abs(full - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), art.name
     if mixer == "kda":  # the per-key-dimension gate goes to the op as [B, T, HV * K]
         model = onnx.shape_inference.infer_shapes(onnx.load(str(fused / "prefill.onnx")))
         shapes = {
@@ -115,10 +125,11 @@ def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, ru
         assert shapes[inputs[0][4]] == [1, PREFILL, 4 * 16]
 
 
-def test_hybrid_and_grouped_value_heads_match_pytorch_over_300_tokens(tmp_path):
-    """The new mixers in test_export cover HV = H; here Qwen3.5's hybrid with HV = 2H on both targets."""
+def test_qwen3_5_hybrid_with_grouped_value_heads_matches_pytorch(tmp_path):
+    """test_export runs every new mixer over 300 tokens with HV = H; here Qwen3.5's 3:1 hybrid with a
+    softmax layer, HV = 2H and beta in (0, 2) on both targets, over 120 tokens (7 prefill chunks + 8 steps)."""
     ckpt = make_checkpoint(tmp_path / "ck", QWEN35, num_v_heads=4, allow_neg_eigval=True)
-    ids = text_ids(300)
+    ids = text_ids(120)
     with torch.no_grad():
         ref = EdgeLM.load(ckpt).eval()(torch.from_numpy(ids))[0].numpy()
     for target in ("onnxruntime", "portable"):
@@ -280,3 +291,15 @@ def test_kda_equals_transformers_kimi_linear_delta_attention(monkeypatch):
         want = ref(x)
         got, _ = ours(x)
     assert_close("kda vs Kimi Linear", got, want, 1e-4)
+
+
+@pytest.mark.parametrize("mixer, precision", [("gated_deltanet", "fp16"), ("mamba2", "int8")])
+def test_reduced_precision_with_the_fused_ops_stays_close(tmp_path, mixer, precision):
+    from edgeattn.export.check import check_artifact
+
+    ckpt = make_checkpoint(tmp_path / "ck", mixer)
+    art = export_model(ckpt, tmp_path / "art", precision=precision, prefill_chunk=PREFILL)
+    assert _rules(art / "step.onnx")[0].keys() == {"LinearAttention", "CausalConvWithState"}
+    report = check_artifact(art, tokens=120)
+    assert report.ok, report.graphs
+    assert abs(report.bpb["artifact"] - report.bpb["torch"]) < 0.01 * report.bpb["torch"]

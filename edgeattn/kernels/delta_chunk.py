@@ -331,8 +331,9 @@ def wy_fwd(k, v, beta, gamma, P, BT: int):
 
 
 def wy_bwd(k, v, beta, gamma, L, P, Tinv, h, dvn, gc, BT: int):
-    """Through v_new = u - w h[n]: returns dv, dbeta, dk and db (the gradient of the cumulative gate,
-    [B, T, H, K], None without a gate) of the WY part, all float32."""
+    """Through v_new = u - w h[n]: returns dv, dbeta, dk [B, T, H, *] and db (the gradient of the
+    cumulative gate per key, still in chunks [B, NT, H, BT, K]; None without a gate) of the WY part,
+    all float32."""
     T = k.shape[1]
     kc, vc, bc = chunked(k, BT), chunked(v, BT), chunked(beta.unsqueeze(-1), BT)
     kg = kc if gamma is None else kc * gamma

@@ -147,6 +147,10 @@ def test_head_sizes(K, V, gate):
     check(1, 40, 1, 2, K, V, gate)
 
 
+def test_float16():
+    check(1, 65, 1, 2, 16, 16, "head", torch.float16, tol=1e-2)
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_bfloat16(gate):
     # the per-key gate shorter and in chunks of 16: the interpreter is slow on its sub-chunk loops
@@ -207,9 +211,49 @@ def test_bad_inputs_raise_value_error():
         chunk_delta_rule_triton(q, k, v, beta, g, scale=1.0, initial_state=S0[:, :2])
     with pytest.raises(ValueError, match="one dtype"):
         chunk_delta_rule_triton(q, k, v.double(), beta, scale=1.0)
-    with pytest.raises(ValueError, match="K <= 256"):
-        big = torch.zeros(1, 4, 2, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="K <= 128"):
+        big = torch.zeros(1, 4, 2, 256, device=DEVICE)
         chunk_delta_rule_triton(big, big, v, beta, scale=1.0)
+
+
+_COMPILE = """
+import os, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from edgeattn.kernels import delta_chunk as dc
+for arch in (80, 90):
+    for dt, torch_dt in (("bf16", dc.torch.bfloat16), ("fp32", dc.torch.float32)):
+        for K in (64, 128):
+            BK, BV, stages = dc._blocks(K, K, torch_dt)
+            for fn, flag in ((dc.chunk_delta_fwd_h_kernel, "USE_H0"), (dc.chunk_delta_bwd_dhu_kernel, "USE_DHT")):
+                for gate in (0, 1, 2):
+                    prec = "tf32" if dt == "bf16" else "tf32x3"
+                    c = dict(H=4, K=K, V=K, BT=64, BK=BK, BV=BV, GATE=gate, PREC=prec, **{flag: True})
+                    if gate == 0:
+                        c["gc"] = None
+                    low = {"k", "w", "u", "vn", "q", "do"}
+                    sig = {n: "constexpr" if n in c else "i32" if n == "T" else f"*{dt}" if n in low else "*fp32"
+                           for n in fn.arg_names}
+                    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
+                    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=stages))
+                    print(arch, dt, K, fn.__name__, gate, out.metadata.shared)
+"""
+
+
+@pytest.mark.slow
+def test_new_kernels_compile_for_sm80_and_sm90_within_99_kb_of_shared_memory():
+    """Compiled (not run: no GPU needed) as on a GPU, outside the interpreter; shared memory as consumer
+    GPUs allow (99 KB), except float32 with a whole-head gate at K = 64 (96 KB, still under)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert len(rows) == 2 * 2 * 2 * 2 * 3
+    too_big = [row for row in rows if int(row[-1]) > 99 * 1024]
+    assert not too_big, too_big
 
 
 # -- through the public op -------------------------------------------------------------------------

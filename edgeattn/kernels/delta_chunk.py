@@ -11,8 +11,12 @@ al. 2024):
     P[t, i]  = sum_k k_tk k_ik exp(b_tk - b_ik)  (i < t),   Tinv = (I + diag(beta) P)^-1
     w        = Tinv (beta * k * exp(b)),   u = Tinv (beta * v)
     v_new    = u - w h[n]
-    o        = scale * (q * exp(b)) h[n] + sum_{i <= t} Aqk[t, i] v_new_i,   Aqk[t, i] = scale * sum_k q_tk k_ik exp(b_tk - b_ik)
+    o        = (q * exp(b)) h[n] + sum_{i <= t} Aqk[t, i] v_new_i,   Aqk[t, i] = sum_k q_tk k_ik exp(b_tk - b_ik)
     h[n + 1] = exp(b_L) * h[n] + (k * exp(b_L - b))^T v_new
+
+(q already multiplied by ``scale``; the state starts at the initial state). Forward keeps Aqk, P
+[B, T, HV, BT] and Tinv [B, NT, HV, BT, BT] float32 for backward, which recomputes w, u, v_new and
+the per-chunk states.
 
 What runs where:
   Triton (new here)   ``chunk_delta_fwd_h_kernel``: the sequential pass over chunks, v_new and h[n];
@@ -25,8 +29,9 @@ What runs where:
                       gate gradient of that part; the per-key intra-chunk backward also for P.
   PyTorch             per chunk, [BT, BT] and [BT, K] matrix products: the triangular solve for Tinv,
                       w and u, and their backward (dv, dbeta, the part of dk and dg that flows through
-                      w and P); q and k repeated to the HV value heads and their gradients summed back;
-                      the within-chunk reverse sum of the WY part's gate gradient.
+                      w and P); q and k repeated to the HV value heads (a copy when HV > H; q scaled in
+                      the same pass) and their gradients summed back; the within-chunk reverse sum of
+                      the WY part's gate gradient.
 
 Gate gradient: with ``db`` the gradient of the cumulative gate b, ``dg_t = sum_{s >= t in chunk} db_s +
 sum_v h[n + 1] dh[n]``; the recurrence on v_new gives ``db = q dq - k dk`` (``gated_chunk.py``), the
@@ -233,9 +238,14 @@ def _gate_kind(gc) -> int:
     return 0 if gc is None else (1 if gc.shape[-2] == 1 else 2)
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
-    BK = block_size(K)  # every key in one block: v_new and dv_new sum over them
-    return BK, block_size(V, 64 if BK <= 64 else 32)
+def _blocks(K: int, V: int, dtype) -> tuple[int, int, int]:
+    """(BK, BV, num_stages). Every key in one block (v_new and dv_new sum over them). Chosen from
+    compiling for sm_80 and sm_90 at K = V = 64 and 128 (no GPU at hand; not timed): shared memory then
+    stays under the 99 KB of consumer GPUs, except float32 with a whole-head gate at K = 64 (96 KB)."""
+    BK = block_size(K)
+    if dtype == torch.float32:  # tf32x3 dots: two pipeline stages would need up to 232 KB
+        return BK, block_size(V, 16 if BK > 64 else 64), 1
+    return BK, block_size(V, 32 if BK > 64 else 64), 2
 
 
 def chunk_delta_fwd_h(k, w, u, gc, h0, BT: int):
@@ -244,13 +254,13 @@ def chunk_delta_fwd_h(k, w, u, gc, h0, BT: int):
     B, T, H, K = k.shape
     V = u.shape[-1]
     NT = triton.cdiv(T, BT)
-    BK, BV = _blocks(K, V)
+    BK, BV, stages = _blocks(K, V, k.dtype)
     h = torch.empty(B, NT, H, K, V, dtype=torch.float32, device=k.device)
     vn = torch.empty_like(u)
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_delta_fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, gc, h, vn, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=WIDE, num_stages=2,
+        USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=WIDE, num_stages=stages,
     )  # fmt: skip
     return h, vn, ht
 
@@ -261,13 +271,13 @@ def chunk_delta_bwd_dhu(q, k, w, gc, A, do, dht, BT: int):
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = triton.cdiv(T, BT)
-    BK, BV = _blocks(K, V)
+    BK, BV, stages = _blocks(K, V, q.dtype)
     dh = torch.empty(B, NT, H, K, V, dtype=torch.float32, device=q.device)
     dv = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     chunk_delta_bwd_dhu_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, w, gc, A, do, dh, dv, dht, dh0, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_DHT=dht is not None, PREC=dot_precision(q.dtype), num_warps=WIDE, num_stages=2,
+        USE_DHT=dht is not None, PREC=dot_precision(q.dtype), num_warps=WIDE, num_stages=stages,
     )  # fmt: skip
     return dh, dv, dh0
 
@@ -321,8 +331,9 @@ def wy_fwd(k, v, beta, gamma, P, BT: int):
 
 
 def wy_bwd(k, v, beta, gamma, L, P, Tinv, h, dvn, gc, BT: int):
-    """Through v_new = u - w h[n]: returns dv, dbeta, dk and db (the gradient of the cumulative gate,
-    [B, T, H, K], None without a gate) of the WY part, all float32."""
+    """Through v_new = u - w h[n]: returns dv, dbeta, dk [B, T, H, *] and db (the gradient of the
+    cumulative gate per key, still in chunks [B, NT, H, BT, K]; None without a gate) of the WY part,
+    all float32."""
     T = k.shape[1]
     kc, vc, bc = chunked(k, BT), chunked(v, BT), chunked(beta.unsqueeze(-1), BT)
     kg = kc if gamma is None else kc * gamma
@@ -449,8 +460,8 @@ def check_delta_inputs(q, k, v, beta, g, initial_state):
         raise ValueError(
             f"q, k, v must share one dtype of float32/bfloat16/float16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if K > 256:
-        raise ValueError(f"the Triton delta-rule kernels take head sizes K <= 256, got {K}")
+    if K > 128:  # one block holds every key; larger ones would not fit shared memory
+        raise ValueError(f"the Triton delta-rule kernels take head sizes K <= 128, got {K}")
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if g is not None:

@@ -38,7 +38,7 @@ def _use_kernel(q, k, v, backend) -> bool:
     uncovered = {
         f"{q.dtype} inputs": q.dtype not in (torch.float32, torch.bfloat16, torch.float16),
         "q, k, v of different dtypes": not (q.dtype == k.dtype == v.dtype),
-        f"head size K = {q.shape[-1]} > 256": q.shape[-1] > 256,
+        f"head size K = {q.shape[-1]} > 128": q.shape[-1] > 128,
     }
     return use_kernel(q.device.type, backend, uncovered, "delta-rule kernels")
 
@@ -79,7 +79,7 @@ def delta_rule(
     with q, k [B, T, H, K] (not expanded to HV heads), v [B, T, HV, V] and beta [B, T, HV] as given
     (bf16/fp16 unconverted), g None or the float32 log-gate [B, T, HV, G] with G = 1 (scalar gate) or
     G = K, initial_state None or float32 [B, HV, K, V]; differentiable in every input. float64 inputs,
-    mixed dtypes of q, k, v and K > 256 run the PyTorch form (a ValueError with backend="triton").
+    mixed dtypes of q, k, v and K > 128 run the PyTorch form (a ValueError with backend="triton").
     """
     check_mode(mode, MODES)
     check_rank("q", q, 4, "[B, T, H, K]")

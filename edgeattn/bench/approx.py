@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,6 +157,21 @@ def crossover(
     return hi
 
 
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Silence file descriptor 2 for the block: torch's profiler prints two `USDT:` lines from C++ per
+    profiled call, which Python's sys.stderr cannot intercept."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def measure(fn: Callable[[], Tensor], repeats: int) -> tuple[float, int]:
     """(median seconds over ``repeats`` calls after a warm-up, peak live bytes of one profiled call)."""
     from torch.profiler import ProfilerActivity, profile
@@ -165,7 +183,7 @@ def measure(fn: Callable[[], Tensor], repeats: int) -> tuple[float, int]:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
     events = []
     for e in prof.events():

@@ -117,6 +117,26 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
     del model
 
 
+def _carry_tokenizer(checkpoint: Path, cfg, tmp: Path) -> dict | None:
+    """Copy an imported model's tokenizer.json (and chat template) into the artifact; its manifest entry.
+    None for byte-level models (no tokenizer.json in the checkpoint)."""
+    if not (checkpoint / "tokenizer.json").is_file():
+        return None
+    from edgeattn.artifact.tokenizer import CHAT_TEMPLATE, TOKENIZER_JSON, tokenizer_info
+
+    info = tokenizer_info(checkpoint)
+    info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
+    if info["vocab_size"] > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
+        )
+    shutil.copy2(checkpoint / TOKENIZER_JSON, tmp / TOKENIZER_JSON)
+    if info["chat_template"]:
+        (tmp / CHAT_TEMPLATE).write_text(info["chat_template"])
+        info["chat_template"] = CHAT_TEMPLATE
+    return info
+
+
 def fingerprint(checkpoint: Path) -> str:
     h = hashlib.sha256()
     h.update((checkpoint / "config.json").read_bytes())
@@ -169,6 +189,11 @@ def export_model(
             for name in ("step.onnx", "prefill.onnx"):
                 convert_precision(tmp / name, precision, entries)
         files = ["step.onnx", "prefill.onnx"]
+        tokenizer = _carry_tokenizer(checkpoint, cfg, tmp)
+        if tokenizer is not None:
+            files += [tokenizer["path"]] + (
+                [tokenizer["chat_template"]] if tokenizer["chat_template"] else []
+            )
         if include_checkpoint:
             shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
             files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
@@ -198,6 +223,8 @@ def export_model(
             "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
             "files": {f: {} for f in files},
         }
+        if tokenizer is not None:
+            manifest["tokenizer"] = tokenizer
         write_manifest(tmp, manifest)
         replace_dir(tmp, out)
     except BaseException:

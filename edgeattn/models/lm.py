@@ -39,9 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ratio: float):
+    def __init__(self, dim: int, ratio: float, hidden: int = 0):
         super().__init__()
-        hidden = 32 * -(-int(dim * ratio) // 32)  # rounded up to a multiple of 32
+        hidden = hidden or 32 * -(-int(dim * ratio) // 32)  # rounded up to a multiple of 32
         self.w_gate = nn.Linear(dim, hidden, bias=False)
         self.w_up = nn.Linear(dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, dim, bias=False)
@@ -54,13 +54,17 @@ class Block(nn.Module):
     def __init__(self, cfg: EdgeConfig, layer_idx: int, mixer: str):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(mixer, cfg, layer_idx)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio)
+        self.mixer = build_mixer(mixer, cfg.for_mixer(mixer), layer_idx)
+        self.has_mlp = cfg.intermediate_size >= 0  # -1: mixer-only blocks (Mamba2)
+        if self.has_mlp:
+            self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio, cfg.intermediate_size)
 
     def forward(self, x, state):
         y, state = self.mixer(self.norm1(x), state)
         x = x + y
+        if not self.has_mlp:
+            return x, state
         return x + self.mlp(self.norm2(x)), state
 
 

@@ -107,3 +107,21 @@ def test_state_saved_and_resumed_in_a_new_process_continues_identically(hf, ids,
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     got = np.load(tmp_path / "out.npy")
     assert rel_err(got, hf_logits(model, ids)[0, 120:]) <= 1e-4
+
+
+def test_vision_language_checkpoint_imports_its_text_model_and_skips_the_vision_tower(tmp_path, ids):
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from tests.hf_helpers import QWEN_TINY, perturb
+
+    torch.manual_seed(1)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(QWEN_TINY), vision_config=vision))
+    perturb(model.eval())
+    model.save_pretrained(tmp_path / "vl")
+    _, notes = import_model(tmp_path / "vl", tmp_path / "ckpt")
+    assert any("vision tower" in n for n in notes)
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids[:, :64])).logits.numpy()
+    assert rel_err(edge_logits(tmp_path / "ckpt", ids[:, :64]), want) <= 1e-4

@@ -38,7 +38,12 @@ def convert_dir(src: str | os.PathLike):
     config = read_config(src)
     mt = config.get("model_type")
     module = converter(mt)
-    cfg, state_dict, notes = module.convert(config, Weights(src))
+    try:
+        cfg, state_dict, notes = module.convert(config, Weights(src))
+    except KeyError as e:
+        raise ValueError(
+            f"cannot import: config field {e.args[0]} is missing from {src / 'config.json'}"
+        ) from e
     model = EdgeLM(cfg)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]

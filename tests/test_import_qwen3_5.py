@@ -113,8 +113,11 @@ def test_vision_language_checkpoint_imports_its_text_model_and_skips_the_vision_
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from tests.hf_helpers import QWEN_TINY, perturb
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
+    from tests.hf_helpers import QWEN_TINY, perturb, torch_only
+
+    torch_only(modeling)
     torch.manual_seed(1)
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(QWEN_TINY), vision_config=vision))

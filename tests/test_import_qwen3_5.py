@@ -111,9 +111,8 @@ def test_state_saved_and_resumed_in_a_new_process_continues_identically(hf, ids,
 
 def test_vision_language_checkpoint_imports_its_text_model_and_skips_the_vision_tower(tmp_path, ids):
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from tests.hf_helpers import QWEN_TINY, perturb, torch_only
 

@@ -127,3 +127,13 @@ def test_byte_level_stays_the_default(tmp_path):
     assert sess.tokenizer.kind == "byte" and "tokenizer" not in sess.manifest.data
     assert sess.tokenizer.encode("hé") == list("hé".encode())
     assert np.all(np.array(list(sess.generate_ids(b"ab", 5, temperature=0))) < 256)
+
+
+def test_bench_eval_encodes_through_the_tokenizer(setup, tmp_path):
+    import os
+
+    from edgeattn.bench.worker import evaluate
+
+    _, _, art, _ = setup
+    r = evaluate({"artifact": str(art), "backend": "onnxruntime", "eval_text": os.__file__, "eval_bytes": 80})
+    assert 0 < r["bits_per_byte"] < 20 and 60 < r["bytes"] <= 80  # the tokens of 80 bytes of text

@@ -128,3 +128,31 @@ def train_tokenizer(out: Path, vocab_size: int = 300) -> None:
             }
         )
     )
+
+
+MAMBA2_TINY = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_heads=8,
+    head_dim=8,
+    expand=2,
+    state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=16,
+    tie_word_embeddings=False,
+)
+
+
+def mamba2(seed: int = 0, **kw):
+    """A tiny transformers Mamba2ForCausalLM (fp32, eval, PyTorch paths only)."""
+    import torch
+    import transformers.models.mamba2.modeling_mamba2 as modeling
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch_only(modeling)
+    torch.manual_seed(seed)
+    model = Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2_TINY, **kw})).eval()
+    perturb(model, seed=seed)
+    return model

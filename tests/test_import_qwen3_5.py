@@ -127,3 +127,16 @@ def test_vision_language_checkpoint_imports_its_text_model_and_skips_the_vision_
     with torch.no_grad():
         want = model(input_ids=torch.from_numpy(ids[:, :64])).logits.numpy()
     assert rel_err(edge_logits(tmp_path / "ckpt", ids[:, :64]), want) <= 1e-4
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_bf16_checkpoint_exports_at_lower_precision_and_check_passes(hf, tmp_path, precision):
+    import torch
+
+    from edgeattn.export.check import check_artifact
+
+    model, _ = hf
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    art = export_hf(tmp_path / "bf16", tmp_path / "art", precision=precision)
+    report = check_artifact(art, tokens=80)
+    assert report.ok, report.graphs

@@ -24,6 +24,7 @@ MIXERS: tuple[str, ...] = (
     "gated_deltanet",  # Gated DeltaNet (Qwen3.5): delta rule with a per-head decay, gated output norm
     "kda",  # Kimi Delta Attention: delta rule with a per-key-dimension decay
     "mamba2",  # Mamba2 SSD: scalar-gated recurrence with B/C as key/query, D skip, gated norm
+    "rwkv",  # RWKV-4: token shift + AFT with a decay and a one-token bonus; channel mixing as the MLP
 )
 
 _LAZY = {

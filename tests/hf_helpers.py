@@ -156,3 +156,33 @@ def mamba2(seed: int = 0, **kw):
     model = Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2_TINY, **kw})).eval()
     perturb(model, seed=seed)
     return model
+
+
+RWKV_TINY = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    context_length=1024,
+    rescale_every=6,
+    tie_word_embeddings=False,
+)
+
+
+def rwkv(seed: int = 0, **kw):
+    """A tiny transformers RwkvForCausalLM (fp32, eval), its time mixing parameters randomised."""
+    import torch
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(seed)
+    model = RwkvForCausalLM(RwkvConfig(**{**RWKV_TINY, **kw})).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "time_decay" in name or "time_first" in name or "ln" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "time_mix" in name:
+                p.copy_(torch.rand(p.shape, generator=g))
+            elif p.dim() == 2:  # transformers' init leaves the generated tokens all alike
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model

@@ -1,4 +1,4 @@
-"""Mamba2 (and the other recurrent transformers models) imported: the artifact's logits, greedy tokens and
+"""Mamba2 and RWKV-4 imported: the artifact's logits, greedy tokens and
 resumed state against transformers' own classes (fp32, sharded, bf16) on CPU."""
 
 import copy
@@ -18,7 +18,7 @@ from tests.hf_helpers import hf_greedy, hf_logits, rel_err
 
 PREFILL = 16
 N = 200
-MODELS = ["mamba2"]
+MODELS = ["mamba2", "rwkv"]
 
 
 @pytest.fixture(scope="module", params=MODELS)

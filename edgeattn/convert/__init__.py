@@ -16,7 +16,7 @@ from pathlib import Path
 from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
 
 # model_type -> module in edgeattn.convert
-CONVERTERS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "mamba2": "mamba2"}
+CONVERTERS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "mamba2": "mamba2", "rwkv": "rwkv"}
 
 
 def converter(mt: str):

@@ -1,6 +1,6 @@
 """One nn.Module per family, registered by mixer name (``MIXER_REGISTRY``)."""
 
-from edgeattn.layers import aft, delta, flash, gated, mamba2, softmax  # noqa: F401  (each registers its mixers)
+from edgeattn.layers import aft, delta, flash, gated, mamba2, rwkv, softmax  # noqa: F401  (each registers its mixers)
 from edgeattn.layers.base import MIXER_REGISTRY, Mixer, StateSpec, register_mixer
 
 

@@ -49,6 +49,8 @@ class EdgeConfig:
     linear_n_heads: int = 0  # delta-rule layers of a hybrid stack: key heads (0: n_heads)
     linear_key_dim: int = 0  # delta-rule layers: key head width (0: d_model // n_heads)
     linear_value_dim: int = 0  # delta-rule layers: value head width (0: expand_v * key width)
+    norm: str = "rms"  # block and final norms: "rms" (RMSNorm) or "layer" (LayerNorm with bias, RWKV)
+    embed_norm: bool = False  # a norm right after the embedding (RWKV's pre_ln)
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class EdgeConfig:
             raise ValueError(
                 f"conv_size must be >= 2 (the conv state keeps conv_size - 1 inputs), got {self.conv_size}"
             )
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if self.n_kv_heads and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:

@@ -7,9 +7,10 @@ form is what training and prefill use; it must beat the per-token loop by a wide
 linearly in T, while softmax attention grows quadratically.
 
 Targets (issue 2): the gated recurrence's chunk form is >= 5x faster than its naive loop at T = 2048,
-and its time grows linearly in T while softmax grows quadratically.
+and its time grows linearly in T while softmax grows quadratically. Issue 10: the same for the gated
+delta rule (family `gated_deltanet`; `deltanet` and `kda` are the other gate kinds of ``delta_rule``).
 
-    python benchmarks/ops.py [--lengths 512,2048,8192] [--repeats 3] [--threads 2]
+    python benchmarks/ops.py [--lengths 512,2048,8192] [--repeats 3] [--threads 2] [--families gated_deltanet]
 
 Prints a table, then one JSON line.
 """
@@ -67,6 +68,21 @@ def make_case(family: str, T: int):
         qq, kq, ql, kl = (rnd(B, T, S, scale=0.3) for _ in range(4))
         v = rnd(B, T, E)
         return lambda mode: mixed_chunk_attention(qq, kq, ql, kl, v, chunk_size=64, mode=mode)[0]
+    if family in ("deltanet", "gated_deltanet", "kda"):
+        from edgeattn.ops import delta_rule
+
+        q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, K)
+        beta = rnd(B, T, H)
+        gate = {
+            "deltanet": None,
+            "gated_deltanet": (F.logsigmoid(torch.randn(B, T, H, generator=g)) / 16).requires_grad_(),
+            "kda": (F.logsigmoid(torch.randn(B, T, H, K, generator=g)) / 16).requires_grad_(),
+        }[family]
+
+        def fn(mode):  # unit keys and beta in (0, 1), as the layers feed the op
+            return delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(beta), gate, mode=mode)[0]
+
+        return fn
     if family in ("softmax", "swa"):
         from edgeattn.ops import softmax_attention
 
@@ -86,7 +102,9 @@ def time_once(fn, mode) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048,8192")
-    ap.add_argument("--families", default="gla,retnet,linear,aft,flash,swa,softmax")
+    ap.add_argument(
+        "--families", default="gla,retnet,linear,aft,flash,swa,softmax,deltanet,gated_deltanet,kda"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -115,18 +133,18 @@ def main() -> None:
 
     print(f"forward+backward, B={B}, H={H}, K=V={K}, {args.threads} threads, median of {args.repeats}")
     print(
-        f"{'family':<9}{'T':>7}{'chunk ms':>11}{'naive ms':>11}{'speedup':>9}{'softmax ms':>12}{'vs softmax':>12}"
+        f"{'family':<15}{'T':>7}{'chunk ms':>11}{'naive ms':>11}{'speedup':>9}{'softmax ms':>12}{'vs softmax':>12}"
     )
     for fam in families:
         if fam in missing:
-            print(f"{fam:<9}  (not available)")
+            print(f"{fam:<15}  (not available)")
             continue
         for T in lengths:
             c = med.get((fam, T, "chunk"))
             n = med.get((fam, T, "naive"))
             s = med.get(("softmax", T, "chunk"))
             print(
-                f"{fam:<9}{T:>7}{c * 1e3:>11.1f}"
+                f"{fam:<15}{T:>7}{c * 1e3:>11.1f}"
                 + (f"{n * 1e3:>11.1f}{n / c:>8.1f}x" if n else f"{'-':>11}{'-':>9}")
                 + (f"{s * 1e3:>12.1f}{s / c:>11.1f}x" if s else f"{'-':>12}{'-':>12}")
             )
@@ -138,10 +156,13 @@ def main() -> None:
             str(T): {m: med.get((fam, T, m)) for m in ("chunk", "naive") if (fam, T, m) in med}
             for T in lengths
         }
-    if 2048 in lengths and ("gla", 2048, "naive") in med:
-        result["gla_chunk_speedup_vs_naive_T2048"] = med[("gla", 2048, "naive")] / med[("gla", 2048, "chunk")]
+    for fam in families:
+        if (fam, 2048, "naive") in med:
+            result[f"{fam}_chunk_speedup_vs_naive_T2048"] = (
+                med[(fam, 2048, "naive")] / med[(fam, 2048, "chunk")]
+            )
     lo, hi = min(lengths), max(lengths)
-    for fam in ("gla", "softmax"):
+    for fam in families:
         if (fam, lo, "chunk") in med and (fam, hi, "chunk") in med:
             result[f"{fam}_growth_{lo}_to_{hi}"] = med[(fam, hi, "chunk")] / med[(fam, lo, "chunk")]
     result["length_ratio"] = hi / lo

@@ -6,6 +6,8 @@ Tiny checkpoints (tests/export_helpers.make_checkpoint) exported with ``prefill_
     gla-portable        the same checkpoint, target portable: standard ONNX ops only
     linear-onnxruntime  normalized linear attention: two state tensors per layer (recurrent_state, normalizer)
     gla-other           another GLA checkpoint (seed 1): same state names and shapes, another fingerprint
+    gated_deltanet-onnxruntime  Gated DeltaNet: LinearAttention gated_delta + CausalConvWithState, conv_state
+    mamba2-portable     Mamba2, standard ONNX ops: conv_state + recurrent_state per layer
 
 The reference is the Python ONNX Runtime session, ``open_session(artifact, threads=1)``: the same ONNX Runtime
 library running the same graphs with the same thread count, so tokens must be equal and logits equal to 1e-5.
@@ -29,7 +31,13 @@ PREFILL = 16
 PROMPT = b"Once upon a time, in a land far away, a"  # 40 tokens: 2 prefill chunks + 8 steps
 PROMPT2 = b" and then, one fine morning, the fox"  # 36 tokens, fed after a loaded state
 TOL = 1e-5
-ARTIFACTS = ["gla-onnxruntime", "gla-portable", "linear-onnxruntime"]
+ARTIFACTS = [
+    "gla-onnxruntime",
+    "gla-portable",
+    "linear-onnxruntime",
+    "gated_deltanet-onnxruntime",
+    "mamba2-portable",
+]
 
 # name -> (mixer, checkpoint seed, target)
 SPECS = {
@@ -37,6 +45,8 @@ SPECS = {
     "gla-portable": ("gla", 0, "portable"),
     "linear-onnxruntime": ("linear", 0, "onnxruntime"),
     "gla-other": ("gla", 1, "onnxruntime"),
+    "gated_deltanet-onnxruntime": ("gated_deltanet", 0, "onnxruntime"),
+    "mamba2-portable": ("mamba2", 0, "portable"),
 }
 
 
@@ -114,6 +124,11 @@ def test_artifacts_are_the_intended_graphs(artifacts):
     assert ("com.microsoft", "LinearAttention") in domains("gla-onnxruntime")
     assert ("com.microsoft", "LinearAttention") in domains("linear-onnxruntime")
     assert domains("gla-portable") == set()
+    assert domains("gated_deltanet-onnxruntime") == {
+        ("com.microsoft", "LinearAttention"),
+        ("com.microsoft", "CausalConvWithState"),
+    }
+    assert domains("mamba2-portable") == set()
     for name in ARTIFACTS:
         m = json.loads((artifacts[name] / "edgeattn.json").read_text())
         assert m["graphs"]["prefill"]["tokens"] == PREFILL < len(PROMPT)
@@ -122,6 +137,9 @@ def test_artifacts_are_the_intended_graphs(artifacts):
         for e in json.loads((artifacts["linear-onnxruntime"] / "edgeattn.json").read_text())["state"]
     ]
     assert names == ["recurrent_state", "normalizer"] * 2
+    for name in ("gated_deltanet-onnxruntime", "mamba2-portable"):
+        state = json.loads((artifacts[name] / "edgeattn.json").read_text())["state"]
+        assert [e["name"] for e in state] == ["conv_state", "recurrent_state"] * 2
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_manifest_alone_drives_a_raw_inference_session(ckpts, tmp_path):
     assert np.array_equal(np.concatenate(logits, 1)[:, -1], sess.prefill(ids))
 
 
-@pytest.mark.parametrize("mixer", ["gla", "swa", "softmax"])
+@pytest.mark.parametrize("mixer", ["gla", "swa", "softmax", "gated_deltanet", "mamba2"])
 def test_state_saved_mid_stream_continues_exactly_in_a_fresh_session(ckpts, tmp_path, mixer):
     art = export_model(ckpts[mixer], tmp_path / "art", prefill_chunk=PREFILL)
     ids = text_ids(60)

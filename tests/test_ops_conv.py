@@ -120,3 +120,37 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         short_conv(args.pop("x"), args.pop("weight"), args.pop("bias"), **args)
+
+
+class _Step(torch.nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(w), torch.nn.Parameter(b)
+
+    def forward(self, x, state):
+        return short_conv_step(x, state, self.w, self.b, "silu")
+
+
+def test_step_exports_to_onnx_opset17(tmp_path):
+    """The step traces to plain opset-17 ops and ONNX Runtime reproduces it, state included."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    x, w, b, s0 = (t.detach() for t in make_inputs(2, 1, 5, 4))
+    module = _Step(w, b)
+    path = tmp_path / "conv.onnx"
+    torch.onnx.export(
+        module,
+        (x[:, 0], s0),
+        str(path),
+        dynamo=False,
+        opset_version=17,
+        input_names=["x", "conv_state"],
+        output_names=["y", "present_conv_state"],
+    )
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert not ops & {"Loop", "Scan", "If"}, ops
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    y, s = sess.run(None, {"x": x[:, 0].numpy(), "conv_state": s0.numpy()})
+    y_ref, s_ref = module(x[:, 0], s0)
+    assert_close("output", torch.from_numpy(y), y_ref, 1e-6)
+    assert_close("state", torch.from_numpy(s), s_ref, 0)

@@ -50,6 +50,10 @@ COMPLEXITY: dict[str, Complexity] = {
     "flash": Complexity("O(T^2 s)", "O(T C (s + e) + T s e)", "O(C (s + e) + s e)", "O(C (s + e) + s e)"),
     "softmax": Complexity("O(T^2 d)", "O(T^2 d)", "O(T d)", "O(T d)"),
     "swa": Complexity("O(T W d)", "O(T W d)", "O(W d)", "O(W d)"),
+    "deltanet": _LINEAR,
+    "gated_deltanet": _LINEAR,
+    "kda": _LINEAR,
+    "mamba2": Complexity("O(T^2 e)", "O(T C e + T e N)", "O(e N)", "O(e N)"),  # e = expand * d, N state size
 }
 UNKNOWN = Complexity("?", "?", "?", "?")
 
@@ -87,6 +91,23 @@ def _flash(c: dict, t: int) -> float:
     return 4 * s * e + 2 * C * (s + e) + 4 * C
 
 
+def _delta(c: dict, t: int) -> float:
+    """Delta rule per state element: decay (1), recall k S (2), rank-one update (2), readout q S (2);
+    plus the short conv over the q|k|v channels (2 W each)."""
+    H = c["n_heads"]
+    K = c["d_model"] // H
+    HV = c.get("num_v_heads") or H
+    V = int(K * c.get("expand_v", 1.0))
+    return 7 * HV * K * V + 2 * c.get("conv_size", 4) * (2 * H * K + HV * V)
+
+
+def _mamba2(c: dict, t: int) -> float:
+    """Gated recurrence over [Hm, N, P] (5 per element), D skip, and the short conv over x|B|C."""
+    inner = c.get("mamba_expand", 2) * c["d_model"]
+    N, G = c.get("ssm_state_size", 16), c.get("mamba_n_groups", 1)
+    return 5 * inner * N + 2 * inner + 2 * c.get("conv_size", 4) * (inner + 2 * G * N)
+
+
 # Mixer work per layer per token beyond its weight matmuls: name -> f(model config, context) -> FLOPs.
 MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "linear": _gated(lambda c: c["d_model"] // c["n_heads"], normalized=True),
@@ -102,6 +123,10 @@ MIXER_FLOPS: dict[str, Callable[[dict, int], float]] = {
     "flash": _flash,
     "softmax": _softmax,
     "swa": _swa,
+    "deltanet": _delta,
+    "gated_deltanet": _delta,
+    "kda": _delta,
+    "mamba2": _mamba2,
 }
 
 

@@ -91,11 +91,11 @@ def _fresh(
     )
     for p in avail:
         console.print(
-            f"  {p.mixer:<10} {p.params:>12,} parameters  (MLP ratio {p.config.mlp_ratio:.3f}, "
+            f"  {p.mixer:<14} {p.params:>12,} parameters  (MLP ratio {p.config.mlp_ratio:.3f}, "
             f"{100 * (p.params / ref - 1):+.1f}% vs {avail[0].mixer})"
         )
     for m in missing:
-        console.print(f"  {m['mixer']:<10} [yellow]missing[/yellow]: {escape(m['reason'])}")
+        console.print(f"  {m['mixer']:<14} [yellow]missing[/yellow]: {escape(m['reason'])}")
     with _console(stderr=True).status(f"exporting {len(avail)} models ({target}, {precision})"):
         arts = presets.export_planned(planned, root, target=target, precision=precision)
     return [arts[p.mixer] for p in avail], missing

@@ -31,6 +31,9 @@ TARGETS = ("onnxruntime", "portable")
 PRECISIONS = ("fp32", "fp16", "int8")
 OPSET = 17
 FUSED_MIN_ORT = "1.31.0"
+# LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
+FUSED_DELTA_MIN_ORT = "1.32.0"
+DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -137,6 +140,13 @@ def _carry_tokenizer(checkpoint: Path, cfg, tmp: Path) -> dict | None:
     return info
 
 
+def min_onnxruntime(cfg, target: str) -> str:
+    """The oldest ONNX Runtime that runs the graphs of ``target``."""
+    if target != "onnxruntime":
+        return "1.16.0"
+    return FUSED_DELTA_MIN_ORT if DELTA_FAMILIES & set(cfg.mixers) else FUSED_MIN_ORT
+
+
 def fingerprint(checkpoint: Path) -> str:
     h = hashlib.sha256()
     h.update((checkpoint / "config.json").read_bytes())
@@ -210,7 +220,7 @@ def export_model(
             "target": target,
             "precision": precision,
             "opset": OPSET,
-            "requires": {"onnxruntime": FUSED_MIN_ORT if target == "onnxruntime" else "1.16.0"},
+            "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
             "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
             "max_length": cfg.max_seq_len if softmax_like else None,
             "inputs": {"input_ids": "input_ids"},

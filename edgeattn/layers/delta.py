@@ -185,7 +185,7 @@ class GatedDeltaNet(DeltaRuleMixer):
 class KimiDeltaAttention(DeltaRuleMixer):
     """Kimi Delta Attention (Kimi Linear, fla's KDA layer): a per-key-dimension gate
     g = -exp(A_log_h) * softplus(x W_f1 W_f2 + dt_bias) [B, T, HV, K] from a low-rank projection of rank V,
-    output RMSNorm times sigmoid(x W_g1 W_g2 + b)."""
+    output RMSNorm times sigmoid(x W_g1 W_g2) (no bias, as Kimi Linear; fla adds one)."""
 
     gate_activation = "sigmoid"
 
@@ -197,7 +197,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.A_log = nn.Parameter(torch.log(torch.empty(HV).uniform_(1, 16)))
         self.dt_bias = nn.Parameter(init_dt_bias(HV * K))
         self.g_down = nn.Linear(D, V, bias=False)
-        self.g_up = nn.Linear(V, HV * V, bias=True)
+        self.g_up = nn.Linear(V, HV * V, bias=False)
 
     def gate(self, x):
         B, T, _ = x.shape

@@ -17,7 +17,7 @@ from edgeattn.ops.utils import pad_time, tracing
 torch = require("torch")
 
 
-def unit_lower_inverse(L):
+def substitution_inverse(L):
     """(I + L)^-1 for strictly lower-triangular L: [..., C, C], by forward substitution, one row at a
     time (row i = e_i - L[i, :i] (I + L)^-1[:i]). Plain matmul and concat: differentiable and traceable."""
     C = L.shape[-1]
@@ -27,6 +27,18 @@ def unit_lower_inverse(L):
         row = eye[i : i + 1] - L[..., i : i + 1, :i] @ inv  # [..., 1, C]
         inv = torch.cat([inv, row], dim=-2)  # [..., i + 1, C]
     return inv
+
+
+def unit_lower_inverse(L):
+    """(I + L)^-1 for strictly lower-triangular L: ``solve_triangular`` in PyTorch (one fused op, about
+    4x faster forward + backward at C = 64), ``substitution_inverse`` while tracing (ONNX has no
+    triangular solve). tests/test_ops_delta.py compares the two."""
+    if tracing():
+        return substitution_inverse(L)
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device).expand_as(L)
+    return torch.linalg.solve_triangular(
+        L, eye, upper=False, unitriangular=True
+    )  # reads only L's strict lower part
 
 
 def chunk_delta_rule(q, k, v, beta, g, *, initial_state, chunk_size):

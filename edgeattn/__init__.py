@@ -25,6 +25,7 @@ MIXERS: tuple[str, ...] = (
     "kda",  # Kimi Delta Attention: delta rule with a per-key-dimension decay
     "mamba2",  # Mamba2 SSD: scalar-gated recurrence with B/C as key/query, D skip, gated norm
     "reformer",  # Reformer shared-QK LSH attention, a KV cache like softmax
+    "rwkv",  # RWKV-4: token shift + AFT with a decay and a one-token bonus; channel mixing as the MLP
 )
 
 _LAZY = {

@@ -13,6 +13,8 @@ _EXTRA = {
     "safetensors": "train",
     "matplotlib": "bench",
     "tensorrt": "tensorrt",
+    "tokenizers": "tokenizers",
+    "jinja2": "tokenizers",
 }
 
 

@@ -258,7 +258,8 @@ def evaluate(cfg: dict) -> dict:
 
     sess = open_session(cfg["artifact"], backend=cfg["backend"], threads=cfg.get("threads"))
     m = sess.manifest
-    if m.vocab_size < 256:
+    tok = sess.tokenizer
+    if m.vocab_size < 256 and tok.kind == "byte":
         raise ValueError(
             f"{cfg['artifact']} has a vocabulary of {m.vocab_size}: bits per byte needs byte-level ids"
         )
@@ -267,17 +268,24 @@ def evaluate(cfg: dict) -> dict:
         n = min(n, m.max_length)
     with open(cfg["eval_text"], "rb") as f:
         data = f.read(n + 1)
-    if len(data) < 2:
-        raise ValueError(f"{cfg['eval_text']} needs at least 2 bytes for bits per byte")
-    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None].repeat(m.batch_size, 0)
+    if tok.kind == "byte":
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        n_bytes = len(data) - 1
+    else:  # the artifact's tokenizer: bits of the tokens over the bytes they cover
+        ids = np.asarray(tok.encode(data)[: n + 1], dtype=np.int64)
+        n_bytes = len(tok.decode(ids[1:].tolist()).encode("utf-8"))
+    if len(ids) < 2:
+        raise ValueError(f"{cfg['eval_text']} needs at least 2 tokens for bits per byte")
+    ids = ids[None].repeat(m.batch_size, 0)
     got = run_logits(sess, ids[:, :-1])
     logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
+    bits = bits_per_byte(logits, ids[0, 1:]) * (ids.shape[1] - 1) / max(n_bytes, 1)
     return {
         "task": "eval",
         "artifact": str(cfg["artifact"]),
         "backend": cfg["backend"],
-        "bytes": len(data) - 1,
-        "bits_per_byte": bits_per_byte(logits, ids[0, 1:]),
+        "bytes": n_bytes,
+        "bits_per_byte": bits,
     }
 
 

@@ -25,7 +25,13 @@ class Precision(str, Enum):
 
 @cli_errors
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory written by `edgeattn train`.")],
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="Checkpoint directory written by `edgeattn train` or `edgeattn import`, or a Hugging Face "
+            "model directory (config.json with a model_type), imported on the way."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
     target: Annotated[
         Target, typer.Option(help="onnxruntime: fused contrib op; portable: standard ops for TensorRT.")
@@ -61,9 +67,7 @@ def export(
     if not checkpoint.exists():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
     check_output_dir(out, "--out")
-    path = export_model(
-        checkpoint,
-        out,
+    options = dict(
         target=target.value,
         precision=precision.value,
         batch_size=batch,
@@ -74,6 +78,26 @@ def export(
         if precision == Precision.int4
         else None,
     )
+    from edgeattn.convert.hf import model_type
+
+    if model_type(checkpoint) is None:
+        path = export_model(checkpoint, out, **options)
+    else:  # a Hugging Face model directory: import into a temporary checkpoint, export that
+        import shutil
+        import tempfile
+
+        from edgeattn.convert import import_model
+
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+            raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
+        tmp = Path(tempfile.mkdtemp(prefix=".edgeattn-import."))
+        try:
+            _, notes = import_model(checkpoint, tmp / "checkpoint")
+            for note in notes:
+                typer.echo(f"note: {note}")
+            path = export_model(tmp / "checkpoint", out, **options)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"

@@ -38,10 +38,11 @@ def _root(
 
 
 # Each module defines `register(app)`; torch is imported inside the commands that need it only.
-COMMANDS = ("train", "sample", "export", "run", "check", "bench", "analyze")
+COMMANDS = ("train", "sample", "import", "export", "run", "check", "bench", "analyze")
+_MODULES = {"import": "import_"}  # `import` is a Python keyword
 
 for _name in COMMANDS:
-    importlib.import_module(f"edgeattn.cli.{_name}").register(app)
+    importlib.import_module(f"edgeattn.cli.{_MODULES.get(_name, _name)}").register(app)
 
 
 def main() -> None:

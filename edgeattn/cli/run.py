@@ -51,8 +51,13 @@ def run(
     ] = None,
     state_in: Annotated[Path | None, typer.Option(help="Resume from a state file (same model).")] = None,
     state_out: Annotated[Path | None, typer.Option(help="Save the state here after generating.")] = None,
+    chat: Annotated[
+        bool,
+        typer.Option("--chat", help="Format the prompt as a user message with the model's chat template."),
+    ] = False,
 ) -> None:
-    """Generate text token by token, keeping the fixed-size state inside the runtime.
+    """Generate text token by token, keeping the fixed-size state inside the runtime; stops at the
+    model's end-of-sequence token.
 
     The text goes to stdout; the closing line of figures (tokens/s, peak memory) to stderr."""
     from edgeattn.runtimes import open_session
@@ -65,6 +70,9 @@ def run(
     sess = open_session(artifact, backend=backend.value, threads=threads)
     if state_in is not None:
         sess.load_state(state_in)
+    if chat:
+        prompt = sess.tokenizer.apply_chat_template(prompt)
+    n_prompt, pos0 = len(sess.tokenizer.encode(prompt)), sess.position
     start = time.perf_counter()
     pieces = sess.generate_text(
         prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
@@ -82,9 +90,10 @@ def run(
     elapsed = time.perf_counter() - start
     if state_out is not None:
         sess.save_state(state_out)
+    n = max(sess.position - pos0 - n_prompt, 0)  # generated tokens (and the end-of-sequence token)
     typer.echo(
-        f"[{backend.value}] {max_new_tokens} tokens in {elapsed:.2f} s ({max_new_tokens / max(elapsed, 1e-9):.1f} tokens/s), "
-        f"prompt {len(prompt.encode())} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB",
+        f"[{backend.value}] {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tokens/s), "
+        f"prompt {n_prompt} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB",
         err=True,
     )
 

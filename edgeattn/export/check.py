@@ -74,10 +74,17 @@ def check_artifact(
     m = art.manifest
     if m.max_length is not None:
         tokens = min(tokens, m.max_length)
-    data = (text if text is not None else default_text(tokens + 1))[: tokens + 1]
-    if len(data) < 2:
-        raise ValueError("the check text needs at least 2 bytes")
-    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None].repeat(m.batch_size, 0)
+    tok = art.tokenizer
+    if tok.kind == "byte":
+        data = (text if text is not None else default_text(tokens + 1))[: tokens + 1]
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    else:  # through the artifact's tokenizer; bits per byte of the text those tokens cover
+        source = text if text is not None else default_text(8 * (tokens + 1))
+        ids = np.asarray(tok.encode(source)[: tokens + 1], dtype=np.int64)
+        data = tok.decode(ids[1:].tolist()).encode("utf-8")
+    if len(ids) < 2:
+        raise ValueError("the check text needs at least 2 tokens")
+    ids = ids[None].repeat(m.batch_size, 0)
     inp, targets = ids[:, :-1], ids[0, 1:]
     got, want = run_logits(art, inp), run_logits(ref, inp)
     report = CheckReport(tolerance=DEFAULT_TOLERANCE[m.precision] if tolerance is None else tolerance)
@@ -94,7 +101,13 @@ def check_artifact(
         }
     full_got = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
     full_want = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)[0]
-    report.bpb = {"torch": bits_per_byte(full_want, targets), "artifact": bits_per_byte(full_got, targets)}
+    per_byte = (
+        len(targets) / max(len(data) - 1, 1) if tok.kind == "byte" else len(targets) / max(len(data), 1)
+    )
+    report.bpb = {
+        "torch": bits_per_byte(full_want, targets) * per_byte,
+        "artifact": bits_per_byte(full_got, targets) * per_byte,
+    }
     if m.target == "portable":
         report.tensorrt = sorted(
             set(tensorrt_report(onnx.load(str(m.graph_path("step")), load_external_data=False)))

@@ -119,6 +119,26 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
     del model
 
 
+def _carry_tokenizer(checkpoint: Path, cfg, tmp: Path) -> dict | None:
+    """Copy an imported model's tokenizer.json (and chat template) into the artifact; its manifest entry.
+    None for byte-level models (no tokenizer.json in the checkpoint)."""
+    if not (checkpoint / "tokenizer.json").is_file():
+        return None
+    from edgeattn.artifact.tokenizer import CHAT_TEMPLATE, TOKENIZER_JSON, tokenizer_info
+
+    info = tokenizer_info(checkpoint)
+    info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
+    if info["vocab_size"] > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
+        )
+    shutil.copy2(checkpoint / TOKENIZER_JSON, tmp / TOKENIZER_JSON)
+    if info["chat_template"]:
+        (tmp / CHAT_TEMPLATE).write_text(info["chat_template"])
+        info["chat_template"] = CHAT_TEMPLATE
+    return info
+
+
 def min_onnxruntime(cfg, target: str) -> str:
     """The oldest ONNX Runtime that runs the graphs of ``target``."""
     if target != "onnxruntime":
@@ -204,6 +224,11 @@ def export_model(
 
             weights = share_weights(tmp, ["step.onnx", "prefill.onnx"])
             files.append(weights["path"])
+        tokenizer = _carry_tokenizer(checkpoint, cfg, tmp)
+        if tokenizer is not None:
+            files += [tokenizer["path"]] + (
+                [tokenizer["chat_template"]] if tokenizer["chat_template"] else []
+            )
         if include_checkpoint:
             shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
             files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
@@ -234,6 +259,8 @@ def export_model(
             "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
             "files": {f: {} for f in files},
         }
+        if tokenizer is not None:
+            manifest["tokenizer"] = tokenizer
         write_manifest(tmp, manifest)
         replace_dir(tmp, out)
     except BaseException:

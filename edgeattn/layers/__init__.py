@@ -7,6 +7,7 @@ from edgeattn.layers import (  # noqa: F401  (each registers its mixers)
     gated,
     mamba2,
     reformer,
+    rwkv,
     softmax,
 )
 from edgeattn.layers.base import MIXER_REGISTRY, Mixer, StateSpec, register_mixer

@@ -20,10 +20,16 @@ class _Attention(Mixer):
         super().__init__(cfg, layer_idx)
         D = cfg.d_model
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.q_proj = nn.Linear(D, D, bias=False)
-        self.k_proj = nn.Linear(D, D, bias=False)
-        self.v_proj = nn.Linear(D, D, bias=False)
-        self.o_proj = nn.Linear(D, D, bias=False)
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        # Per head [q | gate] when the output is gated (Qwen3.5's q_proj layout).
+        self.q_proj = nn.Linear(D, H * Dh * (2 if cfg.attn_output_gate else 1), bias=False)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=False)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=False)
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(Dh))
+            self.k_norm = nn.Parameter(torch.ones(Dh))
 
     def _qkv(self, x):
         B, T, _ = x.shape
@@ -34,20 +40,88 @@ class _Attention(Mixer):
         return self.o_proj(o.to(x.dtype).reshape(*x.shape[:2], -1))
 
 
+def _rms(x, weight, eps: float):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rotate(x, pos, rotary_dim: int, theta: float):
+    """Rotary embedding (rotate-half convention) on the first ``rotary_dim`` dims of x [B, T, H, Dh];
+    pos [T] float positions."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
+    )
+    freqs = pos[:, None] * inv_freq  # [T, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, T, 1, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
 @register_mixer("softmax")
 class SoftmaxAttention(_Attention):
-    """Full causal attention; the state is a KV cache that grows by one entry per token."""
+    """Full causal attention; the state is a KV cache that grows by one entry per token.
+
+    With the options of imported models (``n_kv_heads``, ``head_size``, ``qk_norm``, ``rope_theta`` /
+    ``rotary_dim``, ``attn_output_gate``) the cache holds the ``n_kv_heads`` grouped heads (rotated
+    keys) and the position of each token is its index in the cache."""
 
     fixed_size_state = False
 
+    @property
+    def _extended(self) -> bool:
+        c = self.cfg
+        return bool(c.n_kv_heads or c.head_size or c.qk_norm or c.rope_theta or c.attn_output_gate)
+
     def state_spec(self, batch_size: int) -> list[StateSpec]:
-        H, Dh = self.n_heads, self.head_dim
+        H, Dh = self.n_kv_heads, self.head_dim
         return [
             StateSpec("key", (batch_size, H, "past_length", Dh)),
             StateSpec("value", (batch_size, H, "past_length", Dh)),
         ]
 
+    def _forward_extended(self, x, state):
+        B, T, _ = x.shape
+        c, H, Hkv, Dh = self.cfg, self.n_heads, self.n_kv_heads, self.head_dim
+        if state is None:
+            state = self.init_state(B, x.device)
+        else:
+            self.check_state(state, B)
+        q = self.q_proj(x)
+        gate = None
+        if c.attn_output_gate:
+            q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)  # [B, T, H, Dh] each
+        q = q.reshape(B, T, H, Dh).float()
+        k = self.k_proj(x).view(B, T, Hkv, Dh).float()
+        v = self.v_proj(x).view(B, T, Hkv, Dh).float()
+        if c.qk_norm:
+            q, k = _rms(q, self.q_norm, c.norm_eps), _rms(k, self.k_norm, c.norm_eps)
+        key = torch.cat([state["key"], k.transpose(1, 2)], dim=2)  # [B, Hkv, L + T, Dh]
+        value = torch.cat([state["value"], v.transpose(1, 2)], dim=2)
+        # Positions from the cache length, with tensor ops only (exported graphs keep L dynamic).
+        pos = torch.ones_like(key[0, 0, :, 0]).cumsum(0) - 1  # [L + T]
+        q_pos = pos[-T:]
+        if c.rope_theta:
+            rd = c.rotary_dim or Dh
+            q = _rotate(q, q_pos, rd, c.rope_theta)
+            k = _rotate(k, q_pos, rd, c.rope_theta)
+            key = torch.cat([state["key"], k.transpose(1, 2)], dim=2)
+        rep = H // Hkv
+        kr = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # [B, H, L + T, Dh]
+        vr = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+        scores = (q.transpose(1, 2) @ kr.transpose(-1, -2)) * Dh**-0.5  # [B, H, T, L + T]
+        mask = pos[None, :] <= q_pos[:, None]  # [T, L + T]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = (torch.softmax(scores, dim=-1) @ vr).transpose(1, 2)  # [B, T, H, Dh]
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
+        return self._output(o, x), {"key": key, "value": value}
+
     def forward(self, x, state=None):
+        if self._extended:
+            return self._forward_extended(x, state)
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
         if state is not None:

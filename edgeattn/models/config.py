@@ -43,6 +43,19 @@ class EdgeConfig:
     feature_map: str = "default"
     lsh_buckets: int = 8  # reformer: angular LSH buckets per round (1 or even)
     lsh_rounds: int = 2  # reformer: hashing rounds, averaged by their log-sum-exp
+    # Imported models (edgeattn.convert); the defaults leave edgeattn's own models unchanged.
+    head_size: int = 0  # softmax/swa: head width (0: d_model // n_heads)
+    n_kv_heads: int = 0  # softmax: grouped key/value heads, n_heads a multiple of it (0: n_heads)
+    rope_theta: float = 0.0  # softmax: rotary embeddings on q/k with this base (0: none, NoPE)
+    rotary_dim: int = 0  # softmax: leading head dims rotated (partial rotary; 0: the whole head)
+    qk_norm: bool = False  # softmax: RMSNorm over each q and k head (with weights) before the rotary
+    attn_output_gate: bool = False  # softmax: o * sigmoid(x W_g) per head, W_g interleaved in q_proj
+    intermediate_size: int = 0  # SwiGLU hidden size (0: from mlp_ratio); -1: no MLP (Mamba2 blocks)
+    linear_n_heads: int = 0  # delta-rule layers of a hybrid stack: key heads (0: n_heads)
+    linear_key_dim: int = 0  # delta-rule layers: key head width (0: d_model // n_heads)
+    linear_value_dim: int = 0  # delta-rule layers: value head width (0: expand_v * key width)
+    norm: str = "rms"  # block and final norms: "rms" (RMSNorm) or "layer" (LayerNorm with bias, RWKV)
+    embed_norm: bool = False  # a norm right after the embedding (RWKV's pre_ln)
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
 
     def __post_init__(self) -> None:
@@ -57,15 +70,24 @@ class EdgeConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "chunk_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and not self.head_size:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        if self.num_v_heads % self.n_heads:
+        key_heads = self.linear_n_heads or self.n_heads
+        if self.num_v_heads % key_heads:
             raise ValueError(
-                f"num_v_heads ({self.num_v_heads}) must be a multiple of n_heads ({self.n_heads})"
+                f"num_v_heads ({self.num_v_heads}) must be a multiple of the key heads ({key_heads})"
             )
         if self.conv_size < 2:
             raise ValueError(
                 f"conv_size must be >= 2 (the conv state keeps conv_size - 1 inputs), got {self.conv_size}"
+            )
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if self.n_kv_heads and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"rotary_dim must be even and <= the head width {self.head_dim}, got {self.rotary_dim}"
             )
 
     @property
@@ -81,7 +103,24 @@ class EdgeConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    def for_mixer(self, name: str) -> EdgeConfig:
+        """The configuration one layer of mixer ``name`` is built from: in a hybrid stack the delta-rule
+        layers may have their own head count and widths (``linear_*``), as Qwen3.5's have."""
+        if name not in ("deltanet", "gated_deltanet", "kda") or not (
+            self.linear_n_heads or self.linear_key_dim or self.linear_value_dim
+        ):
+            return self
+        from dataclasses import replace
+
+        H = self.linear_n_heads or self.n_heads
+        K = self.linear_key_dim or self.d_model // H
+        V = self.linear_value_dim or int(K * self.expand_v)
+        view = replace(self, n_heads=H, head_size=K, expand_v=V / K, n_kv_heads=0, rotary_dim=0)
+        if int(K * view.expand_v) != V:
+            raise ValueError(f"linear_value_dim {V} is not representable as expand_v * {K}")
+        return view
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,9 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ratio: float):
+    def __init__(self, dim: int, ratio: float, hidden: int = 0):
         super().__init__()
-        hidden = 32 * -(-int(dim * ratio) // 32)  # rounded up to a multiple of 32
+        hidden = hidden or 32 * -(-int(dim * ratio) // 32)  # rounded up to a multiple of 32
         self.w_gate = nn.Linear(dim, hidden, bias=False)
         self.w_up = nn.Linear(dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, dim, bias=False)
@@ -49,17 +49,33 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+def make_norm(cfg: EdgeConfig):
+    return (
+        RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+    )
+
+
 class Block(nn.Module):
     def __init__(self, cfg: EdgeConfig, layer_idx: int, mixer: str):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(mixer, cfg, layer_idx)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio)
+        self.norm1 = make_norm(cfg)
+        self.mixer = build_mixer(mixer, cfg.for_mixer(mixer), layer_idx)
+        self.has_mlp = cfg.intermediate_size >= 0  # -1: mixer-only blocks (Mamba2)
+        # A mixer with a stateful feed-forward part of its own (RWKV's channel mixing) fills the MLP slot.
+        self.own_mlp = hasattr(self.mixer, "channel_mix")
+        if self.has_mlp:
+            self.norm2 = make_norm(cfg)
+            if not self.own_mlp:
+                self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio, cfg.intermediate_size)
 
     def forward(self, x, state):
         y, state = self.mixer(self.norm1(x), state)
         x = x + y
+        if not self.has_mlp:
+            return x, state
+        if self.own_mlp:
+            y, state = self.mixer.channel_mix(self.norm2(x), state)
+            return x + y, state
         return x + self.mlp(self.norm2(x)), state
 
 
@@ -68,8 +84,10 @@ class EdgeLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.embed_norm:
+            self.embed_norm = make_norm(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i, name) for i, name in enumerate(cfg.mixers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
@@ -118,6 +136,8 @@ class EdgeLM(nn.Module):
         if state is not None and (not isinstance(state, list | tuple) or len(state) != len(self.blocks)):
             raise ValueError(f"state must be a list of {len(self.blocks)} per-layer dicts (from this model)")
         x = self.embed(input_ids)
+        if self.cfg.embed_norm:
+            x = self.embed_norm(x)
         new_state = []
         for i, block in enumerate(self.blocks):
             x, s = block(x, None if state is None else state[i])

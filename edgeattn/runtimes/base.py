@@ -52,6 +52,16 @@ class Session(ABC):
         self.manifest = manifest
         self.position = 0  # tokens consumed since the last reset
         self.lock = threading.RLock()
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The artifact's tokenizer (manifest "tokenizer"; byte-level without one)."""
+        if self._tokenizer is None:
+            from edgeattn.artifact.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.manifest)
+        return self._tokenizer
 
     # ---- what a backend implements ----
 
@@ -185,9 +195,12 @@ class Session(ABC):
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        stop_ids=None,
     ) -> Iterator[int]:
-        """Yield new token ids one at a time (batch 1), continuing from the current state.
-        ``temperature <= 0`` is greedy; see ``edgeattn.runtimes.sampling.sample_next``."""
+        """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
+        stops before a token of ``stop_ids`` (default: the tokenizer's end-of-sequence ids), which is
+        consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
+        ``edgeattn.runtimes.sampling.sample_next``."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         check_sampling(temperature, top_k, top_p)  # before any work
@@ -204,24 +217,22 @@ class Session(ABC):
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:
             raise ValueError("the prompt is empty")
+        stop = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[0], temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+            if nxt in stop:
+                self.step(np.array([[nxt]], dtype=np.int64))
+                return
             yield nxt
             logits = self.step(np.array([[nxt]], dtype=np.int64))  # the lock is taken per step
 
     @_locked
     def generate(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> str:
-        """Byte-level text generation: the prompt's UTF-8 bytes are the token ids."""
+        """Text generation through the artifact's tokenizer (byte-level: the prompt's UTF-8 bytes are
+        the token ids); stops at the end-of-sequence token."""
         return "".join(self.generate_text(prompt, max_new_tokens, **kwargs))
 
     def generate_text(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
-        """Like ``generate`` but yields text pieces as they complete (multi-byte characters held back)."""
-        data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for tok in self.generate_ids(data, max_new_tokens, **kwargs):
-            piece = decoder.decode(bytes([tok]))
-            if piece:
-                yield piece
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            yield tail
+        """Like ``generate`` but yields text pieces as they complete (incomplete characters held back)."""
+        tok = self.tokenizer
+        yield from tok.stream(self.generate_ids(tok.encode(prompt), max_new_tokens, **kwargs))

@@ -1,0 +1,189 @@
+"""Tokenizers of artifacts: byte-level (edgeattn's own models) or a Hugging Face ``tokenizer.json``.
+
+The manifest's ``"tokenizer"`` entry (absent: byte-level, vocabulary 256) reads
+
+    {"type": "huggingface", "path": "tokenizer.json", "vocab_size": N, "eos_token_ids": [...],
+     "bos_token_id": id or null, "pad_token_id": id or null, "chat_template": "chat_template.jinja" or null}
+
+The Hugging Face ``tokenizers`` library (and jinja2 for chat templates) is the ``tokenizers`` extra:
+it pulls huggingface_hub, too much for the base device install.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from edgeattn._deps import require
+
+TOKENIZER_JSON = "tokenizer.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+
+
+def load_hf_tokenizer(path: str | Path):
+    tokenizers = require("tokenizers")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own exception type
+        raise ValueError(f"{path} is not a readable tokenizer.json: {str(e).splitlines()[0]}") from e
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the token ids."""
+
+    kind = "byte"
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return list(text.encode("utf-8") if isinstance(text, str) else bytes(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Text pieces as the ids arrive (multi-byte characters held back until complete)."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for tok in ids:
+            piece = decoder.decode(bytes([tok]))
+            if piece:
+                yield piece
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
+
+    def apply_chat_template(self, prompt: str) -> str:
+        raise ValueError("--chat needs a model with a chat template; this artifact has none")
+
+
+class HFTokenizer(ByteTokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer with the special ids and chat template of the manifest."""
+
+    kind = "huggingface"
+
+    def __init__(self, path: str | Path, info: dict, chat_template: str | None = None):
+        self.tok = load_hf_tokenizer(path)
+        self.eos_token_ids = tuple(int(i) for i in info.get("eos_token_ids") or ())
+        self.bos_token_id = info.get("bos_token_id")
+        self.chat_template = chat_template
+
+    def encode(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self.tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Decode the growing sequence and yield what is new; a trailing U+FFFD (an incomplete byte
+        sequence of a byte-level BPE) waits for the next token."""
+        seen, done = [], ""
+        for tok in ids:
+            seen.append(int(tok))
+            text = self.decode(seen)
+            if text.endswith("\ufffd"):
+                continue
+            if text.startswith(done):
+                piece, done = text[len(done) :], text
+                if piece:
+                    yield piece
+        text = self.decode(seen)
+        if len(text) > len(done) and text.startswith(done):
+            yield text[len(done) :]
+
+    def token_text(self, tid) -> str:
+        return "" if tid is None else (self.tok.id_to_token(int(tid)) or "")
+
+    def apply_chat_template(self, prompt: str) -> str:
+        """One user message formatted by the model's chat template, ready for the assistant's reply."""
+        if not self.chat_template:
+            return super().apply_chat_template(prompt)
+        jinja2 = require("jinja2")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=[{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                bos_token=self.token_text(self.bos_token_id),
+                eos_token=self.token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template cannot be applied: {e}") from e
+
+
+def load_tokenizer(manifest) -> ByteTokenizer:
+    """The tokenizer of a loaded ``Manifest``."""
+    info = manifest.data.get("tokenizer")
+    if not info or info.get("type", "byte") == "byte":
+        return ByteTokenizer()
+    if info.get("type") != "huggingface":
+        raise ValueError(f"{manifest.root}: unknown tokenizer type {info.get('type')!r}")
+    template = None
+    if info.get("chat_template"):
+        template = (manifest.root / info["chat_template"]).read_text()
+    return HFTokenizer(manifest.root / info.get("path", TOKENIZER_JSON), info, template)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def tokenizer_info(src: str | Path, config: dict | None = None) -> dict | None:
+    """The manifest's tokenizer entry for a model directory with tokenizer files (None without
+    tokenizer.json): special ids from generation_config.json, config.json or tokenizer_config.json's
+    token strings; the chat template from chat_template.jinja or tokenizer_config.json."""
+    src = Path(src)
+    if not (src / TOKENIZER_JSON).is_file():
+        return None
+    tok = load_hf_tokenizer(src / TOKENIZER_JSON)
+
+    def read(name):
+        p = src / name
+        try:
+            return json.loads(p.read_text()) if p.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p} is not valid JSON: {e}") from e
+
+    gen, tcfg, config = read("generation_config.json"), read("tokenizer_config.json"), config or {}
+    text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def special(key):
+        for d in (gen, config, text_cfg):
+            if d.get(f"{key}_token_id") is not None:
+                return _ids(d[f"{key}_token_id"])
+        tokstr = tcfg.get(f"{key}_token")
+        if isinstance(tokstr, dict):
+            tokstr = tokstr.get("content")
+        tid = tok.token_to_id(tokstr) if isinstance(tokstr, str) else None
+        return [] if tid is None else [tid]
+
+    template = None
+    if (src / CHAT_TEMPLATE).is_file():
+        template = (src / CHAT_TEMPLATE).read_text()
+    elif isinstance(tcfg.get("chat_template"), str):
+        template = tcfg["chat_template"]
+    bos, pad = special("bos"), special("pad")
+    return {
+        "type": "huggingface",
+        "path": TOKENIZER_JSON,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eos_token_ids": special("eos"),
+        "bos_token_id": bos[0] if bos else None,
+        "pad_token_id": pad[0] if pad else None,
+        "chat_template": template,
+    }

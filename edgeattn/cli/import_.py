@@ -1,0 +1,36 @@
+"""`edgeattn import DIR --out CKPT`: a Hugging Face model directory to an edgeattn checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgeattn.cli._common import cli_errors
+
+
+@cli_errors
+def import_(
+    source: Annotated[
+        Path, typer.Argument(help="Hugging Face model directory (config.json with a model_type).")
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+) -> None:
+    """Map an imported model's config and weights onto an edgeattn checkpoint (sample, check, export, train --resume)."""
+    from edgeattn.convert import CONVERTERS, import_model
+
+    if not source.is_dir():
+        raise ValueError(f"{source} is not a directory")
+    cfg, notes = import_model(source, out, force=force)
+    for note in notes:
+        typer.echo(f"note: {note}")
+    typer.echo(
+        f"imported {source} -> {out} ({len(cfg.mixers)} layers: {', '.join(sorted(set(cfg.mixers)))}; "
+        f"vocabulary {cfg.vocab_size}; model types: {', '.join(sorted(CONVERTERS))})"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import")(import_)

@@ -1,0 +1,111 @@
+"""Reading a Hugging Face model directory: config.json, one or many safetensors shards, tokenizer files.
+
+Every problem is a ``ValueError`` with one line that names the file, config field or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgeattn._deps import require
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Files the artifact carries for its tokenizer and chat template (those that exist).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def model_type(path: str | Path) -> str | None:
+    """``config.json``'s ``model_type`` (a Hugging Face model directory), or None (an edgeattn checkpoint,
+    whose config.json has no model_type, or no config at all)."""
+    p = Path(path) / CONFIG
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from e
+    mt = data.get("model_type") if isinstance(data, dict) else None
+    return mt if isinstance(mt, str) else None
+
+
+def read_config(path: str | Path) -> dict:
+    p = Path(path) / CONFIG
+    if not p.is_file():
+        raise ValueError(f"{path} has no {CONFIG}")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from e
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the model: those listed by model.safetensors.index.json (each must exist),
+    or model.safetensors."""
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise ValueError(f"shard {f} listed in {INDEX} is missing from {path}")
+        return [path / f for f in files]
+    if (path / SINGLE).is_file():
+        return [path / SINGLE]
+    raise ValueError(f"{path} has neither {SINGLE} nor {INDEX}")
+
+
+class Weights:
+    """The model's tensors by name, upcast to float32 when taken; tracks which were used."""
+
+    def __init__(self, path: str | Path):
+        torch = require("torch")
+        safetensors = require("safetensors")
+        from safetensors.torch import load_file
+
+        self.tensors: dict = {}
+        for f in shard_files(path):
+            try:
+                self.tensors.update(load_file(str(f)))
+            except (safetensors.SafetensorError, OSError) as e:
+                raise ValueError(f"{f} is not a readable safetensors file: {e}") from e
+        self.used: set[str] = set()
+        self.torch = torch
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str, shape: tuple[int, ...], field: str = ""):
+        """The tensor ``name`` as float32; ValueError when it is absent or its shape is not ``shape``
+        (the shape the config implies; ``field`` names the config fields it comes from)."""
+        if name not in self.tensors:
+            raise ValueError(f"weight {name} is missing from the checkpoint")
+        t = self.tensors[name]
+        if tuple(t.shape) != tuple(shape):
+            why = f" (from config {field})" if field else ""
+            raise ValueError(
+                f"the config disagrees with the weights: {name} has shape {list(t.shape)}, "
+                f"the config implies {list(shape)}{why}"
+            )
+        self.used.add(name)
+        return t.to(self.torch.float32)
+
+    def unused(self, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
+        return sorted(k for k in self.tensors if k not in self.used and not k.startswith(skip_prefixes))
+
+
+def refuse(field: str, value, why: str) -> ValueError:
+    return ValueError(f"cannot import: config field {field} = {value!r}: {why}")

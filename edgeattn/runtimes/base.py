@@ -18,7 +18,6 @@ per token.
 
 from __future__ import annotations
 
-import codecs
 import functools
 import os
 import threading

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import cli_errors
+from edgeattn.cli._common import Command, check_output_dir, cli_errors
 
 
 @cli_errors
@@ -18,11 +18,14 @@ def import_(
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
 ) -> None:
-    """Map an imported model's config and weights onto an edgeattn checkpoint (sample, check, export, train --resume)."""
+    """Map an imported model's config and weights onto an edgeattn checkpoint (for export and check)."""
     from edgeattn.convert import CONVERTERS, import_model
 
+    if not source.exists():
+        raise ValueError(f"{source} does not exist")
     if not source.is_dir():
         raise ValueError(f"{source} is not a directory")
+    check_output_dir(out, "--out")
     cfg, notes = import_model(source, out, force=force)
     for note in notes:
         typer.echo(f"note: {note}")
@@ -33,4 +36,4 @@ def import_(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("import")(import_)
+    app.command("import", cls=Command)(import_)

@@ -418,7 +418,10 @@ def main() -> None:
         cache = root / "built.json"
         key = {"size": size, "max_len": max_len, "models": models}
         built = json.loads(cache.read_text()) if cache.is_file() else None
-        if not built or built.get("key") != key:
+        reuse = built and all(built["key"].get(k) == key[k] for k in ("size", "models"))
+        if (
+            not reuse or built["key"]["max_len"] < max_len
+        ):  # models built for longer contexts serve shorter ones
             t = time.time()
             built = {"key": key, "models": build_all(root, models, size, max_len)}
             cache.write_text(json.dumps(built))

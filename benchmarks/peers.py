@@ -24,7 +24,11 @@ The softmax baseline's KV cache at 16384 tokens needs ~10 GB: it is measured onl
 ``--softmax-max-context`` (default 4096) unless asked.
 
     python benchmarks/peers.py [--threads 1,2] [--repeats 3] [--contexts 128,4096,16384] [--workdir DIR]
-    python benchmarks/peers.py --quick          # seconds: proves the harness (tests/test_peers.py)
+    python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)
+    python benchmarks/peers.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
+
+The Qwen3.5 3:1 hybrid builds at full size but onnxruntime-genai 0.18 fails on its first step there
+(RotaryEmbedding: 'position_ids' has 3 dimensions); at --quick size it runs.
 
 Prints a markdown table, ratios against edgeattn gla, then ONE JSON line.
 """

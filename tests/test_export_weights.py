@@ -203,3 +203,35 @@ def test_int4_graph_uses_matmulnbits_and_stays_within_its_bound(tmp_path):
         hashlib.sha256((art / "weights.bin").read_bytes()).hexdigest()
         == m.data["files"]["weights.bin"]["sha256"]
     )
+
+
+def test_share_weights_dedupes_by_content_and_renames_clashing_names(tmp_path):
+    from onnx import TensorProto, helper
+
+    from edgeattn.export.weights import share_weights
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 16, 16)).astype(np.float32)
+
+    def graph(path, weights: dict):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])
+        nodes = [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("MatMul", ["h", "w2"], ["y"]),
+        ]
+        inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+        onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits)), str(path))
+
+    # g1: w1 = a, w2 = b; g2: the same name w1 holds b (a clash), w2 holds b again (a duplicate)
+    graph(tmp_path / "g1.onnx", {"w1": a, "w2": b})
+    graph(tmp_path / "g2.onnx", {"w1": b, "w2": b})
+    x = rng.standard_normal((1, 16)).astype(np.float32)
+    want = [x @ a @ b, x @ b @ b]
+    table = share_weights(tmp_path, ["g1.onnx", "g2.onnx"])
+    assert len(table["tensors"]) == 2 and (tmp_path / "weights.bin").stat().st_size <= 4096 + 2 * a.nbytes
+    for g, w in zip(("g1.onnx", "g2.onnx"), want):
+        got = ort.InferenceSession(str(tmp_path / g)).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, w, rtol=1e-5)
+    names = {n for t in table["tensors"] for n in t["names"]}
+    assert "w1" in names and "w2" in names and len(names) == 3  # g2's w1 got a new name

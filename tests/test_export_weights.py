@@ -16,6 +16,7 @@ from edgeattn.export.manifest import sha256_file
 from edgeattn.export.weights import MIN_BYTES
 from edgeattn.models import EdgeLM
 from edgeattn.runtimes import open_session
+from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
 from tests.export_helpers import PREFILL, make_checkpoint, text_ids
 
 GRAPHS = ("step", "prefill")
@@ -75,6 +76,11 @@ def test_shared_weights_equal_todays_layout_bitwise(ckpts, tmp_path, mixer):
     # the session that shares one OrtValue per weight between its two graphs (prepacking off) as well
     got = run_logits(open_session(shared.root), ids)
     want = raw_logits(legacy, ids, options(prepack=False))
+    np.testing.assert_array_equal(np.concatenate([got["prefill"], got["step"]], 1), want)
+    # and with share_weights=False each graph loads and prepacks its own copy, as a plain session does
+    sess = OnnxRuntimeSession(shared, share_weights=False)
+    got = run_logits(sess, ids)
+    want = raw_logits(legacy, ids, options(prepack=True))
     np.testing.assert_array_equal(np.concatenate([got["prefill"], got["step"]], 1), want)
 
 

@@ -7,8 +7,10 @@ Weights: in an fp32 artifact whose graphs keep their initializers in one shared 
 ``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
 sessions as the same OrtValue (``SessionOptions.add_initializer``), with prepacking off: each session
 would otherwise keep a packed copy of every matrix of its own (ONNX Runtime's Python API has no shared
-prepacked-weights container). Quantized graphs (int8, int4) are left to prepack, each session its own
-copy: MatMulNBits without its packed form ran 35x slower (92.5M GLA, 1 thread).
+prepacked-weights container). Unpacked decode measured 9-50% slower than prepacked on a loaded 2-core
+CPU (benchmarks/RESULTS.md): ``share_weights=False`` trades the memory back for that speed (each
+session loads and prepacks its own copy). Quantized graphs (int8, int4) always prepack, each session
+its own copy: MatMulNBits without its packed form ran 35x slower (92.5M GLA, 1 thread).
 """
 
 from __future__ import annotations
@@ -73,7 +75,14 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
 class OnnxRuntimeSession(Session):
     backend = "onnxruntime"
 
-    def __init__(self, manifest: Manifest, *, threads: int | None = None, device: str | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        threads: int | None = None,
+        device: str | None = None,
+        share_weights: bool = True,
+    ):
         super().__init__(manifest)
         need = manifest.data.get("requires", {}).get("onnxruntime", "0")
         if _version_tuple(ort.__version__) < _version_tuple(need):
@@ -91,7 +100,8 @@ class OnnxRuntimeSession(Session):
         providers = pick_providers(device)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._weights = None  # the shared initializers; they must outlive the sessions
-        if manifest.weights is not None and self.device == "cpu" and manifest.precision in SHARED_PRECISIONS:
+        shared = manifest.weights is not None and manifest.precision in SHARED_PRECISIONS
+        if share_weights and shared and self.device == "cpu":
             self._weights = shared_initializers(manifest)
             so.add_session_config_entry("session.disable_prepacking", "1")
             for name, value in self._weights.items():

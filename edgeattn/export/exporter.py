@@ -55,18 +55,38 @@ class GraphModule(torch.nn.Module):
 
 
 def state_entries(model, batch_size: int) -> list[dict]:
-    return [
-        {
-            "input": f"past_key_values.{layer}.{s.name}",
-            "output": f"present.{layer}.{s.name}",
-            "layer": layer,
-            "name": s.name,
-            "shape": list(s.shape),
-            "dtype": s.dtype,
-        }
-        for layer, specs in enumerate(model.state_spec(batch_size))
-        for s in specs
-    ]
+    """The manifest's state list; ``"shared": true`` marks a preallocated KV buffer that the runtime binds
+    as both the past input and the present output (the graph updates it in place)."""
+    out = []
+    for layer, specs in enumerate(model.state_spec(batch_size)):
+        buffered = bool(getattr(model.blocks[layer].mixer, "kv_buffer", None))
+        for s in specs:
+            e = {
+                "input": f"past_key_values.{layer}.{s.name}",
+                "output": f"present.{layer}.{s.name}",
+                "layer": layer,
+                "name": s.name,
+                "shape": list(s.shape),
+                "dtype": s.dtype,
+            }
+            if buffered and s.name in ("key", "value"):
+                e["shared"] = True
+            out.append(e)
+    return out
+
+
+def use_kv_buffers(model, target: str) -> bool:
+    """On the onnxruntime target, softmax layers keep a preallocated KV buffer of ``max_seq_len`` tokens
+    (ONNX Runtime's GroupQueryAttention, past and present in one buffer); the portable target keeps the
+    growing cache. Returns whether any layer does."""
+    from edgeattn.layers.softmax import SoftmaxAttention
+
+    used = False
+    for block in model.blocks:
+        if isinstance(block.mixer, SoftmaxAttention):
+            block.mixer.kv_buffer = model.cfg.max_seq_len if target == "onnxruntime" else None
+            used |= target == "onnxruntime"
+    return used
 
 
 def check_exportable(model) -> None:
@@ -193,8 +213,9 @@ def export_model(
 
         check_genai(model)
     cfg = model.cfg
+    kv_buffers = use_kv_buffers(model, target)
     entries = state_entries(model, batch_size)
-    softmax_like = any(isinstance(d, str) for e in entries for d in e["shape"])
+    softmax_like = kv_buffers or any(isinstance(d, str) for e in entries for d in e["shape"])
 
     tmp = make_temp_dir(out)
     try:

@@ -32,6 +32,7 @@ FP32_OPS = [
     "Softplus",
     "Log",
     "LinearAttention",
+    "GroupQueryAttention",
     "Softmax",
     "ReduceMean",
     "Pow",

@@ -31,7 +31,15 @@ def genai_greedy(art, prompt: np.ndarray, n: int) -> tuple[np.ndarray, list[int]
     return logits, out
 
 
-@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet", "gla,gated_deltanet"])
+@pytest.mark.parametrize(
+    "mixer",
+    [
+        "gla",
+        "gated_deltanet",
+        "gla,gated_deltanet",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("kda", "mamba2")),
+    ],
+)
 def test_genai_generator_decodes_what_edgeattn_decodes(tmp_path, mixer):
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
     art = export_model(ckpt, tmp_path / "art", genai=True, include_checkpoint=False)

@@ -49,6 +49,7 @@ MODELS = (
     "edgeattn-gla",
     "edgeattn-softmax",
     "edgeattn-softmax-growing",
+    "genai-edgeattn-gla",
     "genai-llama",
     "genai-qwen35-gdn",
     "genai-qwen35-hybrid",
@@ -57,6 +58,7 @@ LABELS = {
     "edgeattn-gla": "edgeattn `gla` (ONNX Runtime session)",
     "edgeattn-softmax": "edgeattn `softmax` baseline (GQA op, preallocated KV buffer)",
     "edgeattn-softmax-growing": "edgeattn `softmax`, growing KV cache (portable form)",
+    "genai-edgeattn-gla": "edgeattn `gla` exported with --genai, run by onnxruntime-genai's Generator",
     "genai-llama": "onnxruntime-genai, Llama (GQA op, preallocated KV buffer)",
     "genai-qwen35-gdn": "onnxruntime-genai, Qwen3.5 layout, all layers Gated DeltaNet",
     "genai-qwen35-hybrid": "onnxruntime-genai, Qwen3.5 3 GDN : 1 attention",
@@ -70,7 +72,7 @@ MiB = 2**20
 
 
 def build_edgeattn(
-    root: Path, size: dict, mixer: str, max_len: int, target: str = "onnxruntime"
+    root: Path, size: dict, mixer: str, max_len: int, target: str = "onnxruntime", genai: bool = False
 ) -> tuple[Path, int]:
     import torch
 
@@ -81,8 +83,12 @@ def build_edgeattn(
     model = EdgeLM(EdgeConfig(vocab_size=VOCAB, mixer=mixer, max_seq_len=max_len, **size))
     params = sum(p.numel() for p in model.parameters())
     ckpt = model.save(root / f"{mixer}_ckpt")
-    name = f"edgeattn-{mixer}" + ("-growing" if target == "portable" else "")
-    art = export_model(ckpt, root / name, target=target, include_checkpoint=False, force=True)
+    name = ("genai-" if genai else "") + f"edgeattn-{mixer}" + ("-growing" if target == "portable" else "")
+    art = export_model(ckpt, root / name, target=target, include_checkpoint=False, force=True, genai=genai)
+    if genai:  # greedy, and room for the longest context
+        conf = json.loads((art / "genai_config.json").read_text())
+        conf["search"].update(max_length=max_len, do_sample=False, num_beams=1)
+        (art / "genai_config.json").write_text(json.dumps(conf, indent=2))
     return art, params
 
 
@@ -193,6 +199,8 @@ def build_all(root: Path, models: list[str], size: dict, max_len: int) -> dict[s
         try:
             if name == "edgeattn-softmax":
                 path, params = build_edgeattn(root, size, "softmax", max_len)
+            elif name == "genai-edgeattn-gla":
+                path, params = build_edgeattn(root, size, "gla", max_len, genai=True)
             elif name == "edgeattn-softmax-growing":
                 path, params = build_edgeattn(root, size, "softmax", max_len, target="portable")
             else:

@@ -4,7 +4,9 @@ What it builds (random weights: speed and memory do not depend on them; vocabula
 12 layers, 12 heads, about 92.5M parameters; ``--quick``: d_model 128, 2 layers, 2 heads):
 - edgeattn ``gla`` and the ``softmax`` KV-cache baseline (its default MLP width: 85.2M parameters at full
   size): ``EdgeLM`` exported with ``export_model`` (fp32,
-  onnxruntime target, one shared weights file, no checkpoint), run by edgeattn's ONNX Runtime session;
+  onnxruntime target, one shared weights file, no checkpoint), run by edgeattn's ONNX Runtime session; the
+  softmax baseline there is GroupQueryAttention over a preallocated KV buffer of max_length (as genai's
+  Llama); ``edgeattn-softmax-growing`` is the portable target's growing cache (the form before);
 - the same sizes as ``transformers`` configs (random init, ``save_pretrained``) built by onnxruntime-genai's
   own builder (``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu``) and run by its
   Generator: Llama (GQA op, KV buffer shared between past and present), Qwen3.5 with every layer linear
@@ -20,8 +22,8 @@ runs every configuration once, in an order rotated by r), median over ``--repeat
 - resident memory of the process (psutil RSS) after the steps at each context;
 - prefill tokens/s: 1024 random tokens from an empty state (edgeattn: prefill.onnx in chunks; genai: one
   ``append_tokens`` call).
-The softmax baseline's KV cache at 16384 tokens needs ~10 GB: it is measured only up to
-``--softmax-max-context`` (default 4096) unless asked.
+The growing cache at 16384 tokens needs ~10 GB: it is measured only up to ``--softmax-max-context``
+(default 4096) unless asked.
 
     python benchmarks/peers.py [--threads 1,2] [--repeats 3] [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)
@@ -48,10 +50,20 @@ from pathlib import Path
 FULL = dict(d_model=768, n_layers=12, n_heads=12)
 QUICK = dict(d_model=128, n_layers=2, n_heads=2)
 VOCAB = 256
-MODELS = ("edgeattn-gla", "edgeattn-softmax", "genai-llama", "genai-qwen35-gdn", "genai-qwen35-hybrid")
+MODELS = (
+    "edgeattn-gla",
+    "edgeattn-softmax",
+    "edgeattn-softmax-growing",
+    "genai-edgeattn-gla",
+    "genai-llama",
+    "genai-qwen35-gdn",
+    "genai-qwen35-hybrid",
+)
 LABELS = {
     "edgeattn-gla": "edgeattn `gla` (ONNX Runtime session)",
-    "edgeattn-softmax": "edgeattn `softmax` baseline",
+    "edgeattn-softmax": "edgeattn `softmax` baseline (GQA op, preallocated KV buffer)",
+    "edgeattn-softmax-growing": "edgeattn `softmax`, growing KV cache (portable form)",
+    "genai-edgeattn-gla": "edgeattn `gla` exported with --genai, run by onnxruntime-genai's Generator",
     "genai-llama": "onnxruntime-genai, Llama (GQA op, preallocated KV buffer)",
     "genai-qwen35-gdn": "onnxruntime-genai, Qwen3.5 layout, all layers Gated DeltaNet",
     "genai-qwen35-hybrid": "onnxruntime-genai, Qwen3.5 3 GDN : 1 attention",
@@ -64,7 +76,9 @@ MiB = 2**20
 # ---------------------------------------------------------------------------------------------------------
 
 
-def build_edgeattn(root: Path, size: dict, mixer: str, max_len: int) -> tuple[Path, int]:
+def build_edgeattn(
+    root: Path, size: dict, mixer: str, max_len: int, target: str = "onnxruntime", genai: bool = False
+) -> tuple[Path, int]:
     import torch
 
     from edgeattn.export import export_model
@@ -74,7 +88,12 @@ def build_edgeattn(root: Path, size: dict, mixer: str, max_len: int) -> tuple[Pa
     model = EdgeLM(EdgeConfig(vocab_size=VOCAB, mixer=mixer, max_seq_len=max_len, **size))
     params = sum(p.numel() for p in model.parameters())
     ckpt = model.save(root / f"{mixer}_ckpt")
-    art = export_model(ckpt, root / f"edgeattn-{mixer}", include_checkpoint=False, force=True)
+    name = ("genai-" if genai else "") + f"edgeattn-{mixer}" + ("-growing" if target == "portable" else "")
+    art = export_model(ckpt, root / name, target=target, include_checkpoint=False, force=True, genai=genai)
+    if genai:  # greedy, and room for the longest context
+        conf = json.loads((art / "genai_config.json").read_text())
+        conf["search"].update(max_length=max_len, do_sample=False, num_beams=1)
+        (art / "genai_config.json").write_text(json.dumps(conf, indent=2))
     return art, params
 
 
@@ -185,6 +204,10 @@ def build_all(root: Path, models: list[str], size: dict, max_len: int) -> dict[s
         try:
             if name == "edgeattn-softmax":
                 path, params = build_edgeattn(root, size, "softmax", max_len)
+            elif name == "genai-edgeattn-gla":
+                path, params = build_edgeattn(root, size, "gla", max_len, genai=True)
+            elif name == "edgeattn-softmax-growing":
+                path, params = build_edgeattn(root, size, "softmax", max_len, target="portable")
             else:
                 path, params = build_genai(root, name.removeprefix("genai-"), size, gla_params, max_len)
             built[name] = {"path": str(path), "params": params}
@@ -217,7 +240,10 @@ def worker_edgeattn(cfg: dict) -> dict:
         state = {}
         for e in m.state:  # a state of c tokens: the KV cache's dynamic length, or the fixed recurrent size
             shape = [c if isinstance(d, str) else d for d in e.shape]
-            state[e.input] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            if e.name == "position":  # a preallocated KV buffer's fill level
+                state[e.input] = np.full(shape, c, np.float32)
+            else:
+                state[e.input] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         sess.set_state(state, position=c)
         del state
         sess.step(np.array([[3]], dtype=np.int64))  # untimed: first touch after the load
@@ -445,7 +471,7 @@ def main() -> None:
                 if "error" in info:
                     continue
                 ctx = contexts
-                if name == "edgeattn-softmax":
+                if name == "edgeattn-softmax-growing":
                     ctx = [c for c in contexts if c <= args.softmax_max_context]
                 configs.append(
                     {"model": name, "path": info["path"], "threads": th, "contexts": ctx}
@@ -470,8 +496,8 @@ def main() -> None:
     results = {k: summarize(v) for k, v in runs.items()}
     ratios = print_table(results, built, contexts, threads)
     skipped = {}
-    if "edgeattn-softmax" in built and any(c > args.softmax_max_context for c in contexts):
-        skipped["edgeattn-softmax"] = (
+    if "edgeattn-softmax-growing" in built and any(c > args.softmax_max_context for c in contexts):
+        skipped["edgeattn-softmax-growing"] = (
             f"contexts above {args.softmax_max_context} skipped (KV cache of ~10 GB at 16384 on 92.5M); "
             "--softmax-max-context to include"
         )

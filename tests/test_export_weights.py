@@ -241,3 +241,36 @@ def test_share_weights_dedupes_by_content_and_renames_clashing_names(tmp_path):
         np.testing.assert_allclose(got, w, rtol=1e-5)
     names = {n for t in table["tensors"] for n in t["names"]}
     assert "w1" in names and "w2" in names and len(names) == 3  # g2's w1 got a new name
+
+
+def test_a_small_initializer_is_never_shadowed_by_another_graphs_shared_one(tmp_path):
+    """Graph a keeps a small initializer "w" inline; graph b's large "w" is shared: a session of a must
+    still see its own "w" when the shared tensors are handed to it by name."""
+    from onnx import helper
+
+    from edgeattn.export.weights import share_weights
+
+    def graph(name, n):
+        w = numpy_helper.from_array(np.full(n, 2.0 if n > 8 else 3.0, np.float32), "w")
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [n])
+        y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [n])
+        g = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], name, [x], [y], [w])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / name))
+
+    graph("a.onnx", 4)  # 16 bytes: stays inside the graph
+    graph("b.onnx", MIN_BYTES)  # 4 KiB: moves to weights.bin
+    table = share_weights(tmp_path, ["a.onnx", "b.onnx"])
+    names = [n for t in table["tensors"] for n in t["names"]]
+    assert names and "w" not in names  # the shared one was renamed, as were b's nodes
+    so = ort.SessionOptions()
+    data = np.fromfile(tmp_path / table["path"], np.uint8)
+    values = []  # they must outlive the sessions
+    for t in table["tensors"]:
+        values.append(
+            ort.OrtValue.ortvalue_from_numpy(data[t["offset"] : t["offset"] + t["length"]].view(np.float32))
+        )
+        for n in t["names"]:
+            so.add_initializer(n, values[-1])
+    for g, n, want in (("a.onnx", 4, 3.0), ("b.onnx", MIN_BYTES, 2.0)):
+        s = ort.InferenceSession(str(tmp_path / g), so, providers=["CPUExecutionProvider"])
+        assert np.all(s.run(None, {"x": np.ones(n, np.float32)})[0] == want)

@@ -57,6 +57,13 @@ def export(
     batch: Annotated[int, typer.Option(min=1, help="Static batch size of the graphs.")] = 1,
     prefill_chunk: Annotated[int, typer.Option(min=2, help="Tokens per call of prefill.onnx.")] = 64,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    genai: Annotated[
+        bool,
+        typer.Option(
+            "--genai",
+            help="Also write model.onnx and genai_config.json for onnxruntime-genai (recurrent mixers, fp32).",
+        ),
+    ] = False,
     cpp_example: Annotated[
         bool, typer.Option("--cpp-example", help="Print the commands that build the C++ example against OUT.")
     ] = False,
@@ -77,6 +84,7 @@ def export(
         quantization={"block_size": int4_block_size, "symmetric": not int4_asymmetric}
         if precision == Precision.int4
         else None,
+        genai=genai,
     )
     from edgeattn.convert.hf import model_type
 

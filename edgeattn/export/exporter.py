@@ -55,18 +55,39 @@ class GraphModule(torch.nn.Module):
 
 
 def state_entries(model, batch_size: int) -> list[dict]:
-    return [
-        {
-            "input": f"past_key_values.{layer}.{s.name}",
-            "output": f"present.{layer}.{s.name}",
-            "layer": layer,
-            "name": s.name,
-            "shape": list(s.shape),
-            "dtype": s.dtype,
-        }
-        for layer, specs in enumerate(model.state_spec(batch_size))
-        for s in specs
-    ]
+    """The manifest's state list; ``"shared": true`` marks a preallocated KV buffer that the runtime binds
+    as both the past input and the present output (the graph updates it in place)."""
+    out = []
+    for layer, specs in enumerate(model.state_spec(batch_size)):
+        buffered = bool(getattr(model.blocks[layer].mixer, "kv_buffer", None))
+        for s in specs:
+            e = {
+                "input": f"past_key_values.{layer}.{s.name}",
+                "output": f"present.{layer}.{s.name}",
+                "layer": layer,
+                "name": s.name,
+                "shape": list(s.shape),
+                "dtype": s.dtype,
+            }
+            if buffered and s.name in ("key", "value"):
+                e["shared"] = True
+            out.append(e)
+    return out
+
+
+def use_kv_buffers(model, target: str) -> bool:
+    """On the onnxruntime target, softmax layers keep a preallocated KV buffer of ``max_seq_len`` tokens
+    (ONNX Runtime's GroupQueryAttention, past and present in one buffer); the portable target keeps the
+    growing cache. Returns whether any layer does."""
+    from edgeattn.layers.softmax import SoftmaxAttention
+
+    used = False
+    for block in model.blocks:
+        if isinstance(block.mixer, SoftmaxAttention):
+            buffered = target == "onnxruntime" and block.mixer.supports_kv_buffer
+            block.mixer.kv_buffer = model.cfg.max_seq_len if buffered else None
+            used |= buffered
+    return used
 
 
 def check_exportable(model) -> None:
@@ -174,13 +195,16 @@ def export_model(
     include_checkpoint: bool = True,
     shared_weights: bool = True,
     quantization: dict | None = None,
+    genai: bool = False,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
     ``shared_weights``: both graphs read their initializers from one ``weights.bin`` (stored once);
     False keeps each graph self-contained (two copies). ``include_checkpoint``: copy the torch checkpoint
     into the artifact (the torch backend and ``check`` need it). ``quantization``: int4 options
-    (``edgeattn.export.precision.INT4_DEFAULTS``).
+    (``edgeattn.export.precision.INT4_DEFAULTS``). ``genai``: also write ``model.onnx`` (any number of
+    tokens per call) and ``genai_config.json`` so that onnxruntime-genai runs the artifact
+    (``edgeattn.export.genai``; recurrent mixers only, fp32, target onnxruntime).
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -195,6 +219,8 @@ def export_model(
         raise ValueError(
             "precision int4 uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
         )
+    if genai and (target != "onnxruntime" or precision != "fp32"):
+        raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
     checkpoint, out = Path(checkpoint), Path(out)
@@ -203,9 +229,14 @@ def export_model(
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
     model = EdgeLM.load(checkpoint).eval()
     check_exportable(model)
+    if genai:
+        from edgeattn.export.genai import check_genai
+
+        check_genai(model)
     cfg = model.cfg
+    kv_buffers = use_kv_buffers(model, target)
     entries = state_entries(model, batch_size)
-    softmax_like = any(isinstance(d, str) for e in entries for d in e["shape"])
+    softmax_like = kv_buffers or any(isinstance(d, str) for e in entries for d in e["shape"])
 
     tmp = make_temp_dir(out)
     try:
@@ -217,12 +248,19 @@ def export_model(
 
             for name in ("step.onnx", "prefill.onnx"):
                 convert_precision(tmp / name, precision, entries, **(quantization or {}))
-        files = ["step.onnx", "prefill.onnx"]
+        graphs = ["step.onnx", "prefill.onnx"]
+        extra = []
+        if genai:
+            from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
+
+            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len)
+            graphs.append(GENAI_GRAPH)
+        files = [*graphs, *[f for f in extra if f not in graphs]]
         weights = None
         if shared_weights:
             from edgeattn.export.weights import share_weights
 
-            weights = share_weights(tmp, ["step.onnx", "prefill.onnx"])
+            weights = share_weights(tmp, graphs)
             files.append(weights["path"])
         tokenizer = _carry_tokenizer(checkpoint, cfg, tmp)
         if tokenizer is not None:
@@ -256,6 +294,7 @@ def export_model(
             },
             "state": entries,
             "weights": weights,
+            "genai": {"graph": "model.onnx", "config": "genai_config.json"} if genai else None,
             "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
             "files": {f: {} for f in files},
         }

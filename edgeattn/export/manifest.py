@@ -29,6 +29,7 @@ class StateEntry:
     name: str
     shape: tuple  # ints, or a str for a dynamic dimension
     dtype: str
+    shared: bool = False  # one buffer bound as both input and output (a preallocated KV cache)
 
     @property
     def dynamic(self) -> bool:
@@ -42,7 +43,15 @@ class Manifest:
         self.root = Path(root)
         self.data = data
         self.state = [
-            StateEntry(s["input"], s["output"], int(s["layer"]), s["name"], tuple(s["shape"]), s["dtype"])
+            StateEntry(
+                s["input"],
+                s["output"],
+                int(s["layer"]),
+                s["name"],
+                tuple(s["shape"]),
+                s["dtype"],
+                bool(s.get("shared", False)),
+            )
             for s in data["state"]
         ]
 

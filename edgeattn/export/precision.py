@@ -37,6 +37,7 @@ FP32_OPS = [
     "Softplus",
     "Log",
     "LinearAttention",
+    "GroupQueryAttention",
     "Softmax",
     "ReduceMean",
     "Pow",

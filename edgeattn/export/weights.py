@@ -51,11 +51,9 @@ def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = W
         for model in models.values():
             renames = {}
             for init in model.graph.initializer:
-                if init.data_type not in ONNX_DTYPES:
-                    continue
-                raw = _raw(init)
-                if len(raw) < MIN_BYTES:
-                    continue
+                # Every name, small tensors' too, means one content across the graphs: the runtime hands
+                # the shared tensors to every session by name, which would shadow another graph's small one.
+                raw = _raw(init) if init.data_type in ONNX_DTYPES else init.SerializeToString()
                 digest = hashlib.sha256(raw).hexdigest()
                 key = f"{init.data_type}:{list(init.dims)}:{digest}"
                 if init.name in by_name and by_name[init.name] != key:
@@ -63,6 +61,8 @@ def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = W
                     renames[init.name] = new
                     init.name = new
                 by_name[init.name] = key
+                if init.data_type not in ONNX_DTYPES or len(raw) < MIN_BYTES:
+                    continue
                 if key not in tensors:
                     pad = -offset % ALIGN
                     f.write(b"\0" * pad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.softmax import softmax_attention, softmax_step, window_step
+from edgeattn.ops.softmax.kv_buffer import buffer_attention
 
 torch = require("torch")
 nn = torch.nn
@@ -66,17 +67,37 @@ class SoftmaxAttention(_Attention):
 
     With the options of imported models (``n_kv_heads``, ``head_size``, ``qk_norm``, ``rope_theta`` /
     ``rotary_dim``, ``attn_output_gate``) the cache holds the ``n_kv_heads`` grouped heads (rotated
-    keys) and the position of each token is its index in the cache."""
+    keys) and the position of each token is its index in the cache.
+
+    With ``kv_buffer = L`` (set by the exporter for the onnxruntime target, plain layers only: see
+    ``supports_kv_buffer``) the cache is instead a preallocated buffer: ``key``/``value`` [B, H, L, Dh]
+    plus ``position`` [B], updated in place by ONNX Runtime's GroupQueryAttention
+    (``edgeattn.ops.softmax.kv_buffer``).
+    """
 
     fixed_size_state = False
+    kv_buffer: int | None = None
 
     @property
     def _extended(self) -> bool:
         c = self.cfg
         return bool(c.n_kv_heads or c.head_size or c.qk_norm or c.rope_theta or c.attn_output_gate)
 
+    @property
+    def supports_kv_buffer(self) -> bool:
+        """The GroupQueryAttention buffer covers plain layers; imported ones (grouped heads, rotary,
+        q/k norms, output gates) keep the growing cache."""
+        return not self._extended
+
     def state_spec(self, batch_size: int) -> list[StateSpec]:
         H, Dh = self.n_kv_heads, self.head_dim
+        if self.kv_buffer:
+            L = self.kv_buffer
+            return [
+                StateSpec("key", (batch_size, H, L, Dh)),
+                StateSpec("value", (batch_size, H, L, Dh)),
+                StateSpec("position", (batch_size,)),
+            ]
         return [
             StateSpec("key", (batch_size, H, "past_length", Dh)),
             StateSpec("value", (batch_size, H, "past_length", Dh)),
@@ -126,6 +147,12 @@ class SoftmaxAttention(_Attention):
         q, k, v = self._qkv(x)
         if state is not None:
             self.check_state(state, B)
+        if self.kv_buffer:
+            state = state if state is not None else self.init_state(B, x.device)
+            o, key, value, position = buffer_attention(
+                q, k, v, state["key"], state["value"], state["position"], scale=self.head_dim**-0.5
+            )
+            return self._output(o, x), {"key": key, "value": value, "position": position}
         if T == 1:
             if state is None:
                 state = self.init_state(B, x.device)

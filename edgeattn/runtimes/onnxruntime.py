@@ -1,7 +1,9 @@
 """ONNX Runtime backend. The state never leaves ONNX Runtime between tokens: each fixed-size state tensor
 lives in two pre-allocated OrtValues, and each graph has two IOBindings (A -> B and B -> A), so a step
-only writes the token id and runs. A growing KV cache (the softmax baseline) is fed back from the
-outputs ONNX Runtime allocated.
+only writes the token id and runs. A preallocated KV buffer (the softmax baseline on the onnxruntime
+target, manifest ``"shared": true``) is one buffer bound as both past and present: GroupQueryAttention
+writes the new tokens into it in place. A growing KV cache (the portable target's softmax) is fed back
+from the outputs ONNX Runtime allocated.
 
 Weights: in an fp32 artifact whose graphs keep their initializers in one shared file (the manifest's
 ``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
@@ -123,8 +125,12 @@ class OnnxRuntimeSession(Session):
             self._state = None
             self._reset_state()
             return
-        # Two buffers per state tensor; bindings[g][p] reads buffer p and writes buffer 1 - p.
-        self._bufs = [[self._alloc(e.shape, np.float32) for _ in range(2)] for e in manifest.state]
+        # Two buffers per state tensor; bindings[g][p] reads buffer p and writes buffer 1 - p. A shared
+        # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
+        self._bufs = []
+        for e in manifest.state:
+            first = self._alloc(e.shape, np.float32)
+            self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
 

@@ -49,6 +49,8 @@ class TorchSession(Session):
             torch.set_num_threads(threads)
         self.device = device or "cpu"
         self.model = EdgeLM.load(manifest.root / ckpt).to(self.device).eval()
+        for layer in {e.layer for e in manifest.state if e.shared}:  # the graphs' preallocated KV buffers
+            self.model.blocks[layer].mixer.kv_buffer = manifest.max_length
         check_model(manifest, self.model)
         self.specs = [(e.input, e.layer, e.name) for e in manifest.state]
         self._reset_state()

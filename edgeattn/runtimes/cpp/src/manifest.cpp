@@ -129,6 +129,10 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
       else
         throw ManifestError(path + ": state " + e.input + " has a bad dimension " + d.dump());
     }
+    if (s.contains("shared") && s["shared"] == true)
+      throw ManifestError(path + ": state " + e.input +
+                          " is a KV buffer shared between past and present (the onnxruntime target's softmax "
+                          "baseline); the C++ runtime runs fixed-size recurrent state only: use the Python session");
     m.state.push_back(std::move(e));
   }
 

@@ -1,0 +1,88 @@
+"""The softmax baseline's preallocated KV buffer (onnxruntime target: GroupQueryAttention, past and present
+one buffer) against the naive softmax loop and the portable export's growing cache."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from edgeattn.export import export_model
+from edgeattn.export.check import check_artifact, run_logits
+from edgeattn.ops.softmax.kv_buffer import buffer_attention
+from edgeattn.ops.softmax.naive import naive_softmax_attention
+from edgeattn.runtimes import open_session
+from tests.export_helpers import PREFILL, make_checkpoint, text_ids
+
+
+def test_buffer_attention_equals_the_naive_loop_in_chunks_and_steps():
+    torch.manual_seed(0)
+    B, T, H, D, L = 2, 37, 3, 8, 64
+    q, k, v = (torch.randn(B, T, H, D) for _ in range(3))
+    ref, _ = naive_softmax_attention(q, k, v, scale=D**-0.5, window=None, sink=0, initial_state=None)
+    key, value, pos = torch.zeros(B, H, L, D), torch.zeros(B, H, L, D), torch.zeros(B)
+    outs, t = [], 0
+    for n in (9, 1, 1, 16, 1, 9):
+        o, key, value, pos = buffer_attention(
+            q[:, t : t + n], k[:, t : t + n], v[:, t : t + n], key, value, pos, scale=D**-0.5
+        )
+        outs.append(o)
+        t += n
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-5)
+    assert pos.tolist() == [T, T]
+    torch.testing.assert_close(key[:, :, :T], k.transpose(1, 2))
+    assert not key[:, :, T:].any()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv")
+    ckpt = make_checkpoint(root / "ckpt", "softmax,gla")
+    return {
+        t: export_model(ckpt, root / t, target=t, prefill_chunk=PREFILL) for t in ("onnxruntime", "portable")
+    }
+
+
+def test_onnxruntime_target_uses_gqa_with_a_shared_buffer_and_equals_portable(artifacts):
+    art = artifacts["onnxruntime"]
+    ops = [n.op_type for n in onnx.load(str(art / "step.onnx")).graph.node]
+    assert "GroupQueryAttention" in ops and "Concat" not in ops  # no cache grown by concatenation
+    manifest = json.loads((art / "edgeattn.json").read_text())
+    shared = [e for e in manifest["state"] if e.get("shared")]
+    L = manifest["max_length"]
+    assert [e["name"] for e in shared] == ["key", "value"] and all(e["shape"][2] == L for e in shared)
+    sess = open_session(art)
+    for e, bufs in zip(sess.manifest.state, sess._bufs):  # one buffer for past and present
+        assert (bufs[0] is bufs[1]) == e.shared
+    ids = text_ids(300)
+    got = run_logits(sess, ids)
+    ref = run_logits(open_session(artifacts["portable"]), ids)
+    for g in ("prefill", "step"):
+        np.testing.assert_allclose(got[g], ref[g], atol=1e-4 * max(1.0, np.abs(ref[g]).max()))
+    assert check_artifact(art, tokens=100).ok  # against the torch checkpoint's growing cache
+
+
+def test_state_files_continue_the_buffer_exactly(artifacts, tmp_path):
+    art = artifacts["onnxruntime"]
+    ids = text_ids(60)
+    a = open_session(art)
+    a.prefill(ids[:, :40])
+    a.save_state(tmp_path / "s.st")
+    want = [a.step(ids[:, t : t + 1]) for t in range(40, 60)]
+    b = open_session(art)
+    b.load_state(tmp_path / "s.st")
+    assert b.position == 40
+    got = [b.step(ids[:, t : t + 1]) for t in range(40, 60)]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    torch_sess = open_session(art, backend="torch")  # the torch backend runs the same buffer layout
+    torch_sess.load_state(tmp_path / "s.st")
+    np.testing.assert_allclose(torch_sess.step(ids[:, 40:41]), want[0], atol=1e-4)
+
+
+def test_the_buffer_refuses_tokens_beyond_max_length(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "softmax", max_seq_len=32)
+    sess = open_session(export_model(ckpt, tmp_path / "art", prefill_chunk=PREFILL))
+    sess.prefill(text_ids(30))
+    with pytest.raises(ValueError, match="maximum of 32"):
+        sess.prefill(text_ids(3))

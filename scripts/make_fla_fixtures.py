@@ -30,6 +30,17 @@ CONFIGS = {
         num_hidden_layers=2,
         vocab_size=64,
     ),
+    "delta_net": dict(
+        attn_mode="fused_recurrent",  # fla's chunk DeltaNet refuses float32
+        hidden_size=32,
+        num_heads=2,
+        expand_k=0.5,
+        expand_v=1.0,
+        conv_size=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=64,
+    ),
     "gated_deltanet": dict(
         hidden_size=32,
         head_dim=8,

@@ -20,7 +20,7 @@ from edgeattn.runtimes import open_session
 from tests.hf_helpers import rel_err
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fla"
-MODELS = ["gla", "gated_deltanet"]
+MODELS = ["gla", "delta_net", "gated_deltanet"]
 PREFILL = 24  # 80 reference tokens: 3 prefill chunks, then 8 single steps
 
 
@@ -33,7 +33,7 @@ def imported(request, tmp_path_factory):
     mt = request.param
     ckpt = tmp_path_factory.mktemp(mt) / "ckpt"
     cfg, _ = import_model(FIXTURES / mt, ckpt)
-    assert cfg.mixers == [mt] * cfg.n_layers
+    assert cfg.mixers == [{"delta_net": "deltanet"}.get(mt, mt)] * cfg.n_layers
     return mt, ckpt
 
 
@@ -100,6 +100,8 @@ def _edit_config(tmp_path, mt: str, **changes) -> Path:
         ("gated_deltanet", {"hidden_act": "gelu"}, "config field hidden_act = 'gelu'"),
         ("gated_deltanet", {"head_dim": 16}, "the config disagrees with the weights"),
         ("gla", {"expand_k": 1.0}, "the config disagrees with the weights"),
+        ("delta_net", {"qk_activation": "relu"}, "config field qk_activation = 'relu'"),
+        ("delta_net", {"use_gate": True}, "config field use_gate = True"),
     ],
 )
 def test_unrepresentable_or_inconsistent_configs_are_refused(tmp_path, mt, changes, msg):

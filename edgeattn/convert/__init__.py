@@ -22,6 +22,7 @@ CONVERTERS = {
     "mamba2": "mamba2",
     "rwkv": "rwkv",
     "gla": "fla",
+    "delta_net": "fla",
     "gated_deltanet": "fla",
 }
 

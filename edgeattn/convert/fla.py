@@ -1,4 +1,4 @@
-"""flash-linear-attention (fla) models: ``gla`` and ``gated_deltanet`` (fla 0.6's config.json and weights).
+"""flash-linear-attention (fla) models: ``gla``, ``delta_net`` and ``gated_deltanet`` (fla 0.6's config.json and weights).
 
 Every fla model is embeddings -> blocks (attn_norm, attn, mlp_norm, GatedMLP) -> norm -> lm_head, the
 blocks' RMSNorms and the GatedMLP (SwiGLU, ``intermediate_size`` or ``hidden_ratio``) as edgeattn's.
@@ -7,13 +7,16 @@ blocks' RMSNorms and the GatedMLP (SwiGLU, ``intermediate_size`` or ``hidden_rat
   ``num_v_heads`` value heads of ``head_dim * expand_v``); the three depthwise short convolutions
   (q_conv1d, k_conv1d, v_conv1d) concatenate into edgeattn's one conv over q|k|v; a_proj, b_proj, A_log,
   dt_bias, g_proj, o_norm (RMSNorm times SiLU of the gate) and o_proj keep their names.
+- ``delta_net`` -> ``deltanet``: the same layout without gates (one value head per key head, widths
+  ``hidden_size * expand_k / num_heads`` and ``expand_v``); SiLU on q/k (the conv's), L2-normalised.
 - ``gla`` -> ``gla``: key width ``hidden_size * expand_k / num_heads`` (EdgeConfig ``head_size``), value
   width ``expand_v`` times it; gk_proj (low rank, biased) -> gk_down / gk_up; the per-head output
   RMSNorm's weight (one head wide, shared by the heads) is tiled over the heads.
 
 Refused with one line naming the field: hybrid softmax layers (``attn``), attention residuals,
 activations other than swish, GLA's grouped KV heads, short convolutions, feature maps, clamped gates,
-gated values or missing output gate, and a Gated DeltaNet without its short convolution or output gate.
+gated values or missing output gate, a Gated DeltaNet without its short convolution or output gate, a
+DeltaNet with another q/k activation or norm, without beta, short convolution or output norm, or gated.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import math
 
 from edgeattn.convert.hf import Weights, refuse
 
-MODEL_TYPES = ("gla", "gated_deltanet")
+MODEL_TYPES = ("gla", "delta_net", "gated_deltanet")
+MIXER = {"gla": "gla", "delta_net": "deltanet", "gated_deltanet": "gated_deltanet"}
 
 
 def _mlp_size(c: dict, D: int) -> int:
@@ -92,6 +96,30 @@ def _gdn_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
     return K, round(V), fields
 
 
+def _deltanet_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    _expect(c, "use_short_conv", (True,), True, "edgeattn's DeltaNet always has its short convolution")
+    _expect(c, "use_beta", (True,), True, "edgeattn's DeltaNet always has beta = sigmoid(x W_b)")
+    _expect(c, "use_gate", (False,), False, "a gated DeltaNet output is not supported (use gated_deltanet)")
+    _expect(c, "use_output_norm", (True,), True, "edgeattn's DeltaNet always has its output norm")
+    _expect(c, "qk_activation", ("silu",), "silu", "only SiLU on q/k is supported")
+    _expect(c, "qk_norm", ("l2",), "l2", "only L2-normalised q/k are supported")
+    key_dim, value_dim = D * float(c.get("expand_k", 1.0)), D * float(c.get("expand_v", 1.0))
+    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
+        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
+    K, V = round(key_dim) // H, round(value_dim) // H
+    if not (
+        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
+    ):
+        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    fields = dict(
+        head_size=K,
+        expand_v=V / K,
+        conv_size=int(c.get("conv_size", 4)),
+        allow_neg_eigval=bool(c.get("allow_neg_eigval", False)),
+    )
+    return K, V, fields
+
+
 def convert(config: dict, weights: Weights):
     from edgeattn.models import EdgeConfig
 
@@ -100,7 +128,8 @@ def convert(config: dict, weights: Weights):
     _common(c)
     D, L, H = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_heads"])
     Vocab, I = int(c["vocab_size"]), _mlp_size(c, D)  # noqa: E741
-    K, V, fields = (_gla_layer if mt == "gla" else _gdn_layer)(c, D, H)
+    layer = {"gla": _gla_layer, "delta_net": _deltanet_layer, "gated_deltanet": _gdn_layer}[mt]
+    K, V, fields = layer(c, D, H)
     if mt == "gla":  # fla's layer argument gate_low_rank_dim (16) is not in its config: the weights say
         low = weights.tensors.get("model.layers.0.attn.gk_proj.0.weight")
         fields["gate_low_rank"] = int(low.shape[0]) if low is not None and low.dim() == 2 else 16
@@ -110,7 +139,7 @@ def convert(config: dict, weights: Weights):
         d_model=D,
         n_layers=L,
         n_heads=H,
-        mixer=mt,
+        mixer=MIXER[mt],
         tie_embeddings=tie,
         norm_eps=float(c.get("norm_eps", 1e-6)),
         intermediate_size=I,
@@ -164,22 +193,24 @@ def _gla_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, r: 
 
 
 def _gdn_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, fields: dict) -> dict:
-    HV, W = fields["num_v_heads"], fields["conv_size"]
+    HV, W, gated = fields.get("num_v_heads", H), fields["conv_size"], "num_v_heads" in fields
     torch = w.torch
     convs = [
         w.take(a + f"{x}_conv1d.weight", (n, 1, W), "conv_size")[:, 0]
         for x, n in (("q", H * K), ("k", H * K), ("v", HV * V))
     ]
-    return {
+    sd = {
         m + "q_proj.weight": w.take(a + "q_proj.weight", (H * K, D), "num_heads, head_dim"),
         m + "k_proj.weight": w.take(a + "k_proj.weight", (H * K, D), "num_heads, head_dim"),
         m + "v_proj.weight": w.take(a + "v_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v"),
         m + "conv_weight": torch.cat(convs),  # [2*H*K + HV*V, W]: the q|k|v channels
-        m + "a_proj.weight": w.take(a + "a_proj.weight", (HV, D), "num_v_heads"),
         m + "b_proj.weight": w.take(a + "b_proj.weight", (HV, D), "num_v_heads"),
-        m + "A_log": w.take(a + "A_log", (HV,), "num_v_heads"),
-        m + "dt_bias": w.take(a + "dt_bias", (HV,), "num_v_heads"),
-        m + "g_proj.weight": w.take(a + "g_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v"),
         m + "o_norm.weight": w.take(a + "o_norm.weight", (V,), "head_dim, expand_v"),
         m + "o_proj.weight": w.take(a + "o_proj.weight", (D, HV * V), "num_v_heads, head_dim, expand_v"),
     }
+    if gated:
+        sd[m + "a_proj.weight"] = w.take(a + "a_proj.weight", (HV, D), "num_v_heads")
+        sd[m + "A_log"] = w.take(a + "A_log", (HV,), "num_v_heads")
+        sd[m + "dt_bias"] = w.take(a + "dt_bias", (HV,), "num_v_heads")
+        sd[m + "g_proj.weight"] = w.take(a + "g_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v")
+    return sd

@@ -132,7 +132,8 @@ def test_fla_itself_regenerates_the_reference(tmp_path, mt):
     assert np.array_equal(fresh["ids"], stored["ids"])
     assert rel_err(fresh["logits"], stored["logits"]) <= 1e-5
     assert np.array_equal(fresh["greedy"], stored["greedy"])
-    art = export_model(tmp_path / mt, tmp_path / "art", prefill_chunk=PREFILL)
+    import_model(tmp_path / mt, tmp_path / "ckpt")
+    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL)
     got = run_logits(open_session(art), fresh["ids"][None])
     full = np.concatenate([got["prefill"], got["step"]], axis=1)[0]
     assert rel_err(full, fresh["logits"]) <= 1e-4

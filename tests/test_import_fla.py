@@ -137,3 +137,29 @@ def test_fla_itself_regenerates_the_reference(tmp_path, mt):
     got = run_logits(open_session(art), fresh["ids"][None])
     full = np.concatenate([got["prefill"], got["step"]], axis=1)[0]
     assert rel_err(full, fresh["logits"]) <= 1e-4
+
+
+def test_sharded_checkpoint_imports_the_same(tmp_path):
+    """The fixture's tensors split over two shards with a model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    mt = "gated_deltanet"
+    src = tmp_path / "sharded"
+    src.mkdir()
+    shutil.copy(FIXTURES / mt / "config.json", src / "config.json")
+    tensors = load_file(str(FIXTURES / mt / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(src / f), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_model(src, tmp_path / "ckpt")
+    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL)
+    ref = reference(mt)
+    got = run_logits(open_session(art), ref["ids"][None])
+    assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1)[0], ref["logits"]) <= 1e-4
+    (src / "model-00002-of-00002.safetensors").unlink()  # a missing shard: one line, nothing written
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors listed in"):
+        import_model(src, tmp_path / "ckpt2")
+    assert not (tmp_path / "ckpt2").exists()

@@ -163,3 +163,15 @@ def test_sharded_checkpoint_imports_the_same(tmp_path):
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors listed in"):
         import_model(src, tmp_path / "ckpt2")
     assert not (tmp_path / "ckpt2").exists()
+
+
+def test_cli_export_and_check_of_an_fla_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from edgeattn.cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(FIXTURES / "gla"), "--out", str(tmp_path / "art")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["check", str(tmp_path / "art"), "--tokens", "40"])
+    assert res.exit_code == 0 and "OK" in res.output, res.output

@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from edgeattn.cli import check, run
+from edgeattn.cli import check, run, sample
 from edgeattn.convert import import_model
 from edgeattn.export import export_model
 from edgeattn.runtimes import open_session
@@ -16,7 +16,7 @@ from tests.hf_helpers import hf_greedy, qwen3_5_text, stdlib_text, train_tokeniz
 
 runner = CliRunner()
 app = typer.Typer()
-for _mod in (run, check):
+for _mod in (run, check, sample):
     _mod.register(app)
 
 PROMPT = "def main(args):\n    "
@@ -137,3 +137,28 @@ def test_bench_eval_encodes_through_the_tokenizer(setup, tmp_path):
     _, _, art, _ = setup
     r = evaluate({"artifact": str(art), "backend": "onnxruntime", "eval_text": os.__file__, "eval_bytes": 80})
     assert 0 < r["bits_per_byte"] < 20 and 60 < r["bytes"] <= 80  # the tokens of 80 bytes of text
+
+
+def test_sample_on_the_imported_checkpoint_encodes_and_stops_at_eos(setup):
+    from tokenizers import Tokenizer
+
+    model, src, art, eos = setup
+    ref = Tokenizer.from_file(str(src / "tokenizer.json"))
+    want = hf_greedy(model, ref.encode(PROMPT).ids, 50)  # transformers stops after emitting the EOS
+    assert want[-1] == eos
+    ckpt = art / "checkpoint"  # the imported checkpoint, with the tokenizer files import copied
+    res = runner.invoke(app, ["sample", str(ckpt), "--prompt", PROMPT, "-n", "50", "--temperature", "0"])
+    assert res.exit_code == 0, res.output
+    assert res.output == PROMPT + ref.decode(want[:-1]) + "\n"
+
+
+def test_sample_without_the_tokenizer_of_a_non_byte_model_is_refused(setup, tmp_path):
+    import shutil
+
+    _, _, art, _ = setup
+    shutil.copytree(art / "checkpoint", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "tokenizer.json").unlink()
+    res = runner.invoke(app, ["sample", str(tmp_path / "ckpt"), "--prompt", "hi", "-n", "2"])
+    assert res.exit_code == 2
+    assert res.output.startswith("error:") and len(res.output.strip().splitlines()) == 1
+    assert "tokenizer.json" in res.output and "320 tokens" in res.output

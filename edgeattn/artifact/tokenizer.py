@@ -137,6 +137,27 @@ def load_tokenizer(manifest) -> ByteTokenizer:
     return HFTokenizer(manifest.root / info.get("path", TOKENIZER_JSON), info, template)
 
 
+def checkpoint_tokenizer(checkpoint: str | Path, cfg) -> ByteTokenizer:
+    """The tokenizer of an edgeattn checkpoint: the tokenizer.json an import copied into it, with the special
+    ids recorded at import (``cfg.extra["tokenizer"]``), or byte-level without one. A model whose vocabulary
+    is not bytes and that has no tokenizer.json is refused (its ids cannot be encoded)."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / TOKENIZER_JSON).is_file():
+        if cfg.vocab_size > 256:
+            raise ValueError(
+                f"{checkpoint} has no {TOKENIZER_JSON} and a vocabulary of {cfg.vocab_size} tokens, not bytes: "
+                f"copy the model's {TOKENIZER_JSON} into it (edgeattn import does)"
+            )
+        return ByteTokenizer()
+    info = tokenizer_info(checkpoint)
+    info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
+    if info["vocab_size"] > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
+        )
+    return HFTokenizer(checkpoint / TOKENIZER_JSON, info, info["chat_template"])
+
+
 def _ids(value) -> list[int]:
     if value is None:
         return []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import sys
 from pathlib import Path
@@ -17,10 +16,17 @@ from edgeattn.cli._common import TEMPERATURE, TOP_P, Command, cli_errors
 def sample(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory written by `edgeattn train`.")],
     prompt: Annotated[
-        str, typer.Option(help="Text to continue (UTF-8 bytes are the tokens).", show_default="a newline")
+        str,
+        typer.Option(
+            help="Text to continue (encoded by the checkpoint's tokenizer.json, else its UTF-8 bytes are the tokens).",
+            show_default="a newline",
+        ),
     ] = "\n",
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", min=0, help="Bytes to generate.")
+        int,
+        typer.Option(
+            "--max-new-tokens", "-n", min=0, help="Tokens to generate (fewer when EOS comes first)."
+        ),
     ] = 200,
     temperature: Annotated[
         float, typer.Option(min=0.0, help="Softmax temperature; 0 is greedy.")
@@ -35,7 +41,11 @@ def sample(
     seed: Annotated[int, typer.Option(help="Seed of the sampler.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "cpu",
 ) -> None:
-    """Continue PROMPT: prefill it in one call, then one byte at a time with the recurrent state."""
+    """Continue PROMPT: prefill it in one call, then one token at a time with the recurrent state.
+
+    An imported checkpoint encodes and decodes through its tokenizer.json and stops at its EOS; edgeattn's
+    own models are byte-level."""
+    from edgeattn.artifact.tokenizer import checkpoint_tokenizer
     from edgeattn.models import EdgeLM
     from edgeattn.train.distributed import resolve_device
     from edgeattn.train.sampling import generate, sample_next
@@ -43,15 +53,20 @@ def sample(
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
     if not prompt:
-        raise ValueError("--prompt must not be empty (a byte model needs one byte to start from)")
+        raise ValueError("--prompt must not be empty (the model needs one token to start from)")
     # Check the sampling options before loading anything.
     import torch
 
     sample_next(torch.zeros(1, 2), temperature=temperature, top_k=top_k, top_p=top_p)
-    model = EdgeLM.load(checkpoint).to(resolve_device(device))
+    model = EdgeLM.load(checkpoint)
+    tok = checkpoint_tokenizer(checkpoint, model.cfg)
+    prompt_ids = tok.encode(prompt)
+    if not prompt_ids:
+        raise ValueError(f"--prompt {prompt!r} encodes to no tokens")
+    model = model.to(resolve_device(device))
     tokens = generate(
         model,
-        list(prompt.encode("utf-8")),
+        prompt_ids,
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -59,16 +74,16 @@ def sample(
         seed=seed,
     )
     first = next(tokens, None)  # checks the lengths and prefills the prompt before anything is printed
-    # Print characters as soon as their bytes are complete; invalid sequences print as U+FFFD.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    eos = set(tok.eos_token_ids)
+    ids = itertools.takewhile(
+        lambda t: t not in eos, itertools.chain([] if first is None else [first], tokens)
+    )
+    # Print characters as soon as they are complete; invalid byte sequences print as U+FFFD.
     sys.stdout.write(prompt)
     try:
-        for token in itertools.chain([] if first is None else [first], tokens):
-            text = decoder.decode(bytes([token]))
-            if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-        sys.stdout.write(decoder.decode(b"", final=True))
+        for text in tok.stream(ids):
+            sys.stdout.write(text)
+            sys.stdout.flush()
     finally:  # the text ends its line, so that an error starts its own
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -16,7 +16,15 @@ from pathlib import Path
 from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
 
 # model_type -> module in edgeattn.convert
-CONVERTERS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "mamba2": "mamba2", "rwkv": "rwkv"}
+CONVERTERS = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "mamba2": "mamba2",
+    "rwkv": "rwkv",
+    "gla": "fla",
+    "delta_net": "fla",
+    "gated_deltanet": "fla",
+}
 
 
 def converter(mt: str):

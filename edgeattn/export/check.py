@@ -78,6 +78,8 @@ def check_artifact(
     if tok.kind == "byte":
         data = (text if text is not None else default_text(tokens + 1))[: tokens + 1]
         ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        if m.vocab_size < 256:  # an imported model without its tokenizer: bytes folded into its ids
+            ids = ids % m.vocab_size
     else:  # through the artifact's tokenizer; bits per byte of the text those tokens cover
         source = text if text is not None else default_text(8 * (tokens + 1))
         ids = np.asarray(tok.encode(source)[: tokens + 1], dtype=np.int64)

@@ -26,11 +26,14 @@ class GatedRecurrenceMixer(Mixer):
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
         D, H = cfg.d_model, cfg.n_heads
+        # Head widths: q/k cfg.head_dim (d_model // n_heads unless head_size is set), v expand_v times it;
+        # edgeattn's own models keep both at d_model // n_heads (fla's GLA has expand_k = 0.5 of d_model).
         self.n_heads, self.head_dim = H, cfg.head_dim
-        self.q_proj = nn.Linear(D, D, bias=False)
-        self.k_proj = nn.Linear(D, D, bias=False)
-        self.v_proj = nn.Linear(D, D, bias=False)
-        self.o_proj = nn.Linear(D, D, bias=False)
+        self.value_dim = int(cfg.head_dim * cfg.expand_v)
+        self.q_proj = nn.Linear(D, H * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, H * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, H * self.value_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.value_dim, D, bias=False)
 
     @property
     def key_dim(self) -> int:
@@ -49,7 +52,7 @@ class GatedRecurrenceMixer(Mixer):
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
     def state_spec(self, batch_size: int) -> list[StateSpec]:
-        H, K, V = self.n_heads, self.key_dim, self.head_dim
+        H, K, V = self.n_heads, self.key_dim, self.value_dim
         specs = [StateSpec("recurrent_state", (batch_size, H, K, V))]
         if self.normalize:
             specs.append(StateSpec("normalizer", (batch_size, H, K)))
@@ -60,7 +63,7 @@ class GatedRecurrenceMixer(Mixer):
         H, Dh = self.n_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, Dh)
         k = self.k_proj(x).view(B, T, H, Dh)
-        v = self.v_proj(x).view(B, T, H, Dh)
+        v = self.v_proj(x).view(B, T, H, self.value_dim)
         q, k = self.features(q, k)
         g = self.gate(x)
         if state is None:
@@ -167,7 +170,7 @@ class _FeatureMapped(GatedRecurrenceMixer):
         H, Dh = self.n_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, Dh)
         k = self.k_proj(x).view(B, T, H, Dh)
-        v = self.v_proj(x).view(B, T, H, Dh)
+        v = self.v_proj(x).view(B, T, H, self.value_dim)
         q, k = self.features(q, k)
         if state is None:
             state = self.init_state(B, x.device)
@@ -208,11 +211,11 @@ class Performer(_FeatureMapped):
 class _HeadNormGate(nn.Module):
     """Per-head normalization of the recurrence output, times swish(x W_g), then the output projection."""
 
-    def __init__(self, d_model: int, n_heads: int, eps: float):
+    def __init__(self, d_model: int, width: int, n_heads: int, eps: float):
         super().__init__()
         self.n_heads, self.eps = n_heads, eps
-        self.weight = nn.Parameter(torch.ones(d_model))
-        self.g_proj = nn.Linear(d_model, d_model, bias=False)
+        self.weight = nn.Parameter(torch.ones(width))  # width = n_heads * value head width
+        self.g_proj = nn.Linear(d_model, width, bias=False)
 
     def forward(self, o, x):  # o: [B, T, H, V]
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -227,7 +230,7 @@ class RetNet(GatedRecurrenceMixer):
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
         self.register_buffer("log_gamma", retnet_log_gammas(cfg.n_heads), persistent=False)
-        self.norm_gate = _HeadNormGate(cfg.d_model, cfg.n_heads, cfg.norm_eps)
+        self.norm_gate = _HeadNormGate(cfg.d_model, cfg.n_heads * self.value_dim, cfg.n_heads, cfg.norm_eps)
 
     def gate(self, x):
         return self.log_gamma
@@ -244,8 +247,8 @@ class GLA(GatedRecurrenceMixer):
         super().__init__(cfg, layer_idx)
         D = cfg.d_model
         self.gk_down = nn.Linear(D, cfg.gate_low_rank, bias=False)
-        self.gk_up = nn.Linear(cfg.gate_low_rank, D, bias=True)
-        self.norm_gate = _HeadNormGate(D, cfg.n_heads, cfg.norm_eps)
+        self.gk_up = nn.Linear(cfg.gate_low_rank, cfg.n_heads * self.head_dim, bias=True)
+        self.norm_gate = _HeadNormGate(D, cfg.n_heads * self.value_dim, cfg.n_heads, cfg.norm_eps)
 
     def gate(self, x):
         B, T, _ = x.shape

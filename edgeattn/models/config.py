@@ -31,7 +31,9 @@ class EdgeConfig:
     flash_qk_dim: int = 128  # flash: size s of the shared Z
     max_seq_len: int = 2048  # softmax: KV-cache bound of an exported baseline; aft_full: bias size
     num_v_heads: int = 0  # deltanet/gated_deltanet/kda: value heads HV, a multiple of n_heads (0: n_heads)
-    expand_v: float = 1.0  # deltanet/gated_deltanet/kda: value head width = expand_v * head_dim
+    expand_v: float = (
+        1.0  # delta-rule families, linear/performer/retnet/gla: value head width = expand_v * head_dim
+    )
     allow_neg_eigval: bool = False  # deltanet/gated_deltanet/kda: beta = 2 sigmoid(.) in (0, 2)
     conv_size: int = 4  # deltanet/gated_deltanet/kda/mamba2: short convolution width W (state W - 1)
     ssm_state_size: int = 16  # mamba2: N, the state size per head (B and C width per group)
@@ -44,7 +46,7 @@ class EdgeConfig:
     lsh_buckets: int = 8  # reformer: angular LSH buckets per round (1 or even)
     lsh_rounds: int = 2  # reformer: hashing rounds, averaged by their log-sum-exp
     # Imported models (edgeattn.convert); the defaults leave edgeattn's own models unchanged.
-    head_size: int = 0  # softmax/swa: head width (0: d_model // n_heads)
+    head_size: int = 0  # softmax/swa, linear/performer/retnet/gla: (key) head width (0: d_model // n_heads)
     n_kv_heads: int = 0  # softmax: grouped key/value heads, n_heads a multiple of it (0: n_heads)
     rope_theta: float = 0.0  # softmax: rotary embeddings on q/k with this base (0: none, NoPE)
     rotary_dim: int = 0  # softmax: leading head dims rotated (partial rotary; 0: the whole head)

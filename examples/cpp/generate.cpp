@@ -1,15 +1,21 @@
 // generate: text generation with an exported edgeattn artifact, from C++.
 //
-//   generate ARTIFACT_DIR --prompt TEXT [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+//   generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy]
 //
-// Byte-level: the prompt's bytes are the token ids and each generated token is printed as one byte (vocab <= 256).
+// Byte-level artifacts (no "tokenizer" in the manifest): the prompt's bytes are the token ids and each generated
+// token is printed as one byte (vocab <= 256). Artifacts with a Hugging Face tokenizer.json: this example takes and
+// returns token ids (--prompt-ids "12,7,99"; stdout gets the generated ids, space-separated), because no maintained
+// C/C++ library that reads tokenizer.json is installable here (Debian has sentencepiece, another format; the
+// onnxruntime-genai wheel exports a tokenizer C API but ships no headers). Generation stops at the manifest's
+// tokenizer.eos_token_ids: the EOS is consumed (as Python's Session.generate_ids does) but not printed.
 // stdout gets the prompt and then the text as it is produced; stderr gets the speed, the ONNX Runtime arena's
 // peak bytes in use (at generated token 128 and at the last one), the process's resident memory (VmRSS from
 // /proc/self/status, Linux) before the first generated token and after the last, and a final JSON line for programs.
 //
 // --state-in resumes from a state file before the prompt; --state-out saves the state after the prompt and every
-// printed token. --dump-logits writes a float32 .npy [n, vocab]: row i holds the logits token i was drawn from.
+// printed token. --dump-logits writes a float32 .npy [rows, vocab]: row i holds the logits token i was drawn from
+// (rows: the tokens printed, plus one for the EOS when generation stopped there).
 // Temperature 0 (the default) is greedy. Any error: one line on stderr and exit code 1 (2 for bad arguments).
 #include <cerrno>
 #include <chrono>
@@ -29,7 +35,7 @@
 namespace {
 
 const char* kUsage =
-    "usage: generate ARTIFACT_DIR --prompt TEXT [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
+    "usage: generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
     "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE]";
 
 bool g_printed = false;  // stdout has text without a final newline
@@ -41,6 +47,7 @@ struct UsageError : std::runtime_error {
 struct Args {
   std::string artifact, prompt, state_in, state_out, dump_logits;
   bool has_prompt = false;
+  std::vector<int64_t> prompt_ids;  // --prompt-ids
   int64_t n = 200;
   int threads = 0;
   edgeattn::SamplingOptions sampling;
@@ -61,6 +68,23 @@ T parse_number(const std::string& flag, const std::string& value) {
   } catch (const std::exception&) {
   }
   throw UsageError("bad value for " + flag + ": '" + value + "'");
+}
+
+// "12,7,99" or "12 7 99" -> {12, 7, 99}
+std::vector<int64_t> parse_ids(const std::string& flag, const std::string& value) {
+  std::vector<int64_t> ids;
+  std::string cur;
+  for (size_t i = 0; i <= value.size(); ++i) {
+    const char c = i < value.size() ? value[i] : ',';
+    if (c == ',' || c == ' ') {
+      if (!cur.empty()) ids.push_back(parse_number<int64_t>(flag, cur));
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (ids.empty()) throw UsageError(flag + " needs at least one token id");
+  return ids;
 }
 
 Args parse_args(int argc, char** argv) {
@@ -84,6 +108,7 @@ Args parse_args(int argc, char** argv) {
       value = argv[++i];
     }
     if (flag == "--prompt") a.prompt = value, a.has_prompt = true;
+    else if (flag == "--prompt-ids") a.prompt_ids = parse_ids(flag, value);
     else if (flag == "-n") a.n = parse_number<int64_t>(flag, value);
     else if (flag == "--temperature") a.sampling.temperature = parse_number<float>(flag, value);
     else if (flag == "--top-k") a.sampling.top_k = parse_number<int>(flag, value);
@@ -96,8 +121,9 @@ Args parse_args(int argc, char** argv) {
     else throw UsageError("unknown option " + flag);
   }
   if (a.artifact.empty()) throw UsageError("missing ARTIFACT_DIR");
-  if (!a.has_prompt || a.prompt.empty())
-    throw UsageError("--prompt TEXT is required (generation starts from the logits of its last token)");
+  if (a.has_prompt && !a.prompt_ids.empty()) throw UsageError("give --prompt or --prompt-ids, not both");
+  if ((!a.has_prompt || a.prompt.empty()) && a.prompt_ids.empty())
+    throw UsageError("--prompt TEXT or --prompt-ids IDS is required (generation starts from the logits of its last token)");
   if (a.n < 1) throw UsageError("-n must be >= 1");
   if (a.threads < 0) throw UsageError("--threads must be >= 0");
   return a;
@@ -106,34 +132,49 @@ Args parse_args(int argc, char** argv) {
 // A float32 .npy [rows, cols] written row by row.
 class NpyWriter {
  public:
-  NpyWriter(const std::string& path, int64_t rows, int64_t cols) : path_(path), f_(std::fopen(path.c_str(), "wb")) {
+  // At most max_rows rows; the header is written again with the rows written when the file is closed.
+  NpyWriter(const std::string& path, int64_t max_rows, int64_t cols)
+      : path_(path), cols_(cols), f_(std::fopen(path.c_str(), "wb")) {
     if (!f_) throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
-    std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " +
-                       std::to_string(cols) + "), }";
-    const size_t total = (10 + dict.size() + 1 + 63) / 64 * 64;  // magic + version + length + dict + '\n'
-    dict.append(total - 10 - dict.size() - 1, ' ');
-    dict += '\n';
-    const uint16_t len = static_cast<uint16_t>(dict.size());
-    const unsigned char head[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<unsigned char>(len & 0xff),
-                                    static_cast<unsigned char>(len >> 8)};
-    write(head, sizeof(head));
-    write(dict.data(), dict.size());
+    total_ = (10 + dict(max_rows).size() + 1 + 63) / 64 * 64;  // magic + version + length + dict + '\n'
+    header(max_rows);
   }
   ~NpyWriter() {
     if (f_) std::fclose(f_);
   }
-  void row(const std::vector<float>& values) { write(values.data(), values.size() * sizeof(float)); }
+  void row(const std::vector<float>& values) {
+    write(values.data(), values.size() * sizeof(float));
+    ++rows_;
+  }
   void close() {
+    if (std::fseek(f_, 0, SEEK_SET) != 0) throw std::runtime_error("cannot write " + path_);
+    header(rows_);
     FILE* f = f_;
     f_ = nullptr;
     if (std::fclose(f) != 0) throw std::runtime_error("cannot write " + path_);
   }
 
  private:
+  std::string dict(int64_t rows) const {
+    return "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " +
+           std::to_string(cols_) + "), }";
+  }
+  void header(int64_t rows) {
+    std::string d = dict(rows);
+    d.append(total_ - 10 - d.size() - 1, ' ');
+    d += '\n';
+    const uint16_t len = static_cast<uint16_t>(d.size());
+    const unsigned char head[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<unsigned char>(len & 0xff),
+                                    static_cast<unsigned char>(len >> 8)};
+    write(head, sizeof(head));
+    write(d.data(), d.size());
+  }
   void write(const void* data, size_t n) {
     if (std::fwrite(data, 1, n, f_) != n) throw std::runtime_error("cannot write " + path_);
   }
   std::string path_;
+  int64_t cols_, rows_ = 0;
+  size_t total_ = 0;
   FILE* f_;
 };
 
@@ -160,17 +201,24 @@ int run(const Args& a) {
   edgeattn::SessionOptions options;
   options.threads = a.threads;
   edgeattn::Session sess(a.artifact, options);
-  if (sess.vocab_size() > 256)
-    throw std::runtime_error("this example is byte-level (vocab <= 256); the artifact has vocab_size " +
-                             std::to_string(sess.vocab_size()));
+  const edgeattn::TokenizerInfo& tok = sess.manifest().tokenizer;
+  const bool text = a.has_prompt;  // bytes in and out; else token ids in and out
+  if (text && !tok.byte_level())
+    throw UsageError("this artifact's tokenizer is " + tok.path +
+                     " (Hugging Face), which this example cannot encode: pass the prompt's token ids with --prompt-ids");
+  if (text && sess.vocab_size() > 256)
+    throw std::runtime_error("--prompt is byte-level (vocab <= 256); the artifact has vocab_size " +
+                             std::to_string(sess.vocab_size()) + ": pass token ids with --prompt-ids");
   edgeattn::Sampler sampler(a.sampling);
   if (!a.state_in.empty()) sess.load_state(a.state_in);
 
-  std::vector<int64_t> prompt;
-  for (unsigned char c : a.prompt) prompt.push_back(c);
-  std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
-  std::fflush(stdout);
-  g_printed = true;
+  std::vector<int64_t> prompt = a.prompt_ids;
+  if (text) {
+    for (unsigned char c : a.prompt) prompt.push_back(c);
+    std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
+    std::fflush(stdout);
+    g_printed = true;
+  }
 
   const auto t0 = clock::now();
   std::vector<float> logits = sess.prefill(prompt);
@@ -181,13 +229,25 @@ int run(const Args& a) {
   if (!a.dump_logits.empty()) dump = (dump_owner = std::make_unique<NpyWriter>(a.dump_logits, a.n, sess.vocab_size())).get();
 
   const int64_t rss_start = resident_bytes();  // the session is open and the prompt consumed
-  int64_t peak_at_128 = -1;
+  int64_t peak_at_128 = -1, generated = 0;
+  bool stopped_at_eos = false;
   for (int64_t i = 1; i <= a.n; ++i) {
     if (dump) dump->row(logits);
     const int64_t token = sampler.sample(logits);
-    const char byte = static_cast<char>(token);
-    std::fwrite(&byte, 1, 1, stdout);
+    if (tok.is_eos(token)) {  // consumed, not printed: the state is that of the text ended by its EOS
+      sess.step(token);
+      stopped_at_eos = true;
+      break;
+    }
+    if (text) {
+      const char byte = static_cast<char>(token);
+      std::fwrite(&byte, 1, 1, stdout);
+    } else {
+      std::fprintf(stdout, "%s%lld", generated ? " " : "", static_cast<long long>(token));
+    }
+    g_printed = true;
     std::fflush(stdout);
+    ++generated;
     logits = sess.step(token);  // every printed token is consumed, so --state-out covers the whole text
     if (i == 128) {
       auto stats = sess.memory_stats();
@@ -206,21 +266,24 @@ int run(const Args& a) {
   const int64_t peak_last = stats.available ? stats.max_in_use : -1;
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
-  const double tps = a.n / decode_s;
-  std::fprintf(stderr, "%lld tokens in %.4f s: %.1f tokens/s (%.2f us/token); prompt %zu tokens in %.4f s\n",
-               static_cast<long long>(a.n), decode_s, tps, 1e6 * decode_s / a.n, prompt.size(), prefill_s);
+  const int64_t steps = generated + (stopped_at_eos ? 1 : 0);  // tokens sampled and consumed
+  const double tps = steps ? steps / decode_s : 0.0;
+  const double us = steps ? 1e6 * decode_s / steps : 0.0;
+  std::fprintf(stderr, "%lld tokens in %.4f s: %.1f tokens/s (%.2f us/token); prompt %zu tokens in %.4f s%s\n",
+               static_cast<long long>(generated), decode_s, tps, us, prompt.size(), prefill_s,
+               stopped_at_eos ? "; stopped at EOS" : "");
   std::fprintf(stderr, "onnxruntime peak bytes in use: %s at token 128, %s at token %lld\n",
-               a.n >= 128 ? peak_str(peak_at_128).c_str() : "n/a", peak_str(peak_last).c_str(),
-               static_cast<long long>(a.n));
+               generated >= 128 ? peak_str(peak_at_128).c_str() : "n/a", peak_str(peak_last).c_str(),
+               static_cast<long long>(generated));
   std::fprintf(stderr, "resident memory: %s before the first token, %s after token %lld\n", peak_str(rss_start).c_str(),
-               peak_str(rss_last).c_str(), static_cast<long long>(a.n));
+               peak_str(rss_last).c_str(), static_cast<long long>(generated));
   std::fprintf(stderr,
                "{\"tokens\": %lld, \"prompt_tokens\": %zu, \"decode_s\": %.6f, \"prefill_s\": %.6f, "
                "\"tokens_per_s\": %.2f, \"us_per_token\": %.3f, \"peak_bytes_at_128\": %s, \"peak_bytes_at_last\": %s, "
-               "\"rss_bytes_start\": %s, \"rss_bytes_last\": %s, \"position\": %lld}\n",
-               static_cast<long long>(a.n), prompt.size(), decode_s, prefill_s, tps, 1e6 * decode_s / a.n,
+               "\"rss_bytes_start\": %s, \"rss_bytes_last\": %s, \"position\": %lld, \"stopped_at_eos\": %s}\n",
+               static_cast<long long>(generated), prompt.size(), decode_s, prefill_s, tps, us,
                json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), json_int(rss_start).c_str(),
-               json_int(rss_last).c_str(), static_cast<long long>(sess.position()));
+               json_int(rss_last).c_str(), static_cast<long long>(sess.position()), stopped_at_eos ? "true" : "false");
   return 0;
 }
 

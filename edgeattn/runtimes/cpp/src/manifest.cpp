@@ -50,7 +50,41 @@ GraphInfo parse_graph(const Fields& f, const json& graphs, const char* name) {
   return info;
 }
 
+// The optional "tokenizer" entry: every special id must be a token of the model's vocabulary.
+TokenizerInfo parse_tokenizer(const Fields& f, const json& data, int64_t vocab_size) {
+  TokenizerInfo t;
+  if (!data.contains("tokenizer") || data["tokenizer"].is_null()) return t;
+  const json& tok = f.object(data, "tokenizer");
+  if (tok.contains("type")) t.type = f.str(tok, "type");
+  if (t.type == "byte") return t;
+  if (t.type != "huggingface") throw ManifestError(f.where + ": unknown tokenizer type \"" + t.type + "\"");
+  t.path = tok.contains("path") ? f.str(tok, "path") : "tokenizer.json";
+  auto check = [&](int64_t id, const std::string& key) {
+    if (id < 0 || id >= vocab_size)
+      throw ManifestError(f.where + ": tokenizer." + key + " " + std::to_string(id) + " is outside the vocabulary [0, " +
+                          std::to_string(vocab_size) + ")");
+    return id;
+  };
+  if (tok.contains("eos_token_ids") && !tok["eos_token_ids"].is_null()) {
+    const json& eos = tok["eos_token_ids"];
+    if (!eos.is_array()) throw ManifestError(f.where + ": tokenizer.eos_token_ids must be a list");
+    for (const json& id : eos) {
+      if (!id.is_number_integer()) throw ManifestError(f.where + ": tokenizer.eos_token_ids must hold integers");
+      t.eos_token_ids.push_back(check(id.get<int64_t>(), "eos_token_ids"));
+    }
+  }
+  for (auto [key, out] : {std::pair{"bos_token_id", &t.bos_token_id}, std::pair{"pad_token_id", &t.pad_token_id}})
+    if (tok.contains(key) && !tok[key].is_null()) *out = check(f.integer(tok, key), key);
+  return t;
+}
+
 }  // namespace
+
+bool TokenizerInfo::is_eos(int64_t token) const {
+  for (int64_t id : eos_token_ids)
+    if (id == token) return true;
+  return false;
+}
 
 bool StateEntry::dynamic() const {
   for (const auto& d : shape)
@@ -135,6 +169,8 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
                           "baseline); the C++ runtime runs fixed-size recurrent state only: use the Python session");
     m.state.push_back(std::move(e));
   }
+
+  m.tokenizer = parse_tokenizer(f, data, m.vocab_size);
 
   const json& files = f.object(data, "files");
   for (auto it = files.begin(); it != files.end(); ++it) {

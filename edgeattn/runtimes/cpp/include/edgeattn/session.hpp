@@ -65,6 +65,19 @@ struct StateEntry {
   std::vector<int64_t> fixed_shape() const;  // throws ManifestError for a dynamic entry
 };
 
+// The manifest's "tokenizer" entry. Absent: byte-level (vocabulary 256, no special ids). "huggingface": a
+// tokenizer.json in the artifact; this runtime does not read it (it takes and returns token ids) but honours its
+// special ids: generation stops at an id in eos_token_ids.
+struct TokenizerInfo {
+  std::string type = "byte";  // "byte" or "huggingface"
+  std::string path;           // tokenizer.json, relative to the artifact directory ("" for byte-level)
+  std::vector<int64_t> eos_token_ids;
+  int64_t bos_token_id = -1;  // -1: none
+  int64_t pad_token_id = -1;  // -1: none
+  bool byte_level() const { return type == "byte"; }
+  bool is_eos(int64_t token) const;
+};
+
 struct GraphInfo {
   std::string path;  // relative to the artifact directory
   int64_t tokens = 0;
@@ -83,6 +96,7 @@ struct Manifest {
   GraphInfo step;
   GraphInfo prefill;  // tokens == 0: the artifact has no prefill graph
   std::vector<StateEntry> state;
+  TokenizerInfo tokenizer;
   std::vector<std::pair<std::string, std::string>> files;  // name -> sha256 hex
 
   // Parse dir/edgeattn.json; with verify, check every listed file's sha256 (IntegrityError on a mismatch).

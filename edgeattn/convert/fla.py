@@ -1,0 +1,216 @@
+"""flash-linear-attention (fla) models: ``gla``, ``delta_net`` and ``gated_deltanet`` (fla 0.6's config.json and weights).
+
+Every fla model is embeddings -> blocks (attn_norm, attn, mlp_norm, GatedMLP) -> norm -> lm_head, the
+blocks' RMSNorms and the GatedMLP (SwiGLU, ``intermediate_size`` or ``hidden_ratio``) as edgeattn's.
+
+- ``gated_deltanet`` -> ``gated_deltanet``: q/k/v projections (``num_heads`` key heads of ``head_dim``,
+  ``num_v_heads`` value heads of ``head_dim * expand_v``); the three depthwise short convolutions
+  (q_conv1d, k_conv1d, v_conv1d) concatenate into edgeattn's one conv over q|k|v; a_proj, b_proj, A_log,
+  dt_bias, g_proj, o_norm (RMSNorm times SiLU of the gate) and o_proj keep their names.
+- ``delta_net`` -> ``deltanet``: the same layout without gates (one value head per key head, widths
+  ``hidden_size * expand_k / num_heads`` and ``expand_v``); SiLU on q/k (the conv's), L2-normalised.
+- ``gla`` -> ``gla``: key width ``hidden_size * expand_k / num_heads`` (EdgeConfig ``head_size``), value
+  width ``expand_v`` times it; gk_proj (low rank, biased) -> gk_down / gk_up; the per-head output
+  RMSNorm's weight (one head wide, shared by the heads) is tiled over the heads.
+
+Refused with one line naming the field: hybrid softmax layers (``attn``), attention residuals,
+activations other than swish, GLA's grouped KV heads, short convolutions, feature maps, clamped gates,
+gated values or missing output gate, a Gated DeltaNet without its short convolution or output gate, a
+DeltaNet with another q/k activation or norm, without beta, short convolution or output norm, or gated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from edgeattn.convert.hf import Weights, refuse
+
+MODEL_TYPES = ("gla", "delta_net", "gated_deltanet")
+MIXER = {"gla": "gla", "delta_net": "deltanet", "gated_deltanet": "gated_deltanet"}
+
+
+def _mlp_size(c: dict, D: int) -> int:
+    """fla's GatedMLP: intermediate_size, else 2/3 * hidden_ratio * D rounded up to a multiple of 256."""
+    if c.get("intermediate_size") is not None:
+        return int(c["intermediate_size"])
+    ratio = c.get("hidden_ratio") or 4
+    return 256 * ((int(D * ratio * 2 / 3) + 255) // 256)
+
+
+def _expect(c: dict, field: str, allowed: tuple, default, why: str):
+    v = c.get(field, default)
+    if v not in allowed:
+        raise refuse(field, v, why)
+    return v
+
+
+def _common(c: dict) -> None:
+    if c.get("attn") is not None:
+        raise refuse("attn", c["attn"], "hybrid stacks with fla's softmax attention layers are not supported")
+    if c.get("attnres_block_size") is not None:
+        raise refuse("attnres_block_size", c["attnres_block_size"], "attention residuals are not supported")
+    _expect(c, "hidden_act", ("swish", "silu"), "swish", "only swish (SiLU) MLPs are supported")
+
+
+def _gla_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    """(key width per head, value width per head, EdgeConfig fields) of a GLA config."""
+    if c.get("num_kv_heads") not in (None, H):
+        raise refuse("num_kv_heads", c["num_kv_heads"], "grouped key/value heads of GLA are not supported")
+    _expect(c, "use_short_conv", (False,), False, "GLA's short convolutions are not supported")
+    _expect(c, "feature_map", (None,), None, "GLA's feature maps on q/k are not supported")
+    _expect(c, "clamp_min", (None,), None, "clamped gates are not supported")
+    _expect(c, "use_gk", (True,), True, "GLA without its key gate is not supported")
+    _expect(c, "use_gv", (False,), False, "value gates are not supported")
+    _expect(c, "use_output_gate", (True,), True, "GLA without its output gate is not supported")
+    _expect(c, "elementwise_affine", (True, None), True, "an output norm without weights is not supported")
+    key_dim, value_dim = D * float(c.get("expand_k", 0.5)), D * float(c.get("expand_v", 1.0))
+    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
+        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
+    K = round(key_dim) // H
+    V = round(value_dim) // H
+    if not (
+        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
+    ):
+        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    return K, V, dict(head_size=K, expand_v=V / K, gate_logit_normalizer=16)
+
+
+def _gdn_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    _expect(c, "use_short_conv", (True,), True, "edgeattn's Gated DeltaNet always has its short convolution")
+    _expect(c, "use_gate", (True,), True, "edgeattn's Gated DeltaNet always has its output gate")
+    _expect(c, "output_gate_activation", ("swish", "silu"), "swish", "only a swish output gate is supported")
+    K = int(c.get("head_dim", 256))
+    HV = int(c.get("num_v_heads") or H)
+    if HV % H:
+        raise refuse("num_v_heads", HV, f"must be a multiple of num_heads {H}")
+    V = K * float(c.get("expand_v", 2.0))
+    if not math.isclose(V, round(V)) or int(K * (round(V) / K)) != round(V):
+        raise refuse("expand_v", c.get("expand_v"), f"head_dim {K} * expand_v must be an integer")
+    fields = dict(
+        head_size=K,
+        expand_v=round(V) / K,
+        num_v_heads=HV,
+        conv_size=int(c.get("conv_size", 4)),
+        allow_neg_eigval=bool(c.get("allow_neg_eigval", False)),
+    )
+    return K, round(V), fields
+
+
+def _deltanet_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    _expect(c, "use_short_conv", (True,), True, "edgeattn's DeltaNet always has its short convolution")
+    _expect(c, "use_beta", (True,), True, "edgeattn's DeltaNet always has beta = sigmoid(x W_b)")
+    _expect(c, "use_gate", (False,), False, "a gated DeltaNet output is not supported (use gated_deltanet)")
+    _expect(c, "use_output_norm", (True,), True, "edgeattn's DeltaNet always has its output norm")
+    _expect(c, "qk_activation", ("silu",), "silu", "only SiLU on q/k is supported")
+    _expect(c, "qk_norm", ("l2",), "l2", "only L2-normalised q/k are supported")
+    key_dim, value_dim = D * float(c.get("expand_k", 1.0)), D * float(c.get("expand_v", 1.0))
+    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
+        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
+    K, V = round(key_dim) // H, round(value_dim) // H
+    if not (
+        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
+    ):
+        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    fields = dict(
+        head_size=K,
+        expand_v=V / K,
+        conv_size=int(c.get("conv_size", 4)),
+        allow_neg_eigval=bool(c.get("allow_neg_eigval", False)),
+    )
+    return K, V, fields
+
+
+def convert(config: dict, weights: Weights):
+    from edgeattn.models import EdgeConfig
+
+    mt = config["model_type"]
+    c = config
+    _common(c)
+    D, L, H = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_heads"])
+    Vocab, I = int(c["vocab_size"]), _mlp_size(c, D)  # noqa: E741
+    layer = {"gla": _gla_layer, "delta_net": _deltanet_layer, "gated_deltanet": _gdn_layer}[mt]
+    K, V, fields = layer(c, D, H)
+    if mt == "gla":  # fla's layer argument gate_low_rank_dim (16) is not in its config: the weights say
+        low = weights.tensors.get("model.layers.0.attn.gk_proj.0.weight")
+        fields["gate_low_rank"] = int(low.shape[0]) if low is not None and low.dim() == 2 else 16
+    tie = bool(c.get("tie_word_embeddings", False))
+    cfg = EdgeConfig(
+        vocab_size=Vocab,
+        d_model=D,
+        n_layers=L,
+        n_heads=H,
+        mixer=MIXER[mt],
+        tie_embeddings=tie,
+        norm_eps=float(c.get("norm_eps", 1e-6)),
+        intermediate_size=I,
+        max_seq_len=int(c.get("max_position_embeddings", 2048)),
+        **fields,
+    )
+    sd = {"embed.weight": weights.take("model.embeddings.weight", (Vocab, D), "vocab_size, hidden_size")}
+    for i in range(L):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        sd[dst + "norm1.weight"] = weights.take(src + "attn_norm.weight", (D,), "hidden_size")
+        sd[dst + "norm2.weight"] = weights.take(src + "mlp_norm.weight", (D,), "hidden_size")
+        for a, b in (("gate_proj", "w_gate"), ("up_proj", "w_up")):
+            sd[f"{dst}mlp.{b}.weight"] = weights.take(
+                f"{src}mlp.{a}.weight", (I, D), "intermediate_size / hidden_ratio"
+            )
+        sd[dst + "mlp.w_down.weight"] = weights.take(
+            src + "mlp.down_proj.weight", (D, I), "intermediate_size / hidden_ratio"
+        )
+        a, m = src + "attn.", dst + "mixer."
+        if mt == "gla":
+            sd.update(_gla_weights(weights, a, m, D, H, K, V, fields["gate_low_rank"]))
+        else:
+            sd.update(_gdn_weights(weights, a, m, D, H, K, V, fields))
+    sd["norm.weight"] = weights.take("model.norm.weight", (D,), "hidden_size")
+    if not tie:
+        sd["lm_head.weight"] = weights.take("lm_head.weight", (Vocab, D), "vocab_size, hidden_size")
+    elif "lm_head.weight" in weights:
+        weights.take("lm_head.weight", (Vocab, D), "vocab_size, hidden_size")
+    leftover = weights.unused()
+    if leftover:
+        raise ValueError(
+            f"cannot import: the checkpoint has weights this mapping does not use, e.g. {leftover[0]}"
+        )
+    return cfg, sd, []
+
+
+def _gla_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, r: int) -> dict:
+    sd = {
+        m + "q_proj.weight": w.take(a + "q_proj.weight", (H * K, D), "expand_k, num_heads"),
+        m + "k_proj.weight": w.take(a + "k_proj.weight", (H * K, D), "expand_k, num_heads"),
+        m + "v_proj.weight": w.take(a + "v_proj.weight", (H * V, D), "expand_v, num_heads"),
+        m + "o_proj.weight": w.take(a + "o_proj.weight", (D, H * V), "expand_v, num_heads"),
+        m + "gk_down.weight": w.take(a + "gk_proj.0.weight", (r, D), "gate_low_rank_dim"),
+        m + "gk_up.weight": w.take(a + "gk_proj.1.weight", (H * K, r), "expand_k, num_heads"),
+        m + "gk_up.bias": w.take(a + "gk_proj.1.bias", (H * K,), "expand_k, num_heads"),
+        m + "norm_gate.g_proj.weight": w.take(a + "g_proj.weight", (H * V, D), "expand_v, num_heads"),
+    }
+    name = a + ("g_norm_swish_gate.weight" if a + "g_norm_swish_gate.weight" in w else "g_norm.weight")
+    sd[m + "norm_gate.weight"] = w.take(name, (V,), "expand_v, num_heads").repeat(H)  # [V] -> [H * V]
+    return sd
+
+
+def _gdn_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, fields: dict) -> dict:
+    HV, W, gated = fields.get("num_v_heads", H), fields["conv_size"], "num_v_heads" in fields
+    torch = w.torch
+    convs = [
+        w.take(a + f"{x}_conv1d.weight", (n, 1, W), "conv_size")[:, 0]
+        for x, n in (("q", H * K), ("k", H * K), ("v", HV * V))
+    ]
+    sd = {
+        m + "q_proj.weight": w.take(a + "q_proj.weight", (H * K, D), "num_heads, head_dim"),
+        m + "k_proj.weight": w.take(a + "k_proj.weight", (H * K, D), "num_heads, head_dim"),
+        m + "v_proj.weight": w.take(a + "v_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v"),
+        m + "conv_weight": torch.cat(convs),  # [2*H*K + HV*V, W]: the q|k|v channels
+        m + "b_proj.weight": w.take(a + "b_proj.weight", (HV, D), "num_v_heads"),
+        m + "o_norm.weight": w.take(a + "o_norm.weight", (V,), "head_dim, expand_v"),
+        m + "o_proj.weight": w.take(a + "o_proj.weight", (D, HV * V), "num_v_heads, head_dim, expand_v"),
+    }
+    if gated:
+        sd[m + "a_proj.weight"] = w.take(a + "a_proj.weight", (HV, D), "num_v_heads")
+        sd[m + "A_log"] = w.take(a + "A_log", (HV,), "num_v_heads")
+        sd[m + "dt_bias"] = w.take(a + "dt_bias", (HV,), "num_v_heads")
+        sd[m + "g_proj.weight"] = w.take(a + "g_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v")
+    return sd

@@ -78,7 +78,9 @@ def check_exportable(model) -> None:
         )
 
 
-def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str) -> None:
+def _export_graph(
+    module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str, optimize: bool = True
+) -> None:
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     model = module.model
@@ -114,7 +116,13 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
         from edgeattn.ops.common.fused_delta import fix_optional_inputs
 
         graph = onnx.load(str(path))
-        if fix_optional_inputs(graph):
+        changed = fix_optional_inputs(graph)
+        if optimize:
+            from edgeattn.export.optimize import optimize_graph
+
+            optimize_graph(graph)
+            changed = True
+        if changed:
             onnx.save(graph, str(path))
     del model
 
@@ -154,13 +162,15 @@ def export_model(
     include_checkpoint: bool = True,
     shared_weights: bool = True,
     quantization: dict | None = None,
+    optimize: bool = True,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
     ``shared_weights``: both graphs read their initializers from one ``weights.bin`` (stored once);
     False keeps each graph self-contained (two copies). ``include_checkpoint``: copy the torch checkpoint
     into the artifact (the torch backend and ``check`` need it). ``quantization``: int4 options
-    (``edgeattn.export.precision.INT4_DEFAULTS``).
+    (``edgeattn.export.precision.INT4_DEFAULTS``). ``optimize``: on the ``onnxruntime`` target, fuse norms and
+    projections (``edgeattn.export.optimize``) before any precision conversion.
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -190,8 +200,8 @@ def export_model(
     tmp = make_temp_dir(out)
     try:
         module = GraphModule(model, batch_size).eval()
-        _export_graph(module, 1, batch_size, entries, tmp / "step.onnx", target)
-        _export_graph(module, prefill_chunk, batch_size, entries, tmp / "prefill.onnx", target)
+        for name, tokens in (("step.onnx", 1), ("prefill.onnx", prefill_chunk)):
+            _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize)
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision
 

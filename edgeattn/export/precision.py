@@ -176,9 +176,9 @@ INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 
 def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
     from onnx import version_converter
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (32 or 128), got {block_size}")

@@ -12,7 +12,9 @@
    stream) becomes ``com.microsoft.SkipSimplifiedLayerNormalization``, whose fourth output is the sum.
 4. MatMuls that read the same activation with 2-D initializer weights (q/k/v, gates, SwiGLU's gate and
    up) become one MatMul over the weights concatenated along N, followed by a ``Split``.
-5. ``Reshape(Reshape(x, a), b)`` reads ``x`` directly, and Reshapes to the shape their input already has
+5. A Concat of consecutive outputs of such a Split becomes one output of it (q|k|v before the delta rules'
+   short convolution).
+6. ``Reshape(Reshape(x, a), b)`` reads ``x`` directly, and Reshapes to the shape their input already has
    go (torch's ``view`` to heads and back around the fused recurrence).
 
 Checkpoints and the torch model are untouched: only the exported graph changes, and the tests compare
@@ -313,6 +315,37 @@ def fuse_matmuls(model) -> int:
     return removed
 
 
+def merge_split_concat(model) -> int:
+    """Concat(axis=-1) of consecutive outputs of one Split(axis=-1), read by nothing else -> one output of
+    that Split (the fused projections of q|k|v feeding the delta rules' short convolution)."""
+    from onnx import numpy_helper
+
+    G = _Graph(model)
+    count = 0
+    for cat in [n for n in G.g.node if n.op_type == "Concat" and _attr(n, "axis") == -1]:
+        split = G.producer.get(cat.input[0])
+        if split is None or split.op_type != "Split" or _attr(split, "axis") != -1 or len(split.input) < 2:
+            continue
+        outs = list(split.output)
+        start = outs.index(cat.input[0])
+        run = outs[start : start + len(cat.input)]
+        sizes = G.const(split.input[1])
+        if run != list(cat.input) or sizes is None or split.input[1] not in G.inits:
+            continue
+        if any(len(G.consumers.get(o, [])) != 1 or o in G.outputs for o in run):
+            continue
+        end = start + len(run)
+        merged = np.concatenate([sizes[:start], [sizes[start:end].sum()], sizes[end:]]).astype(np.int64)
+        name = f"{split.input[1]}.merged{count}"
+        G.g.initializer.append(numpy_helper.from_array(merged, name))
+        split.input[1] = name
+        split.output[:] = [*outs[:start], cat.output[0], *outs[end:]]
+        _drop_nodes(G, [cat])
+        G.refresh()
+        count += 1
+    return count
+
+
 def optimize_graph(model) -> dict[str, int]:
     """Run the passes on ``model`` (an onnx.ModelProto, changed in place); returns what each did."""
     from onnx import helper
@@ -325,6 +358,7 @@ def optimize_graph(model) -> dict[str, int]:
         ("rms_norm", fuse_rms_norm),
         ("skip_norm", fuse_skip_norm),
         ("matmuls_removed", fuse_matmuls),
+        ("concats", merge_split_concat),
         ("reshapes", fuse_reshapes),
     ):
         done[name] = apply(model)

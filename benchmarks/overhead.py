@@ -8,8 +8,9 @@ twice to the onnxruntime target (``optimize=True``, the default, and ``optimize=
   session's preallocated bindings, nothing else (the floor any Python driver can reach);
 - ``overhead`` = session / bare - 1 (target < 5%), and ``speedup`` = unoptimized / optimized session time.
 
-Every round times every (graph, driver) pair once, in interleaved order, in one process; figures are
-medians over rounds. The machine may be shared: compare figures from one run only.
+Session and bare calls alternate token by token, and the two graphs alternate round by round, in one
+process; every figure is the median of the per-token times. The machine may be shared: compare figures
+from one run only.
 
     python benchmarks/overhead.py [--sizes small,full] [--threads 1,2] [--tokens 200] [--rounds 7]
 
@@ -50,23 +51,27 @@ def build(root: Path, size: str) -> tuple[dict[bool, Path], int]:
     return arts, params
 
 
-def time_session(sess, tokens: int) -> float:
+def time_pair(sess, tokens: int, bare_first: bool) -> tuple[list[float], list[float]]:
+    """Per-token ms of ``sess.step`` and of ONNX Runtime alone, alternating token by token so that a busy
+    machine slows both alike. Bare: the session's own InferenceSession and preallocated bindings, nothing
+    else (the floor any Python driver can reach); it advances the state as a step would."""
     import numpy as np
 
     ids = np.zeros((1, 1), np.int64)
-    t = time.perf_counter()
-    for _ in range(tokens):
-        sess.step(ids)
-    return (time.perf_counter() - t) / tokens * 1e3
-
-
-def time_bare(sess, tokens: int) -> float:
-    """ONNX Runtime alone: the session's own InferenceSession and bindings, A -> B then B -> A."""
     ort_sess, bindings = sess.sessions["step"], sess._bindings["step"]
-    t = time.perf_counter()
+    clock = time.perf_counter
+    session, bare = [], []
     for i in range(tokens):
-        ort_sess.run_with_iobinding(bindings[i & 1])
-    return (time.perf_counter() - t) / tokens * 1e3
+        for which in (1, 0) if bare_first ^ (i & 1) else (0, 1):
+            t = clock()
+            if which:
+                ort_sess.run_with_iobinding(bindings[sess._cur])
+                sess._cur = 1 - sess._cur
+                bare.append(clock() - t)
+            else:
+                sess.step(ids)
+                session.append(clock() - t)
+    return [1e3 * x for x in session], [1e3 * x for x in bare]
 
 
 def measure(arts: dict[bool, Path], threads: int, tokens: int, rounds: int) -> dict:
@@ -75,15 +80,12 @@ def measure(arts: dict[bool, Path], threads: int, tokens: int, rounds: int) -> d
     sessions = {opt: open_session(path, threads=threads) for opt, path in arts.items()}
     runs: dict[tuple, list[float]] = {}
     for s in sessions.values():  # warm-up: first runs allocate
-        time_session(s, 10)
-        time_bare(s, 10)
+        time_pair(s, 10, False)
     for r in range(rounds):
-        order = [(opt, drv) for opt in sessions for drv in ("session", "bare")]
-        if r % 2:
-            order.reverse()
-        for opt, drv in order:
-            fn = time_session if drv == "session" else time_bare
-            runs.setdefault((opt, drv), []).append(fn(sessions[opt], tokens))
+        for opt in sorted(sessions, reverse=bool(r % 2)):
+            session, bare = time_pair(sessions[opt], tokens, bool(r % 2))
+            runs.setdefault((opt, "session"), []).extend(session)
+            runs.setdefault((opt, "bare"), []).extend(bare)
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {
         "optimized": {"session_ms": med[(True, "session")], "bare_ms": med[(True, "bare")]},

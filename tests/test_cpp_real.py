@@ -30,10 +30,11 @@ from tests.artifact_fixture import build_generate, run_generate
 PREFILL = 16
 PROMPT = b"Once upon a time, in a land far away, a"  # 40 tokens: 2 prefill chunks + 8 steps
 PROMPT2 = b" and then, one fine morning, the fox"  # 36 tokens, fed after a loaded state
-TOL = 1e-5
-# Python's session hands ONNX Runtime one shared in-memory copy of the weights (no prepacking), the C++
-# session loads weights.bin itself (prepacked MatMul weights): the GEMMs round differently, ~2e-5 apart.
-LOGITS_TOL = 1e-4
+# The Python session runs unpacked shared weights, the C++ one prepacks its own: different MLAS kernels, whose
+# float32 sums differ in the last bits; over 60 tokens of state the fused projections of
+# edgeattn.export.optimize reached 1.1e-5 on logits of magnitude 3.
+TOL = 3e-5
+LOGITS_TOL = 1e-4  # logits after 60 tokens: the same kernels' differences, grown through the state
 ARTIFACTS = [
     "gla-onnxruntime",
     "gla-portable",
@@ -130,6 +131,7 @@ def test_artifacts_are_the_intended_graphs(artifacts):
     assert domains("gated_deltanet-onnxruntime") == {
         ("com.microsoft", "LinearAttention"),
         ("com.microsoft", "CausalConvWithState"),
+        ("com.microsoft", "SkipSimplifiedLayerNormalization"),  # edgeattn.export.optimize's residual + norm
     }
     assert domains("mamba2-portable") == set()
     for name in ARTIFACTS:

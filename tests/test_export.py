@@ -11,6 +11,7 @@ import torch
 from edgeattn.export import Manifest, export_model
 from edgeattn.export.check import check_artifact, run_logits
 from edgeattn.export.compat import tensorrt_report
+from edgeattn.export.optimize import checkable
 from edgeattn.models import EdgeLM
 from edgeattn.runtimes import open_session
 from tests.export_helpers import EXPORTABLE, HYBRID, PREFILL, make_checkpoint, text_ids
@@ -45,7 +46,7 @@ def test_artifact_matches_pytorch_over_300_tokens(ckpts, tmp_path, mixer, target
     art = export_model(ckpts[mixer], tmp_path / "art", target=target, prefill_chunk=PREFILL)
     for g in ("step.onnx", "prefill.onnx"):
         model = onnx.load(str(art / g))
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(checkable(model), full_check=True)
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
         if target == "portable":
             assert tensorrt_report(model) == []
@@ -232,7 +233,7 @@ def test_fp16_of_a_trained_gla_passes_check(trained_gla, tmp_path, target):
         "step.onnx",
         "prefill.onnx",
     ):  # valid ONNX: nodes in topological order (TensorRT's parser needs it)
-        onnx.checker.check_model(onnx.load(str(art / g)), full_check=True)
+        onnx.checker.check_model(checkable(onnx.load(str(art / g))), full_check=True)
     weights = [i for i in onnx.load(str(art / "prefill.onnx")).graph.initializer if len(i.dims) == 2]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)  # still an fp16 graph
     report = check_artifact(art, tokens=120)

@@ -99,7 +99,9 @@ def check_exportable(model) -> None:
         )
 
 
-def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str) -> None:
+def _export_graph(
+    module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str, optimize: bool = True
+) -> None:
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     model = module.model
@@ -135,7 +137,13 @@ def _export_graph(module, tokens: int, batch_size: int, entries: list[dict], pat
         from edgeattn.ops.common.fused_delta import fix_optional_inputs
 
         graph = onnx.load(str(path))
-        if fix_optional_inputs(graph):
+        changed = fix_optional_inputs(graph)
+        if optimize:
+            from edgeattn.export.optimize import optimize_graph
+
+            optimize_graph(graph)
+            changed = True
+        if changed:
             onnx.save(graph, str(path))
     del model
 
@@ -196,6 +204,7 @@ def export_model(
     shared_weights: bool = True,
     quantization: dict | None = None,
     genai: bool = False,
+    optimize: bool = True,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
@@ -205,6 +214,8 @@ def export_model(
     (``edgeattn.export.precision.INT4_DEFAULTS``). ``genai``: also write ``model.onnx`` (any number of
     tokens per call) and ``genai_config.json`` so that onnxruntime-genai runs the artifact
     (``edgeattn.export.genai``; recurrent mixers only, fp32, target onnxruntime).
+    ``optimize``: on the ``onnxruntime`` target, fuse norms and
+    projections (``edgeattn.export.optimize``) before any precision conversion.
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -241,8 +252,8 @@ def export_model(
     tmp = make_temp_dir(out)
     try:
         module = GraphModule(model, batch_size).eval()
-        _export_graph(module, 1, batch_size, entries, tmp / "step.onnx", target)
-        _export_graph(module, prefill_chunk, batch_size, entries, tmp / "prefill.onnx", target)
+        for name, tokens in (("step.onnx", 1), ("prefill.onnx", prefill_chunk)):
+            _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize)
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision
 

@@ -4,7 +4,8 @@
   every node that reads or writes a state tensor, the fused LinearAttention op, the whole log-space gate
   arithmetic (from the gate through its cumulative sums and their differences to the Exp) and each norm's
   mean square stay float32 too (``FP32_OPS``, ``FP32_REGIONS``), and no value passes through float16
-  between two float32 nodes (the converter's Cast pairs are removed). Trained gates are far from their
+  between two float32 nodes (the converter's Cast pairs are removed). The fused norms of
+  ``edgeattn.export.optimize`` run in float16 with ``stash_type`` float32: their mean square is float32. Trained gates are far from their
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
 - int8: ONNX Runtime's dynamic quantization of the MatMul projections whose weights are initializers
@@ -139,10 +140,12 @@ def _sort_topologically(model) -> None:
     available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
     producer = {o: i for i, n in enumerate(nodes) for o in n.output}
     waiting = {i: {x for x in n.input if x not in available and x in producer} for i, n in enumerate(nodes)}
-    readers: dict[int, list[int]] = {}
+    readers: dict[
+        int, dict[int, None]
+    ] = {}  # ordered sets: a node reading two outputs of one node waits once
     for i, deps in waiting.items():
         for x in deps:
-            readers.setdefault(producer[x], []).append(i)
+            readers.setdefault(producer[x], {})[i] = None
     ready = [i for i, deps in waiting.items() if not deps]
     order = []
     while ready:
@@ -176,6 +179,8 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
     from onnx import version_converter
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
+
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (32 or 128), got {block_size}")
     if accuracy_level not in (0, 1, 2, 3, 4):
@@ -185,7 +190,15 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
     root.setLevel(logging.ERROR)  # the quantizer logs every node on the root logger
     try:
         # the quantizer would only relabel the opset; the converter rewrites the ops that changed
+        # ONNX Runtime's default-domain SimplifiedLayerNormalization has no ONNX schema: the converter would
+        # refuse it, so it crosses the conversion in com.microsoft (left alone) and comes back
+        hidden = [n for n in model.graph.node if n.domain == "" and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
+        for n in hidden:
+            n.domain = "com.microsoft"
         model = version_converter.convert_version(model, INT4_OPSET)
+        for n in model.graph.node:
+            if n.domain == "com.microsoft" and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
+                n.domain = ""
         q = MatMulNBitsQuantizer(
             model,
             bits=4,

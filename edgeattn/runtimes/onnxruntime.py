@@ -119,8 +119,12 @@ class OnnxRuntimeSession(Session):
             manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
         self.dynamic = any(e.dynamic for e in manifest.state)
         B, V = manifest.batch_size, manifest.vocab_size
-        self._ids = {g: self._alloc((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}
-        self._logits = {g: self._alloc((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
+        # On CPU an OrtValue made from a numpy array uses the array's memory: the per-token work is a write
+        # into one array and a copy out of another (no OrtValue calls).
+        self._ids_np = {g: np.zeros((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}
+        self._logits_np = {g: np.zeros((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
+        self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
+        self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
         if self.dynamic:
             self._state = None
             self._reset_state()
@@ -140,6 +144,21 @@ class OnnxRuntimeSession(Session):
     def _alloc(self, shape, dtype) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype), self.device, 0)
 
+    def _alloc_from(self, array: np.ndarray) -> ort.OrtValue:
+        """An OrtValue over ``array`` itself on CPU (the array must outlive it), a device copy otherwise."""
+        return ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+
+    def _write_ids(self, graph: str, ids: np.ndarray) -> None:
+        if self.device == "cpu":
+            self._ids_np[graph][...] = ids
+        else:
+            self._ids[graph].update_inplace(np.ascontiguousarray(ids))
+
+    def _read_logits(self, graph: str) -> np.ndarray:
+        if self.device == "cpu":
+            return self._logits_np[graph].copy()
+        return self._logits[graph].numpy()  # a host copy of the device buffer
+
     def _bind(self, graph: str, p: int):
         io = self.sessions[graph].io_binding()
         io.bind_ortvalue_input(self.manifest.input_ids_name, self._ids[graph])
@@ -150,11 +169,11 @@ class OnnxRuntimeSession(Session):
         return io
 
     def _run(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        self._ids[graph].update_inplace(np.ascontiguousarray(ids))
+        self._write_ids(graph, ids)
         if not self.dynamic:
             self.sessions[graph].run_with_iobinding(self._bindings[graph][self._cur])
             self._cur = 1 - self._cur
-            return self._logits[graph].numpy().copy()  # numpy() is a view of the bound buffer
+            return self._read_logits(graph)
         io = self.sessions[graph].io_binding()
         io.bind_ortvalue_input(self.manifest.input_ids_name, self._ids[graph])
         io.bind_ortvalue_output(self.manifest.logits_name, self._logits[graph])
@@ -163,7 +182,7 @@ class OnnxRuntimeSession(Session):
             io.bind_output(e.output, self.device)
         self.sessions[graph].run_with_iobinding(io)
         self._state = io.get_outputs()[1:]
-        return self._logits[graph].numpy().copy()
+        return self._read_logits(graph)
 
     def _current(self) -> list[ort.OrtValue]:
         return self._state if self.dynamic else [bufs[self._cur] for bufs in self._bufs]

@@ -1,0 +1,409 @@
+"""Export-time graph pass for the ``onnxruntime`` target: a decode graph as lean as onnxruntime-genai's.
+
+``optimize_graph(model)`` rewrites a float32 ONNX model (torch's export) in place, in this order:
+
+1. ``Identity`` nodes and ``Cast`` nodes to the type their input already has are bypassed (torch writes
+   them for ``x.float()`` and tied parameters; ONNX Runtime drops them too, but they hide the patterns).
+2. RMSNorm ``x * 1 / sqrt(mean(x^2, -1) + eps) [* w]`` becomes ONNX Runtime's ``SimplifiedLayerNormalization``
+   (a contrib op that ONNX Runtime registers in the default domain, as onnxruntime-genai writes it)
+   (``axis=-1``, ``stash_type=1``; ``w`` of ones where the graph has none, as in a per-head norm whose
+   weight is applied after a reshape).
+3. A residual ``Add`` whose sum feeds a SimplifiedLayerNormalization (and the rest of the residual
+   stream) becomes ``com.microsoft.SkipSimplifiedLayerNormalization``, whose fourth output is the sum.
+4. MatMuls that read the same activation with 2-D initializer weights (q/k/v, gates, SwiGLU's gate and
+   up) become one MatMul over the weights concatenated along N, followed by a ``Split``.
+5. A Concat of consecutive outputs of such a Split becomes one output of it (q|k|v before the delta rules'
+   short convolution).
+6. ``Reshape(Reshape(x, a), b)`` reads ``x`` directly, and Reshapes to the shape their input already has
+   go (torch's ``view`` to heads and back around the fused recurrence).
+
+Checkpoints and the torch model are untouched: only the exported graph changes, and the tests compare
+its logits and states with the unoptimized graph's. The ``portable`` target keeps standard opset-17
+ops (TensorRT 10 parses neither contrib op), so the pass runs for ``onnxruntime`` only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeattn.export.precision import _sort_topologically
+
+MS = "com.microsoft"
+
+
+class _Graph:
+    """Producer/consumer maps over ``model.graph`` plus the initializers as numpy arrays (read on demand)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.g = model.graph
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.inits = {i.name: i for i in self.g.initializer}
+        self.producer = {o: n for n in self.g.node for o in n.output if o}
+        self.consumers: dict[str, list] = {}
+        for n in self.g.node:
+            for x in n.input:
+                self.consumers.setdefault(x, []).append(n)
+        self.outputs = {o.name for o in self.g.output}
+
+    def const(self, name: str):
+        """The value of an initializer or Constant node output, else None."""
+        from onnx import numpy_helper
+
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+        return None
+
+    def only_consumer(self, name: str, op_type: str):
+        users = self.consumers.get(name, [])
+        if len(users) == 1 and users[0].op_type == op_type and name not in self.outputs:
+            return users[0]
+        return None
+
+    def rename_input(self, old: str, new: str) -> None:
+        for n in self.g.node:
+            n.input[:] = [new if x == old else x for x in n.input]
+
+
+def _attr(node, name, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+# ops ONNX's inference does not know whose listed outputs have the shape of their first input
+SHAPE_PRESERVING = {"SimplifiedLayerNormalization": (0,), "SkipSimplifiedLayerNormalization": (0, 3)}
+
+
+def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
+    """Element type and shape (None for an unknown dimension) of every value ONNX's inference can tell.
+    Outputs of ops it does not know (contrib ops) get their first input's type, the norms' outputs its
+    shape too, and inference runs again from there."""
+    import onnx
+
+    m = model
+    for _ in range(len(model.graph.node) + 1):  # each round passes at least one more unknown op
+        m = onnx.shape_inference.infer_shapes(m)
+        g = m.graph
+        values = [*g.input, *g.value_info, *g.output]
+        types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+        types.update({i.name: i.data_type for i in g.initializer})
+        shapes = {
+            v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in values
+            if v.type.tensor_type.HasField("shape")
+        }
+        shapes.update({i.name: list(i.dims) for i in g.initializer})
+        added = False
+        for n in g.node:
+            if not n.input or n.input[0] not in types or onnx.defs.has(n.op_type, n.domain):
+                continue
+            keep = SHAPE_PRESERVING.get(n.op_type, ())
+            if keep and n.input[0] not in shapes:
+                continue  # wait for the input's shape
+            for k, o in enumerate(n.output):
+                if o and o not in types:
+                    shape = shapes.get(n.input[0]) if k in keep else None
+                    g.value_info.append(onnx.helper.make_tensor_value_info(o, types[n.input[0]], shape))
+                    added = True
+        if not added:
+            break
+    _infer.last = m  # the model with every value's type, for optimize_graph's value_info
+    return types, shapes
+
+
+def _key(node) -> tuple:
+    return tuple(node.output)  # outputs are unique names (protobuf gives no stable object identity)
+
+
+def _drop_nodes(G: _Graph, nodes) -> None:
+    ids = {_key(n) for n in nodes}
+    keep = [n for n in G.g.node if _key(n) not in ids]
+    del G.g.node[:]
+    G.g.node.extend(keep)
+
+
+def remove_redundant(model) -> int:
+    """Bypass Identity nodes and Casts to their input's own type; returns how many were removed."""
+    types, _ = _infer(model)
+    G = _Graph(model)
+    dead = []
+    for n in list(G.g.node):
+        same = n.op_type == "Identity" or (
+            n.op_type == "Cast"
+            and types.get(n.input[0]) is not None
+            and types.get(n.input[0]) == _attr(n, "to")
+        )
+        if not same or n.output[0] in G.outputs:
+            continue
+        G.rename_input(n.output[0], n.input[0])
+        dead.append(n)
+    _drop_nodes(G, dead)
+    return len(dead)
+
+
+def _scalar(G: _Graph, name: str):
+    v = G.const(name)
+    return None if v is None or v.size != 1 else float(v.reshape(-1)[0])
+
+
+def fuse_rms_norm(model) -> int:
+    """x * (1 / sqrt(mean(x^2, -1) + eps)) [* w] -> SimplifiedLayerNormalization(x, w)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    _, shapes = _infer(model)
+    G = _Graph(model)
+    count = 0
+    for pow_ in [n for n in G.g.node if n.op_type == "Pow"]:
+        if _scalar(G, pow_.input[1]) != 2.0:
+            continue
+        x = pow_.input[0]
+        mean = G.only_consumer(pow_.output[0], "ReduceMean")
+        if mean is None or list(_attr(mean, "axes", [])) != [-1] or _attr(mean, "keepdims", 1) != 1:
+            continue
+        add = G.only_consumer(mean.output[0], "Add")
+        if add is None:
+            continue
+        eps = _scalar(G, add.input[1] if add.input[0] == mean.output[0] else add.input[0])
+        sqrt = G.only_consumer(add.output[0], "Sqrt")
+        div = sqrt and G.only_consumer(sqrt.output[0], "Div")
+        if eps is None or div is None or div.input[1] != sqrt.output[0] or _scalar(G, div.input[0]) != 1.0:
+            continue
+        mul = G.only_consumer(div.output[0], "Mul")
+        if mul is None or x not in mul.input:
+            continue
+        chain = [pow_, mean, add, sqrt, div, mul]
+        out, scale = mul.output[0], None
+        wmul = G.only_consumer(out, "Mul")
+        if wmul is not None:
+            other = wmul.input[1] if wmul.input[0] == out else wmul.input[0]
+            w = G.const(other)
+            if w is not None and w.ndim == 1 and w.dtype == np.float32:
+                scale, out = other, wmul.output[0]
+                chain.append(wmul)
+        if scale is None:
+            dim = (shapes.get(x) or [None])[-1]
+            if not dim:
+                continue
+            scale = f"{mul.output[0]}.ones"
+            G.g.initializer.append(numpy_helper.from_array(np.ones(dim, np.float32), scale))
+        node = helper.make_node(
+            "SimplifiedLayerNormalization",
+            [x, scale],
+            [out],
+            name=f"{mul.name or out}/SimplifiedLayerNormalization",
+            axis=-1,
+            epsilon=eps,
+            stash_type=TensorProto.FLOAT,
+        )
+        _drop_nodes(G, chain)
+        G.g.node.append(node)  # put in place by the final topological sort
+        G.refresh()
+        count += 1
+    return count
+
+
+def fuse_skip_norm(model) -> int:
+    """Add(a, b) -> SimplifiedLayerNormalization(sum) with the sum also read elsewhere ->
+    SkipSimplifiedLayerNormalization(a, b) with outputs (normalized, -, -, sum)."""
+    from onnx import helper
+
+    _, shapes = _infer(model)
+    G = _Graph(model)
+    count = 0
+    for norm in [n for n in G.g.node if n.op_type == "SimplifiedLayerNormalization"]:
+        add = G.producer.get(norm.input[0])
+        if add is None or add.op_type != "Add" or any(G.const(i) is not None for i in add.input):
+            continue
+        # no broadcasting inside the fused op: both 3-D and equal where inference knows both (it stops at
+        # contrib ops, so one side may be unknown; the other must then be known in full)
+        known = [s for s in (shapes.get(i) for i in add.input) if s]
+        if not known or any(len(s) != 3 or None in s or s != known[0] for s in known):
+            continue
+        node = helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [add.input[0], add.input[1], norm.input[1]],
+            [norm.output[0], "", "", add.output[0]],
+            name=f"{norm.name}/Skip",
+            domain=MS,
+            epsilon=_attr(norm, "epsilon"),
+        )
+        _drop_nodes(G, [add, norm])
+        G.g.node.append(node)
+        G.refresh()
+        count += 1
+    return count
+
+
+def fuse_reshapes(model) -> int:
+    """Reshape(Reshape(x, a), b) -> Reshape(x, b) when ``b`` is constant and has no 0 (copy-a-dimension)
+    entry; then Reshapes to the shape their input already has are bypassed. Returns how many went."""
+    G = _Graph(model)
+    count = 0
+    for n in list(G.g.node):
+        if n.op_type != "Reshape":
+            continue
+        first = G.producer.get(n.input[0])
+        b = G.const(n.input[1])
+        if first is not None and first.op_type == "Reshape" and b is not None and not (b == 0).any():
+            n.input[0] = first.input[0]
+    _drop_dead(model)
+    _, shapes = _infer(model)
+    G = _Graph(model)
+    dead = []
+    for n in list(G.g.node):
+        if n.op_type != "Reshape" or n.output[0] in G.outputs:
+            continue
+        src, b = shapes.get(n.input[0]), G.const(n.input[1])
+        if src and None not in src and b is not None and list(b) == src:
+            G.rename_input(n.output[0], n.input[0])
+            dead.append(n)
+            count += 1
+    _drop_nodes(G, dead)
+    _drop_dead(model)
+    return count
+
+
+def fuse_matmuls(model) -> int:
+    """MatMuls of one activation by 2-D float32 initializers -> one MatMul by [W1 | W2 | ...] and a Split.
+    Returns how many MatMuls were removed."""
+    from onnx import helper, numpy_helper
+
+    G = _Graph(model)
+    groups: dict[str, list] = {}
+    for n in G.g.node:
+        if n.op_type == "MatMul" and n.domain == "" and n.input[1] in G.inits:
+            w = G.inits[n.input[1]]
+            if len(w.dims) == 2 and w.data_type == 1 and G.const(n.input[0]) is None:
+                groups.setdefault(n.input[0], []).append(n)
+    removed = 0
+    for x, nodes in groups.items():
+        rows = {G.inits[n.input[1]].dims[0] for n in nodes}
+        if len(nodes) < 2 or len(rows) != 1:
+            continue
+        weights = [numpy_helper.to_array(G.inits[n.input[1]]) for n in nodes]
+        name = "/".join(n.name or n.output[0] for n in nodes[:1]) + "/fused"
+        G.g.initializer.append(numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}.weight"))
+        sizes = np.array([w.shape[1] for w in weights], np.int64)
+        G.g.initializer.append(numpy_helper.from_array(sizes, f"{name}.split"))
+        fused = helper.make_node("MatMul", [x, f"{name}.weight"], [f"{name}.out"], name=f"{name}/MatMul")
+        split = helper.make_node(
+            "Split",
+            [f"{name}.out", f"{name}.split"],
+            [n.output[0] for n in nodes],
+            name=f"{name}/Split",
+            axis=-1,
+        )
+        _drop_nodes(G, nodes)
+        G.g.node.extend([fused, split])
+        removed += len(nodes) - 1
+    # weights nobody reads any more
+    used = {x for n in G.g.node for x in n.input}
+    keep = [i for i in G.g.initializer if i.name in used]
+    del G.g.initializer[:]
+    G.g.initializer.extend(keep)
+    return removed
+
+
+def merge_split_concat(model) -> int:
+    """Concat(axis=-1) of consecutive outputs of one Split(axis=-1), read by nothing else -> one output of
+    that Split (the fused projections of q|k|v feeding the delta rules' short convolution)."""
+    from onnx import numpy_helper
+
+    G = _Graph(model)
+    count = 0
+    for cat in [n for n in G.g.node if n.op_type == "Concat" and _attr(n, "axis") == -1]:
+        split = G.producer.get(cat.input[0])
+        if split is None or split.op_type != "Split" or _attr(split, "axis") != -1 or len(split.input) < 2:
+            continue
+        outs = list(split.output)
+        start = outs.index(cat.input[0])
+        run = outs[start : start + len(cat.input)]
+        sizes = G.const(split.input[1])
+        if run != list(cat.input) or sizes is None or split.input[1] not in G.inits:
+            continue
+        if any(len(G.consumers.get(o, [])) != 1 or o in G.outputs for o in run):
+            continue
+        end = start + len(run)
+        merged = np.concatenate([sizes[:start], [sizes[start:end].sum()], sizes[end:]]).astype(np.int64)
+        name = f"{split.input[1]}.merged{count}"
+        G.g.initializer.append(numpy_helper.from_array(merged, name))
+        split.input[1] = name
+        split.output[:] = [*outs[:start], cat.output[0], *outs[end:]]
+        _drop_nodes(G, [cat])
+        G.refresh()
+        count += 1
+    return count
+
+
+def optimize_graph(model) -> dict[str, int]:
+    """Run the passes on ``model`` (an onnx.ModelProto, changed in place); returns what each did."""
+    from onnx import helper
+
+    if not any(o.domain == MS for o in model.opset_import):  # the Skip norm lives there
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    done = {}
+    for name, apply in (
+        ("removed", remove_redundant),
+        ("rms_norm", fuse_rms_norm),
+        ("skip_norm", fuse_skip_norm),
+        ("matmuls_removed", fuse_matmuls),
+        ("concats", merge_split_concat),
+        ("reshapes", fuse_reshapes),
+    ):
+        done[name] = apply(model)
+        _drop_dead(model)
+        _sort_topologically(model)  # fused nodes were appended; shape inference wants them in order
+    # every value typed (inference stops at contrib ops): the float16 converter places its Casts by these
+    _infer(model)
+    io = {v.name for v in [*model.graph.input, *model.graph.output]}
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(v for v in _infer.last.graph.value_info if v.name not in io)
+    return done
+
+
+def _drop_dead(model) -> None:
+    """Nodes whose outputs nobody reads (Constants left by the fusions), and unread initializers."""
+    g = model.graph
+    while True:
+        used = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if not any(o in used for o in n.output if o)]
+        if not dead:
+            break
+        ids = {_key(n) for n in dead}
+        keep = [n for n in g.node if _key(n) not in ids]
+        del g.node[:]
+        g.node.extend(keep)
+    used = {x for n in g.node for x in n.input}
+    keep = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+
+
+def checkable(model):
+    """A copy of ``model`` that ``onnx.checker`` accepts: ONNX Runtime registers SimplifiedLayerNormalization
+    in the default domain, where ONNX has no such op; moved to ``com.microsoft`` (which the checker leaves
+    alone), everything else (standard ops, types, node order) is still checked."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for n in copy.graph.node:
+        if n.domain == "" and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
+            n.domain = MS
+    if not any(o.domain == MS for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid(MS, 1))
+    return copy
+
+
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})

@@ -1,0 +1,199 @@
+"""The export-time graph pass (edgeattn.export.optimize): same logits and states as the unoptimized graph
+for every mixer, the fused ops ONNX Runtime runs, and precision conversions on top of it."""
+
+import warnings
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeattn.export import export_model
+from edgeattn.export.optimize import checkable, optimize_graph
+from edgeattn.export.precision import PrecisionWarning
+from edgeattn.runtimes import open_session
+from tests.export_helpers import EXPORTABLE, PREFILL, make_checkpoint, text_ids
+
+
+def ops(path) -> Counter:
+    return Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+def run(art, ids, steps: int):
+    """Logits of a prefill of ``ids`` then ``steps`` greedy steps, and the final state."""
+    sess = open_session(art, threads=1)
+    logits = [sess.prefill(ids)]
+    for _ in range(steps):
+        logits.append(sess.step(np.argmax(logits[-1], -1)[:, None].astype(np.int64)))
+    return np.stack(logits), sess.get_state()
+
+
+@pytest.mark.parametrize("mixer", EXPORTABLE)
+def test_optimized_graph_equals_unoptimized(tmp_path, mixer):
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    arts = {
+        opt: export_model(ckpt, tmp_path / f"art{opt}", prefill_chunk=PREFILL, optimize=opt)
+        for opt in (False, True)
+    }
+    for g in ("step.onnx", "prefill.onnx"):
+        onnx.checker.check_model(checkable(onnx.load(str(arts[True] / g))), full_check=True)
+    ids = text_ids(PREFILL + 5)  # one prefill chunk, then 5 tokens through step.onnx
+    (ref, ref_state), (got, got_state) = (run(arts[opt], ids, 4) for opt in (False, True))
+    scale = max(1.0, np.abs(ref).max())
+    assert np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max()
+    assert ref_state.keys() == got_state.keys()
+    for name, s in ref_state.items():
+        assert got_state[name].shape == s.shape
+        assert np.abs(got_state[name] - s).max() <= 1e-5 * max(1.0, np.abs(s).max()), name
+
+
+@pytest.mark.parametrize("mixer, per_layer", [("gla", 5), ("gated_deltanet", 4), ("retnet", 4)])
+def test_fused_ops_and_matmul_count(tmp_path, mixer, per_layer):
+    """gla: q|k|v|gate-down|output-gate in one MatMul, then gate-up, o, gate|up, down; gated_deltanet:
+    q|k|v|beta|a|output-gate, o, gate|up, down; retnet: q|k|v|output-gate, o, gate|up, down."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    L = 2
+    before = ops(export_model(ckpt, tmp_path / "a", optimize=False) / "step.onnx")
+    after = ops(export_model(ckpt, tmp_path / "b") / "step.onnx")
+    assert after["MatMul"] == per_layer * L + 1 < before["MatMul"]  # + the lm head
+    assert after["SkipSimplifiedLayerNormalization"] == 2 * L  # every residual add, the final norm's too
+    assert after["SimplifiedLayerNormalization"] >= 1  # the first block's norm (and the head norms)
+    # every RMSNorm fused (gated_deltanet's L2 norms of q and k stay: Pow, ReduceSum, Sqrt), no no-op casts
+    assert not {"Identity", "Cast", "ReduceMean"} & set(after), after
+    if mixer == "gated_deltanet":  # q|k|v reach the short convolution as one output of the projections' Split
+        assert before["Concat"] == L and "Concat" not in after
+
+
+def test_portable_target_is_not_optimized(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    a = ops(export_model(ckpt, tmp_path / "a", target="portable") / "step.onnx")
+    b = ops(export_model(ckpt, tmp_path / "b", target="portable", optimize=False) / "step.onnx")
+    assert a == b and "SkipSimplifiedLayerNormalization" not in a and "Split" not in a
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_precisions_on_optimized_graphs(tmp_path, precision):
+    """The precision conversions run on optimized graphs, and their logits are as close to float32's as
+    those of the unoptimized graphs in the same precision."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    ids = text_ids(PREFILL + 3)
+    ref, _ = run(export_model(ckpt, tmp_path / "fp32", prefill_chunk=PREFILL), ids, 2)
+    err = {}
+    for opt in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrecisionWarning)  # the tiny checkpoint is far from int4-friendly
+            art = export_model(
+                ckpt, tmp_path / f"{opt}", precision=precision, prefill_chunk=PREFILL, optimize=opt
+            )
+        logits, _ = run(art, ids, 2)
+        err[opt] = np.abs(logits - ref).max()
+    c = ops(art / "step.onnx")
+    assert c["SkipSimplifiedLayerNormalization"] == 4
+    if precision == "int4":
+        assert c["MatMulNBits"] == 11 and c["MatMul"] == 0
+    assert err[True] <= 1.25 * err[False] + 1e-3 * np.abs(ref).max(), err
+
+
+# ---- the fused ops' semantics in ONNX Runtime, against numpy, on tiny graphs ----
+
+
+def _session(nodes, inputs, outputs, inits=()):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    m = helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+def test_ort_simplified_layer_norm_semantics():
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32)
+    w = np.linspace(-1, 2, 8).astype(np.float32)
+    vi = helper.make_tensor_value_info
+    node = helper.make_node(
+        "SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, epsilon=0.5, stash_type=TensorProto.FLOAT
+    )
+    sess = _session(
+        [node],
+        [vi("x", TensorProto.FLOAT, x.shape)],
+        [vi("y", TensorProto.FLOAT, x.shape)],
+        [numpy_helper.from_array(w, "w")],
+    )
+    y = sess.run(None, {"x": x})[0]
+    assert np.abs(y - _rms(x, w, 0.5)).max() < 1e-5  # a large epsilon: the attribute is honoured
+    assert np.abs(y - _rms(x, w, 1e-6)).max() > 1e-2
+
+
+def test_ort_skip_simplified_layer_norm_semantics():
+    rng = np.random.default_rng(1)
+    a, b = (rng.normal(size=(1, 4, 8)).astype(np.float32) for _ in range(2))
+    w = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    vi = helper.make_tensor_value_info
+    node = helper.make_node(
+        "SkipSimplifiedLayerNormalization",
+        ["a", "b", "w"],
+        ["y", "", "", "s"],
+        domain="com.microsoft",
+        epsilon=0.25,
+    )
+    sess = _session(
+        [node],
+        [vi("a", TensorProto.FLOAT, a.shape), vi("b", TensorProto.FLOAT, b.shape)],
+        [vi("y", TensorProto.FLOAT, a.shape), vi("s", TensorProto.FLOAT, a.shape)],
+        [numpy_helper.from_array(w, "w")],
+    )
+    y, s = sess.run(None, {"a": a, "b": b})
+    assert np.abs(s - (a + b)).max() < 1e-6  # the fourth output is the residual sum
+    assert np.abs(y - _rms(a + b, w, 0.25)).max() < 1e-5
+
+
+def test_pass_on_a_hand_built_rms_norm_and_projections():
+    """x -> RMSNorm(w) -> three MatMuls: one SimplifiedLayerNormalization, one MatMul and a Split, same values."""
+    rng = np.random.default_rng(2)
+    D = 8
+    w = rng.normal(size=D).astype(np.float32)
+    mats = [rng.normal(size=(D, n)).astype(np.float32) for n in (8, 4, 6)]
+
+    def c(name, v):
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(v, np.float32))
+        )
+
+    nodes = [
+        c("two", 2.0),
+        c("eps", 1e-3),
+        c("one", 1.0),
+        helper.make_node("Pow", ["x", "two"], ["p"]),
+        helper.make_node("ReduceMean", ["p"], ["m"], axes=[-1], keepdims=1),
+        helper.make_node("Add", ["m", "eps"], ["a"]),
+        helper.make_node("Sqrt", ["a"], ["r"]),
+        helper.make_node("Div", ["one", "r"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["n"]),
+        helper.make_node("Mul", ["n", "w"], ["h"]),
+        *[helper.make_node("MatMul", ["h", f"W{i}"], [f"y{i}"]) for i in range(3)],
+    ]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [vi("x", TensorProto.FLOAT, [1, 2, D])],
+        [vi(f"y{i}", TensorProto.FLOAT, [1, 2, m.shape[1]]) for i, m in enumerate(mats)],
+        [numpy_helper.from_array(w, "w"), *[numpy_helper.from_array(m, f"W{i}") for i, m in enumerate(mats)]],
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.normal(size=(1, 2, D)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    done = optimize_graph(model)
+    assert done["rms_norm"] == 1 and done["matmuls_removed"] == 2
+    c = Counter(n.op_type for n in model.graph.node)
+    assert c == {"SimplifiedLayerNormalization": 1, "MatMul": 1, "Split": 1}
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    for r, o in zip(ref, got):
+        assert np.abs(r - o).max() < 1e-5
+    expect = _rms(x, w, 1e-3) @ mats[1]  # and both against numpy
+    assert np.abs(got[1] - expect).max() < 1e-4

@@ -78,11 +78,16 @@ def test_bad_states_and_configs_raise_value_errors(mixer):
         tiny(mixer, num_v_heads=3)
 
 
+# Fused norms of edgeattn.export.optimize (tested in test_optimize.py), not part of the recurrence.
+OPTIMIZER_OPS = {"SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"}
+
+
 def _rules(path):
-    """{op_type: {update_rule or activation, ...}} of the com.microsoft nodes, and the LinearAttention inputs."""
+    """{op_type: {update_rule or activation, ...}} of the com.microsoft nodes other than the optimizer's
+    fused norms, and the LinearAttention inputs."""
     found, inputs = {}, []
     for n in onnx.load(str(path)).graph.node:
-        if n.domain == "com.microsoft":
+        if n.domain == "com.microsoft" and n.op_type not in OPTIMIZER_OPS:
             attrs = {a.name: a.s.decode() for a in n.attribute if a.type == onnx.AttributeProto.STRING}
             found.setdefault(n.op_type, set()).update(attrs.values())
             if n.op_type == "LinearAttention":

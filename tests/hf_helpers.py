@@ -55,17 +55,23 @@ QWEN_TINY = dict(
 )
 
 
-def qwen3_5_text(seed: int = 0, **kw):
-    """A tiny transformers Qwen3_5ForCausalLM (fp32, eval, PyTorch paths only)."""
+def _tiny(modeling, model_cls, config_cls, defaults: dict, seed: int, kw: dict):
+    """A tiny transformers model (fp32, eval, PyTorch paths only), its weights perturbed."""
     import torch
-    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch_only(modeling)
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**QWEN_TINY, **kw})).eval()
+    model = model_cls(config_cls(**{**defaults, **kw})).eval()
     perturb(model, seed=seed)
     return model
+
+
+def qwen3_5_text(seed: int = 0, **kw):
+    """A tiny transformers Qwen3_5ForCausalLM."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return _tiny(modeling, Qwen3_5ForCausalLM, Qwen3_5TextConfig, QWEN_TINY, seed, kw)
 
 
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
@@ -146,16 +152,11 @@ MAMBA2_TINY = dict(
 
 
 def mamba2(seed: int = 0, **kw):
-    """A tiny transformers Mamba2ForCausalLM (fp32, eval, PyTorch paths only)."""
-    import torch
+    """A tiny transformers Mamba2ForCausalLM."""
     import transformers.models.mamba2.modeling_mamba2 as modeling
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    torch_only(modeling)
-    torch.manual_seed(seed)
-    model = Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2_TINY, **kw})).eval()
-    perturb(model, seed=seed)
-    return model
+    return _tiny(modeling, Mamba2ForCausalLM, Mamba2Config, MAMBA2_TINY, seed, kw)
 
 
 RWKV_TINY = dict(

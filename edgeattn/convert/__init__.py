@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
@@ -77,7 +76,7 @@ def check_tokenizer(src: Path, vocab_size: int) -> None:
 def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = False):
     """Convert ``src`` into the edgeattn checkpoint directory ``out`` (written whole or not at all),
     carrying its tokenizer files. Returns (EdgeConfig, notes)."""
-    from edgeattn._atomic import replace_dir
+    from edgeattn._atomic import make_temp_dir, replace_dir
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -93,8 +92,7 @@ def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool 
 
         info = tokenizer_info(src, read_config(src))
         model.cfg.extra["tokenizer"] = {k: info[k] for k in ("eos_token_ids", "bos_token_id", "pad_token_id")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = make_temp_dir(out)  # the shared temporary naming: the next write cleans what a killed import left
     try:
         model.save(tmp / "ckpt")
         for name in TOKENIZER_FILES:

@@ -60,11 +60,14 @@ from edgeattn.kernels.utils import (
     block_size,
     cast,
     chunk_local_cumsum,
+    decay_to_chunk_end,
     dot,
     dot_precision,
     gate_head,
     gate_row,
     gate_rows,
+    load_state,
+    state_block,
 )
 
 torch = require("torch")
@@ -106,14 +109,8 @@ def chunk_delta_fwd_h_kernel(
     vn += (bos * H + i_h) * V
     h += (i_b.to(tl.int64) * NT * H + i_h) * K * V  # h[b, 0, h]; chunk n is n * H * K * V further
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_h = o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    o_k, o_v, m_k, m_v, o_h, m_h = state_block(0, i_v, K, V, BK, BV)
+    b_h = load_state(h0, i_bh, o_h, m_h, K, V, BK, BV, USE_H0)
     for i_t in range(NT):
         tl.store(h + o_h, b_h, mask=m_h)
         h += H * K * V
@@ -129,20 +126,9 @@ def chunk_delta_fwd_h_kernel(
         b_v = cast(b_u - dot(b_w, cast(b_h, b_w.dtype, PREC), PREC), vn.dtype.element_ty, PREC)
         tl.store(vn + o_tv, b_v, mask=m_tv)
         b_k = tl.load(k + o_tk, mask=m_tk, other=0)
-        if GATE == 1:
-            p_g = gc + 2 * (bos * H + i_h)
-            b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
-            b_h *= tl.exp(b_gn + b_gn_lo)
-            b_k = cast(b_k * tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None], b_v.dtype, PREC)
-        elif GATE == 2:
-            p_g = gc + 2 * (bos * H + i_h) * K
-            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
-            b_h *= tl.exp(b_gn + b_gn_lo)[:, None]
-            b_k = cast(b_k * tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo)), b_v.dtype, PREC)
-        else:
-            b_k = cast(b_k, b_v.dtype, PREC)
+        b_h, b_k = decay_to_chunk_end(
+            b_h, b_k, gc, bos, i_h, o_t, o_k, m_k, r_last, T, H, K, GATE, b_v.dtype, PREC
+        )
         b_h += dot(tl.trans(b_k), b_v, PREC)
     tl.store(ht + i_bh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
 
@@ -185,14 +171,8 @@ def chunk_delta_bwd_dhu_kernel(
     dv += (bos * H + i_h) * V
     dh += ((i_b.to(tl.int64) * NT + NT - 1) * H + i_h) * K * V  # dh[b, NT - 1, h], walked back
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_h = o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    o_k, o_v, m_k, m_v, o_h, m_h = state_block(0, i_v, K, V, BK, BV)
+    b_dh = load_state(dht, i_bh, o_h, m_h, K, V, BK, BV, USE_DHT)
     for i_s in range(NT):
         i_t = NT - 1 - i_s
         tl.store(dh + o_h, b_dh, mask=m_h)

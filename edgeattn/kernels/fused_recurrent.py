@@ -13,7 +13,16 @@ appears, so any gate >= -inf is stable.
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.kernels.utils import block_size, cast, check_inputs, dot_precision, empty_sequence, gate_grad
+from edgeattn.kernels.utils import (
+    block_size,
+    cast,
+    check_inputs,
+    dot_precision,
+    empty_sequence,
+    gate_grad,
+    load_state,
+    state_block,
+)
 
 torch = require("torch")
 triton = require("triton")
@@ -43,14 +52,8 @@ def fused_recurrent_fwd_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     bos = i_b.to(tl.int64) * T
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_h = o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    o_k, o_v, m_k, m_v, o_h, m_h = state_block(0, i_v, K, V, BK, BV)
+    b_h = load_state(h0, i_bh, o_h, m_h, K, V, BK, BV, USE_H0)
     for t in range(T):
         o_tk = (bos + t) * (H * K) + i_h * K + o_k
         o_tv = (bos + t) * (H * V) + i_h * V + o_v
@@ -97,18 +100,12 @@ def fused_recurrent_bwd_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     bos = i_b.to(tl.int64) * T
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_h = o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
+    o_k, o_v, m_k, m_v, o_h, m_h = state_block(0, i_v, K, V, BK, BV)
     p_dq = dq + i_v.to(tl.int64) * s_part
     p_dk = dk + i_v.to(tl.int64) * s_part
 
     # forward in time: dq_t = S_t do_t^T
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    b_h = load_state(h0, i_bh, o_h, m_h, K, V, BK, BV, USE_H0)
     for t in range(T):
         o_tk = (bos + t) * (H * K) + i_h * K + o_k
         o_tv = (bos + t) * (H * V) + i_h * V + o_v
@@ -123,9 +120,7 @@ def fused_recurrent_bwd_kernel(
         tl.store(p_dq + o_tk, tl.sum(b_h * b_do[None, :], axis=1), mask=m_k)
 
     # backward in time: dS_t = q_t^T do_t + exp(g_{t+1}) dS_{t+1}
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    b_dh = load_state(dht, i_bh, o_h, m_h, K, V, BK, BV, USE_DHT)
     for i_s in range(T):
         t = T - 1 - i_s
         o_tk = (bos + t) * (H * K) + i_h * K + o_k

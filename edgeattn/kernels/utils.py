@@ -53,6 +53,26 @@ def cast(x, dtype: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def state_block(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets and masks of block (i_k, i_v) of a row-major [K, V] state: o_k, o_v, m_k, m_v, o_h, m_h."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    return o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+
+
+@triton.jit
+def load_state(
+    p, i_bh, o_h, m_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr
+):
+    """A [BK, BV] float32 block of state ``i_bh`` of ``p`` ([B * H, K, V]), or zeros when not USE."""
+    b = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE:
+        b += tl.load(p + i_bh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
+    return b
+
+
+@triton.jit
 def chunk_local_cumsum_kernel(g, gc, T, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -88,6 +108,43 @@ def gate_head(gc, t, T, H: tl.constexpr):
     """Whole-head cumulative gates (hi, lo) at token(s) t (a scalar or a vector, clamped)."""
     p = gc + 2 * tl.minimum(t, T - 1) * H
     return tl.load(p), tl.load(p + 1)
+
+
+@triton.jit
+def decay_to_chunk_end(
+    b_h,
+    b_k,
+    gc,
+    bos,
+    i_h,
+    o_t,
+    o_k,
+    m_k,
+    r_last,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    GATE: tl.constexpr,
+    dtype: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Carry a state block over a chunk: h *= exp(b_last), k *= exp(b_last - b) (cast to dtype), for a
+    whole-head (GATE 1) or per-key (GATE 2) gate; no gate (GATE 0) only casts k."""
+    if GATE == 1:
+        p_g = gc + 2 * (bos * H + i_h)
+        b_g, b_g_lo = gate_head(p_g, o_t, T, H)
+        b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+        b_h *= tl.exp(b_gn + b_gn_lo)
+        b_k = cast(b_k * tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None], dtype, PREC)
+    elif GATE == 2:
+        p_g = gc + 2 * (bos * H + i_h) * K
+        b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
+        b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+        b_h *= tl.exp(b_gn + b_gn_lo)[:, None]
+        b_k = cast(b_k * tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo)), dtype, PREC)
+    else:
+        b_k = cast(b_k, dtype, PREC)
+    return b_h, b_k
 
 
 @triton.jit

@@ -52,6 +52,52 @@ CONFIGS = {
         num_hidden_layers=2,
         vocab_size=64,
     ),
+    "retnet": dict(  # fla's rotary embeddings on q/k; grouped k/v heads
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        expand_k=1.0,
+        expand_v=2.0,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=64,
+    ),
+    "retnet_relu": dict(  # a feature map, no output gate
+        model_type="retnet",
+        hidden_size=32,
+        num_heads=2,
+        expand_k=0.5,
+        expand_v=1.0,
+        feature_map="relu",
+        use_output_gate=False,
+        hidden_ratio=2,
+        num_hidden_layers=2,
+        vocab_size=64,
+    ),
+    "linear_attn": dict(  # fla's default feature map (elementwise_product, learned); grouped k/v heads
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        expand_k=1.0,
+        expand_v=1.0,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=64,
+    ),
+    "linear_attn_elu": dict(  # elu + 1 features, q/k sum norms, the normalized form
+        model_type="linear_attn",
+        hidden_size=32,
+        num_heads=2,
+        expand_k=0.5,
+        expand_v=1.0,
+        feature_map="elu",
+        norm_q=True,
+        norm_k=True,
+        norm_feature_map=True,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=64,
+    ),
 }
 
 
@@ -105,15 +151,17 @@ def _loop_variables_as_tensors() -> None:
     ASTTransformer.visit_For = visit_For
 
 
-def build(model_type: str, seed: int = 0):
-    """A tiny random fla model (fp32, eval), its norm weights and gate biases perturbed so they matter."""
+def build(name: str, seed: int = 0):
+    """A tiny random fla model (fp32, eval), its norm weights and gate biases perturbed so they matter.
+    ``name`` is a key of CONFIGS (a model_type, or a variant that names its model_type)."""
     patch_triton_for_cpu()
     import fla.models  # noqa: F401  (registers fla's model types with transformers' Auto classes)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    kwargs = dict(CONFIGS[name])
+    cfg = AutoConfig.for_model(kwargs.pop("model_type", name), **kwargs)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -141,11 +189,11 @@ def fla_greedy(model, prompt, n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-def make(model_type: str, out: Path = OUT) -> Path:
+def make(name: str, out: Path = OUT) -> Path:
     import numpy as np
 
-    model = build(model_type)
-    d = out / model_type
+    model = build(name)
+    d = out / name
     d.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(d, safe_serialization=True)
     rng = np.random.default_rng(0)
@@ -158,10 +206,10 @@ def make(model_type: str, out: Path = OUT) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    for mt in argv or sorted(CONFIGS):
-        d = make(mt)
+    for name in argv or sorted(CONFIGS):
+        d = make(name)
         size = sum(f.stat().st_size for f in d.iterdir())
-        print(json.dumps({"model_type": mt, "dir": str(d), "bytes": size}))
+        print(json.dumps({"fixture": name, "dir": str(d), "bytes": size}))
 
 
 if __name__ == "__main__":

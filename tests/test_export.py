@@ -71,6 +71,21 @@ def test_fused_target_uses_the_contrib_op_and_portable_does_not(ckpts, tmp_path)
         assert not {"Loop", "Scan"} & {o for _, o in ops}
 
 
+@pytest.mark.parametrize("mixer", ["gla", "retnet", "linear"])
+def test_one_head_exports_to_the_fused_op(tmp_path, mixer):
+    """Regression: a one-head GLA crashed the torch ONNX exporter's peephole pass on the onnxruntime
+    target (the traced body of the fused op); the graph now holds the contrib op and matches PyTorch."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer, n_heads=1)
+    art = export_model(ckpt, tmp_path / "art", target="onnxruntime", prefill_chunk=PREFILL)
+    ops = {(n.domain, n.op_type) for n in onnx.load(str(art / "prefill.onnx")).graph.node}
+    assert ("com.microsoft", "LinearAttention") in ops
+    ids = text_ids(2 * PREFILL + 5)
+    ref = torch_logits(ckpt, ids)
+    got = run_logits(open_session(art), ids)
+    full = np.concatenate([got["prefill"], got["step"]], axis=1)
+    assert np.abs(full - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0)
+
+
 def test_manifest_alone_drives_a_raw_inference_session(ckpts, tmp_path):
     art = export_model(ckpts["retnet"], tmp_path / "art", target="portable", prefill_chunk=PREFILL)
     manifest = json.loads((art / "edgeattn.json").read_text())

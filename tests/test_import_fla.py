@@ -20,7 +20,17 @@ from edgeattn.runtimes import open_session
 from tests.hf_helpers import rel_err
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fla"
-MODELS = ["gla", "delta_net", "gated_deltanet"]
+# fixture directory (a model_type, or a variant of one) -> edgeattn mixer
+MIXERS = {
+    "gla": "gla",
+    "delta_net": "deltanet",
+    "gated_deltanet": "gated_deltanet",
+    "retnet": "retnet",  # rotary embeddings (a position state), grouped k/v heads
+    "retnet_relu": "retnet",  # a feature map, no output gate
+    "linear_attn": "linear",  # fla's default learned feature map, grouped k/v heads
+    "linear_attn_elu": "linear",  # elu + 1, q/k sum norms, normalized
+}
+MODELS = list(MIXERS)
 PREFILL = 24  # 80 reference tokens: 3 prefill chunks, then 8 single steps
 
 
@@ -33,7 +43,7 @@ def imported(request, tmp_path_factory):
     mt = request.param
     ckpt = tmp_path_factory.mktemp(mt) / "ckpt"
     cfg, _ = import_model(FIXTURES / mt, ckpt)
-    assert cfg.mixers == [{"delta_net": "deltanet"}.get(mt, mt)] * cfg.n_layers
+    assert cfg.mixers == [MIXERS[mt]] * cfg.n_layers
     return mt, ckpt
 
 
@@ -102,6 +112,13 @@ def _edit_config(tmp_path, mt: str, **changes) -> Path:
         ("gla", {"expand_k": 1.0}, "the config disagrees with the weights"),
         ("delta_net", {"qk_activation": "relu"}, "config field qk_activation = 'relu'"),
         ("delta_net", {"use_gate": True}, "config field use_gate = True"),
+        ("retnet", {"use_short_conv": True}, "config field use_short_conv = True"),
+        ("retnet", {"feature_map": "gelu_new"}, "config field feature_map = 'gelu_new'"),
+        ("retnet", {"num_kv_heads": 3}, "config field num_kv_heads = 3"),
+        ("retnet", {"num_kv_heads": 4}, "the config disagrees with the weights"),
+        ("linear_attn", {"feature_map": "hedgehog"}, "config field feature_map = 'hedgehog'"),
+        ("linear_attn", {"feature_map": "dpfp"}, "config field feature_map = 'dpfp'"),
+        ("linear_attn", {"expand_v": 2.0}, "the config disagrees with the weights"),
     ],
 )
 def test_unrepresentable_or_inconsistent_configs_are_refused(tmp_path, mt, changes, msg):

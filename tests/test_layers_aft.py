@@ -169,3 +169,27 @@ def test_exported_step_is_plain_onnx_and_matches(mixer, tmp_path):
     )
     for name, a, b in zip(["y", *names], got, ref):
         assert_close(name, torch.from_numpy(a), b, 1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["aft_local", "aft", "rwkv"])
+@pytest.mark.parametrize("prefill", [12, 24])
+def test_export_with_a_prefill_chunk_that_chunk_size_does_not_divide(mixer, prefill, tmp_path):
+    """Regression: a prefill graph of 12 or 24 tokens with chunk_size 16 (a padded last chunk) failed to
+    export; the layer now runs a chunk dividing T. Artifact logits (prefill chunks, then steps) equal the
+    model's forward in one call, both targets."""
+    import numpy as np
+
+    from edgeattn.export import export_model
+    from edgeattn.export.check import run_logits
+    from edgeattn.runtimes import open_session
+
+    model = EdgeLM(tiny(mixer, n_layers=2, vocab_size=64, window=8, chunk_size=16)).eval()
+    model.save(tmp_path / "ckpt")
+    ids = np.random.default_rng(0).integers(0, 64, (1, 2 * prefill + 5))
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids))[0]
+    for target in ("onnxruntime", "portable"):
+        art = export_model(tmp_path / "ckpt", tmp_path / target, target=target, prefill_chunk=prefill)
+        got = run_logits(open_session(art), ids)
+        assert got["prefill"].shape[1] == 2 * prefill
+        assert_close(target, torch.from_numpy(np.concatenate([got["prefill"], got["step"]], 1)), want, 1e-4)

@@ -1,4 +1,5 @@
-"""`edgeattn train`: train a byte-level EdgeLM (on the Python standard library unless --data is given).
+"""`edgeattn train`: train a byte-level EdgeLM (on the Python standard library unless --data is given), or
+fine-tune an imported one (`--resume` a checkpoint of `edgeattn import`: its tokenizer encodes the data).
 
 Under `torchrun --nproc-per-node N` the same command trains data-parallel (see edgeattn.train.distributed).
 """
@@ -81,7 +82,9 @@ def train(
     resume: Annotated[
         Path | None,
         typer.Option(
-            help="Continue this checkpoint's run: its options unless given again; --out defaults to it."
+            help="Continue this checkpoint's run: its options unless given again; --out defaults to it. "
+            "A checkpoint without a trainer state (edgeattn import's) is fine-tuned from step 0, the data "
+            "encoded with its tokenizer.json."
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a checkpoint already in --out.")] = False,
@@ -124,7 +127,8 @@ def train(
     ] = None,
     seed: Annotated[int | None, _train("Seed of the weights and the data order.", "0")] = None,
 ) -> None:
-    """Train a byte-level language model: validation bits per byte at intervals, checkpoints in --out."""
+    """Train a byte-level language model (or fine-tune an imported one): validation loss at intervals,
+    checkpoints in --out."""
     from edgeattn.train.loop import TrainConfig, read_trainer_state
     from edgeattn.train.loop import train as run_training
 

@@ -23,6 +23,8 @@ CONVERTERS = {
     "gla": "fla",
     "delta_net": "fla",
     "gated_deltanet": "fla",
+    "retnet": "fla",
+    "linear_attn": "fla",
 }
 
 

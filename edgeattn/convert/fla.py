@@ -1,4 +1,5 @@
-"""flash-linear-attention (fla) models: ``gla``, ``delta_net`` and ``gated_deltanet`` (fla 0.6's config.json and weights).
+"""flash-linear-attention (fla) models: ``gla``, ``delta_net``, ``gated_deltanet``, ``retnet`` and
+``linear_attn`` (fla 0.6's config.json and weights).
 
 Every fla model is embeddings -> blocks (attn_norm, attn, mlp_norm, GatedMLP) -> norm -> lm_head, the
 blocks' RMSNorms and the GatedMLP (SwiGLU, ``intermediate_size`` or ``hidden_ratio``) as edgeattn's.
@@ -12,11 +13,20 @@ blocks' RMSNorms and the GatedMLP (SwiGLU, ``intermediate_size`` or ``hidden_rat
 - ``gla`` -> ``gla``: key width ``hidden_size * expand_k / num_heads`` (EdgeConfig ``head_size``), value
   width ``expand_v`` times it; gk_proj (low rank, biased) -> gk_down / gk_up; the per-head output
   RMSNorm's weight (one head wide, shared by the heads) is tiled over the heads.
+- ``retnet`` -> ``retnet``: key/value widths from ``expand_k`` / ``expand_v``, grouped k/v heads
+  (``num_kv_heads`` -> ``n_kv_heads``), fla's rotary embeddings on q/k over the whole key head (base
+  10000: ``rope_theta``; the state then carries ``position``), an elementwise ``feature_map``, the
+  per-head output RMSNorm (tiled as GLA's) times swish of g_proj, or the norm alone without the gate.
+- ``linear_attn`` -> ``linear``: fla's feature maps (``elementwise_product`` -> ``hadamard`` with its
+  four small linear layers, ``elu`` -> ``elu1``, ``relu``, ``identity``), ``norm_q`` / ``norm_k`` (divide
+  by the sum + 1e-4: ``qk_sum_norm``), the normalized form (``norm_feature_map``), grouped k/v heads
+  and the per-head output RMSNorm (``output_norm``), no decay.
 
 Refused with one line naming the field: hybrid softmax layers (``attn``), attention residuals,
 activations other than swish, GLA's grouped KV heads, short convolutions, feature maps, clamped gates,
 gated values or missing output gate, a Gated DeltaNet without its short convolution or output gate, a
-DeltaNet with another q/k activation or norm, without beta, short convolution or output norm, or gated.
+DeltaNet with another q/k activation or norm, without beta, short convolution or output norm, or gated;
+RetNet / linear attention short convolutions and feature maps other than the listed ones.
 """
 
 from __future__ import annotations
@@ -25,8 +35,26 @@ import math
 
 from edgeattn.convert.hf import Weights, refuse
 
-MODEL_TYPES = ("gla", "delta_net", "gated_deltanet")
-MIXER = {"gla": "gla", "delta_net": "deltanet", "gated_deltanet": "gated_deltanet"}
+MODEL_TYPES = ("gla", "delta_net", "gated_deltanet", "retnet", "linear_attn")
+MIXER = {
+    "gla": "gla",
+    "delta_net": "deltanet",
+    "gated_deltanet": "gated_deltanet",
+    "retnet": "retnet",
+    "linear_attn": "linear",
+}
+# fla's RetNet feature_map (a transformers ACT2FN name) -> edgeattn's elementwise map
+RETNET_MAPS = {
+    None: "default",
+    "relu": "relu",
+    "swish": "silu",
+    "silu": "silu",
+    "sigmoid": "sigmoid",
+    "elu": "elu",
+}
+RETNET_MAPS.update({"linear": "identity", "identity": "identity"})
+# fla's linear_attn feature_map -> edgeattn's linear feature_map
+LINEAR_MAPS = {"elementwise_product": "hadamard", "elu": "elu1", "relu": "relu", "identity": "identity"}
 
 
 def _mlp_size(c: dict, D: int) -> int:
@@ -73,6 +101,63 @@ def _gla_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
     ):
         raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
     return K, V, dict(head_size=K, expand_v=V / K, gate_logit_normalizer=16)
+
+
+def _widths(c: dict, D: int, H: int, expand_k: float, expand_v: float) -> tuple[int, int]:
+    """Key and value widths per head from fla's expand_k / expand_v (refused unless whole per head)."""
+    key_dim, value_dim = D * float(c.get("expand_k", expand_k)), D * float(c.get("expand_v", expand_v))
+    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
+        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
+    K, V = round(key_dim) // H, round(value_dim) // H
+    if not (
+        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
+    ):
+        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    return K, V
+
+
+def _kv_heads(c: dict, H: int) -> int:
+    Hkv = int(c.get("num_kv_heads") or H)
+    if H % Hkv:
+        raise refuse("num_kv_heads", Hkv, f"num_heads {H} must be a multiple of it")
+    return 0 if Hkv == H else Hkv
+
+
+def _retnet_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    _expect(c, "use_short_conv", (False,), False, "RetNet's short convolutions are not supported")
+    fmap = c.get("feature_map")
+    if fmap not in RETNET_MAPS:
+        raise refuse("feature_map", fmap, f"supported: None, {', '.join(k for k in RETNET_MAPS if k)}")
+    K, V = _widths(c, D, H, 1.0, 2.0)
+    if K % 2:
+        raise refuse("expand_k", c.get("expand_k"), f"the rotary key head width {K} must be even")
+    fields = dict(
+        head_size=K,
+        expand_v=V / K,
+        n_kv_heads=_kv_heads(c, H),
+        rope_theta=10000.0,  # fla's MultiScaleRetention: RotaryEmbedding(dim=head_k_dim), its default base
+        feature_map=RETNET_MAPS[fmap],
+        output_gate=bool(c.get("use_output_gate", True)),
+    )
+    return K, V, fields
+
+
+def _linear_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
+    fmap = c.get("feature_map", "elementwise_product")
+    if fmap not in LINEAR_MAPS:
+        raise refuse("feature_map", fmap, f"supported: {', '.join(LINEAR_MAPS)}")
+    K, V = _widths(c, D, H, 1.0, 1.0)
+    norm = ("q" if c.get("norm_q") else "") + ("k" if c.get("norm_k") else "")
+    fields = dict(
+        head_size=K,
+        expand_v=V / K,
+        n_kv_heads=_kv_heads(c, H),
+        feature_map=LINEAR_MAPS[fmap],
+        qk_sum_norm=norm,
+        attn_normalize=bool(c.get("norm_feature_map", False)),
+        output_norm=True,  # fla's LinearAttention always norms (its block passes no output_norm)
+    )
+    return K, V, fields
 
 
 def _gdn_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
@@ -128,7 +213,13 @@ def convert(config: dict, weights: Weights):
     _common(c)
     D, L, H = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_heads"])
     Vocab, I = int(c["vocab_size"]), _mlp_size(c, D)  # noqa: E741
-    layer = {"gla": _gla_layer, "delta_net": _deltanet_layer, "gated_deltanet": _gdn_layer}[mt]
+    layer = {
+        "gla": _gla_layer,
+        "delta_net": _deltanet_layer,
+        "gated_deltanet": _gdn_layer,
+        "retnet": _retnet_layer,
+        "linear_attn": _linear_layer,
+    }[mt]
     K, V, fields = layer(c, D, H)
     if mt == "gla":  # fla's layer argument gate_low_rank_dim (16) is not in its config: the weights say
         low = weights.tensors.get("model.layers.0.attn.gk_proj.0.weight")
@@ -161,6 +252,8 @@ def convert(config: dict, weights: Weights):
         a, m = src + "attn.", dst + "mixer."
         if mt == "gla":
             sd.update(_gla_weights(weights, a, m, D, H, K, V, fields["gate_low_rank"]))
+        elif mt in ("retnet", "linear_attn"):
+            sd.update(_retnet_linear_weights(weights, a, m, D, H, K, V, fields))
         else:
             sd.update(_gdn_weights(weights, a, m, D, H, K, V, fields))
     sd["norm.weight"] = weights.take("model.norm.weight", (D,), "hidden_size")
@@ -213,4 +306,31 @@ def _gdn_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, fie
         sd[m + "A_log"] = w.take(a + "A_log", (HV,), "num_v_heads")
         sd[m + "dt_bias"] = w.take(a + "dt_bias", (HV,), "num_v_heads")
         sd[m + "g_proj.weight"] = w.take(a + "g_proj.weight", (HV * V, D), "num_v_heads, head_dim, expand_v")
+    return sd
+
+
+def _retnet_linear_weights(w: Weights, a: str, m: str, D: int, H: int, K: int, V: int, fields: dict) -> dict:
+    """MultiScaleRetention's or LinearAttention's weights (grouped k/v heads: k_proj / v_proj are
+    n_kv_heads wide, each head serving consecutive query heads, as edgeattn's repeat_interleave)."""
+    Hkv = fields["n_kv_heads"] or H
+    sd = {
+        m + "q_proj.weight": w.take(a + "q_proj.weight", (H * K, D), "expand_k, num_heads"),
+        m + "k_proj.weight": w.take(a + "k_proj.weight", (Hkv * K, D), "expand_k, num_kv_heads"),
+        m + "v_proj.weight": w.take(a + "v_proj.weight", (Hkv * V, D), "expand_v, num_kv_heads"),
+        m + "o_proj.weight": w.take(a + "o_proj.weight", (D, H * V), "expand_v, num_heads"),
+    }
+    norms = [n for n in ("g_norm_swish_gate.weight", "g_norm.weight", "norm.weight") if a + n in w]
+    # elementwise_affine = false: fla's norm has no weight, the same as ones
+    weight = w.take(a + norms[0], (V,), "expand_v, num_heads") if norms else w.torch.ones(V)
+    sd[m + "norm_gate.weight"] = weight.repeat(H)  # [V] -> [H * V]: one weight shared by the heads
+    if fields.get("output_gate"):
+        sd[m + "norm_gate.g_proj.weight"] = w.take(a + "g_proj.weight", (H * V, D), "expand_v, num_heads")
+    if fields.get("feature_map") == "hadamard":  # tie_feature_map_qk: one module, maybe saved under one name
+        for x in ("q", "k"):
+            for i in (1, 2):
+                for p, shape in (("weight", (K, K)), ("bias", (K,))):
+                    name = f"{a}feature_map_{x}.layer{i}.{p}"
+                    if name not in w:
+                        name = f"{a}feature_map_{'k' if x == 'q' else 'q'}.layer{i}.{p}"
+                    sd[f"{m}{x}_map{i}.{p}"] = w.take(name, shape, "expand_k, num_heads")
     return sd

@@ -37,6 +37,12 @@ class _Projections(Mixer):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
+def chunk_dividing(T: int, chunk_size: int) -> int:
+    """The largest chunk <= chunk_size that divides T: no padded last chunk, whose shapes the ONNX exporter
+    cannot follow (a prefill graph of T tokens, T < chunk_size or not a multiple of it)."""
+    return next(c for c in range(min(chunk_size, T), 0, -1) if T % c == 0)
+
+
 @register_mixer("aft")
 class AFT(_Projections):
     """AFT-simple with a learned per-channel decay: w_{t,i} = (t - i) * decay, decay = -softplus(p) <= 0."""
@@ -82,7 +88,7 @@ class AFT(_Projections):
                 window_bias=self.window_bias(),
                 initial_state=state,
                 output_final_state=True,
-                chunk_size=self.cfg.chunk_size,
+                chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
             )
         return self.o_proj(o.to(x.dtype)), dict(zip(names, state))
 

@@ -20,6 +20,33 @@ nn = torch.nn
 F = torch.nn.functional
 
 
+def rotary(x, pos, rotary_dim: int, theta: float):
+    """Rotary embedding (rotate-half convention, fla's and GPT-NeoX's) on the first ``rotary_dim`` dims of
+    x [B, T, H, K] at float positions pos [B, T]."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
+    )
+    freqs = pos[..., None] * inv_freq  # [B, T, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [B, T, 1, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    xr, xp = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([(xr * cos + rotated * sin).to(x.dtype), xp], dim=-1)
+
+
+# Elementwise feature maps on q and k (retnet: fla's ``feature_map``, a transformers activation name;
+# linear: fla's linear_attn maps besides its learned one).
+ELEMENTWISE_MAPS = {
+    "identity": lambda x: x,
+    "relu": F.relu,
+    "elu1": elu1,
+    "elu": F.elu,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+}
+
+
 class GatedRecurrenceMixer(Mixer):
     normalize: bool = False  # Linear Transformer and Performer divide by q . z
 
@@ -28,12 +55,39 @@ class GatedRecurrenceMixer(Mixer):
         D, H = cfg.d_model, cfg.n_heads
         # Head widths: q/k cfg.head_dim (d_model // n_heads unless head_size is set), v expand_v times it;
         # edgeattn's own models keep both at d_model // n_heads (fla's GLA has expand_k = 0.5 of d_model).
+        # Grouped key/value heads (n_kv_heads, fla's num_kv_heads): each k/v head serves n_heads / n_kv_heads
+        # consecutive query heads.
         self.n_heads, self.head_dim = H, cfg.head_dim
+        self.n_kv_heads = cfg.n_kv_heads or H
         self.value_dim = int(cfg.head_dim * cfg.expand_v)
         self.q_proj = nn.Linear(D, H * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(D, H * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(D, H * self.value_dim, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * self.value_dim, bias=False)
         self.o_proj = nn.Linear(H * self.value_dim, D, bias=False)
+        self.rotary = self.supports_rotary and bool(cfg.rope_theta)
+
+    supports_rotary: bool = False  # retnet: rotary embeddings on q/k when cfg.rope_theta is set
+
+    def project(self, x):
+        """q [B, T, H, K], k [B, T, H, K], v [B, T, H, V], the grouped k/v heads repeated."""
+        B, T, _ = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, Hkv, Dh)
+        v = self.v_proj(x).view(B, T, Hkv, self.value_dim)
+        if Hkv != H:
+            k = k.repeat_interleave(H // Hkv, dim=2)  # [B, T, H, K]
+            v = v.repeat_interleave(H // Hkv, dim=2)  # [B, T, H, V]
+        return q, k, v
+
+    def rotate(self, q, k, position):
+        """Rotary embeddings at positions position[b] + t (float32 [B]); returns q, k, position + T."""
+        T = q.shape[1]
+        t = torch.ones_like(q[0, :, 0, 0], dtype=torch.float32).cumsum(0) - 1  # [T], dynamic T
+        pos = position[:, None] + t[None, :]  # [B, T]
+        q = rotary(q, pos, self.cfg.rotary_dim or self.head_dim, self.cfg.rope_theta)
+        k = rotary(k, pos, self.cfg.rotary_dim or self.head_dim, self.cfg.rope_theta)
+        return q, k, position + T
 
     @property
     def key_dim(self) -> int:
@@ -56,20 +110,22 @@ class GatedRecurrenceMixer(Mixer):
         specs = [StateSpec("recurrent_state", (batch_size, H, K, V))]
         if self.normalize:
             specs.append(StateSpec("normalizer", (batch_size, H, K)))
+        if self.rotary:
+            specs.append(StateSpec("position", (batch_size,)))
         return specs
 
     def forward(self, x, state=None):
         B, T, _ = x.shape
-        H, Dh = self.n_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, H, Dh)
-        v = self.v_proj(x).view(B, T, H, self.value_dim)
+        H = self.n_heads
+        q, k, v = self.project(x)
         q, k = self.features(q, k)
         g = self.gate(x)
         if state is None:
             state = self.init_state(B, x.device)
         else:
             self.check_state(state, B)
+        if self.rotary:
+            q, k, position = self.rotate(q, k, state["position"])
         scale = None if self.normalize else self.key_dim**-0.5
         if fused_enabled():
             o, S, z = self._fused(q, k, v, g, state)
@@ -107,6 +163,8 @@ class GatedRecurrenceMixer(Mixer):
         new_state = {"recurrent_state": S}
         if self.normalize:
             new_state["normalizer"] = z
+        if self.rotary:
+            new_state["position"] = position
         return self.output(o.to(x.dtype), x), new_state
 
     def _fused(self, q, k, v, g, state):
@@ -141,11 +199,25 @@ class _FeatureMapped(GatedRecurrenceMixer):
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
         name = self.default_map if cfg.feature_map == "default" else cfg.feature_map
-        if name not in FEATURE_MAPS:
+        if name not in FEATURE_MAPS and name not in ELEMENTWISE_MAPS:
             raise ValueError(
-                f"feature_map must be 'default' or one of {', '.join(FEATURE_MAPS)}, got {cfg.feature_map!r}"
+                f"feature_map must be 'default' or one of {', '.join([*FEATURE_MAPS, *ELEMENTWISE_MAPS])}, "
+                f"got {cfg.feature_map!r}"
             )
         self.feature_map = name
+        self.normalize = cfg.attn_normalize
+        if name == "rff" and not self.normalize:
+            raise ValueError(
+                "feature_map 'rff' needs attn_normalize=True (its normalizer is part of the map)"
+            )
+        if name == "hadamard":  # fla's elementwise_product: (x W1 + b1) * (x W2 + b2) per head, q and k
+            K = self.head_dim
+            self.q_map1, self.q_map2 = nn.Linear(K, K), nn.Linear(K, K)
+            self.k_map1, self.k_map2 = nn.Linear(K, K), nn.Linear(K, K)
+        if cfg.output_norm:
+            self.norm_gate = _HeadNormGate(
+                cfg.d_model, cfg.n_heads * self.value_dim, cfg.n_heads, cfg.norm_eps, gate=False
+            )
         gen = torch.Generator().manual_seed(1234 + layer_idx)
         if name == "favor":
             self.register_buffer(
@@ -156,21 +228,33 @@ class _FeatureMapped(GatedRecurrenceMixer):
 
     @property
     def key_dim(self) -> int:
-        return {"elu1": self.head_dim, "favor": self.cfg.feature_dim, "rff": 2 * self.cfg.feature_dim + 1}[
-            self.feature_map
-        ]
+        return {"favor": self.cfg.feature_dim, "rff": 2 * self.cfg.feature_dim + 1}.get(
+            self.feature_map, self.head_dim
+        )
 
     def features(self, q, k):
-        return FEATURE_MAPS[self.feature_map](self, q, k)
+        if self.feature_map in ELEMENTWISE_MAPS:
+            f = ELEMENTWISE_MAPS[self.feature_map]
+            q, k = f(q), f(k)
+        else:
+            q, k = FEATURE_MAPS[self.feature_map](self, q, k)
+        norm = self.cfg.qk_sum_norm
+        if "q" in norm:
+            q = q / (q.sum(-1, keepdim=True) + 1e-4)
+        if "k" in norm:
+            k = k / (k.sum(-1, keepdim=True) + 1e-4)
+        return q, k
+
+    def output(self, o, x):
+        if self.cfg.output_norm:
+            return self.o_proj(self.norm_gate(o, x))
+        return super().output(o, x)
 
     def forward(self, x, state=None):
         if self.feature_map != "rff":
             return super().forward(x, state)
         B, T, _ = x.shape
-        H, Dh = self.n_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, H, Dh)
-        v = self.v_proj(x).view(B, T, H, self.value_dim)
+        q, k, v = self.project(x)
         q, k = self.features(q, k)
         if state is None:
             state = self.init_state(B, x.device)
@@ -190,6 +274,10 @@ FEATURE_MAPS = {
         favor_features(k, layer.projection),
     ),
     "rff": lambda layer, q, k: rff_softmax_features(q, k, layer.projection),
+    "hadamard": lambda layer, q, k: (
+        layer.q_map1(q) * layer.q_map2(q),
+        layer.k_map1(k) * layer.k_map2(k),
+    ),
 }
 
 
@@ -209,28 +297,46 @@ class Performer(_FeatureMapped):
 
 
 class _HeadNormGate(nn.Module):
-    """Per-head normalization of the recurrence output, times swish(x W_g), then the output projection."""
+    """Per-head RMS normalization of the recurrence output, times swish(x W_g) (unless ``gate=False``);
+    the output projection follows."""
 
-    def __init__(self, d_model: int, width: int, n_heads: int, eps: float):
+    def __init__(self, d_model: int, width: int, n_heads: int, eps: float, gate: bool = True):
         super().__init__()
         self.n_heads, self.eps = n_heads, eps
         self.weight = nn.Parameter(torch.ones(width))  # width = n_heads * value head width
-        self.g_proj = nn.Linear(d_model, width, bias=False)
+        self.g_proj = nn.Linear(d_model, width, bias=False) if gate else None
 
     def forward(self, o, x):  # o: [B, T, H, V]
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = o.reshape(*o.shape[:2], -1) * self.weight
-        return o * F.silu(self.g_proj(x))
+        return o if self.g_proj is None else o * F.silu(self.g_proj(x))
 
 
 @register_mixer("retnet")
 class RetNet(GatedRecurrenceMixer):
-    """Multi-scale retention: gamma_h = 1 - 2^(-5-h), per-head group norm, swish gate."""
+    """Multi-scale retention: gamma_h = 1 - 2^(-5-h), per-head group norm, swish gate.
+
+    Options of imported (fla) models: an elementwise ``feature_map`` on q/k, rotary embeddings on q/k
+    (``rope_theta``: the state then holds ``position`` [B], the tokens seen), grouped k/v heads
+    (``n_kv_heads``), and no output gate (``output_gate=False``)."""
+
+    supports_rotary = True
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
+        if cfg.feature_map != "default" and cfg.feature_map not in ELEMENTWISE_MAPS:
+            raise ValueError(
+                f"retnet feature_map must be 'default' (none) or one of {', '.join(ELEMENTWISE_MAPS)}, "
+                f"got {cfg.feature_map!r}"
+            )
+        self.feature_map = ELEMENTWISE_MAPS.get(cfg.feature_map)
         self.register_buffer("log_gamma", retnet_log_gammas(cfg.n_heads), persistent=False)
-        self.norm_gate = _HeadNormGate(cfg.d_model, cfg.n_heads * self.value_dim, cfg.n_heads, cfg.norm_eps)
+        self.norm_gate = _HeadNormGate(
+            cfg.d_model, cfg.n_heads * self.value_dim, cfg.n_heads, cfg.norm_eps, gate=cfg.output_gate
+        )
+
+    def features(self, q, k):
+        return (q, k) if self.feature_map is None else (self.feature_map(q), self.feature_map(k))
 
     def gate(self, x):
         return self.log_gamma

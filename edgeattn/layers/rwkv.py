@@ -17,6 +17,7 @@ W = 1 (numerator, denominator, max, max_age, key, value, position).
 from __future__ import annotations
 
 from edgeattn._deps import require
+from edgeattn.layers.aft import chunk_dividing
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.aft import aft, aft_state_names, aft_step
 
@@ -76,7 +77,7 @@ class RWKV4(Mixer):
             o, s = aft_step(r[:, 0], k[:, 0], v[:, 0], decay, bias, s)
             o = o.unsqueeze(1)
         else:
-            # A chunk no longer than T: no padded chunk, whose shapes the ONNX exporter cannot follow.
+            # A chunk dividing T: no padded chunk, whose shapes the ONNX exporter cannot follow.
             o, s = aft(
                 r,
                 k,
@@ -85,7 +86,7 @@ class RWKV4(Mixer):
                 window_bias=bias,
                 initial_state=s,
                 output_final_state=True,
-                chunk_size=min(self.cfg.chunk_size, int(T)),
+                chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
             )
         new = {"shift": x[:, -1].float(), "ffn_shift": state["ffn_shift"], **dict(zip(names, s))}
         return self.o_proj(o.to(x.dtype)), new

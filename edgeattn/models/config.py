@@ -41,21 +41,29 @@ class EdgeConfig:
     mamba_expand: int = 2  # mamba2: inner width I = mamba_expand * d_model
     mamba_n_groups: int = 1  # mamba2: G groups of B and C shared by the heads (and of the gated norm)
     # linear, performer: "elu1", "favor" (FAVOR+) or "rff" (random Fourier features, feature_dim
-    # frequencies -> 2 * feature_dim features); "default" keeps each family's own (elu1, favor)
+    # frequencies -> 2 * feature_dim features); "default" keeps each family's own (elu1, favor).
+    # Imported fla models: linear also "hadamard" (fla's learned elementwise_product) or an elementwise
+    # map "identity", "relu", "elu", "silu", "sigmoid"; retnet "default" (none) or an elementwise map.
     feature_map: str = "default"
     lsh_buckets: int = 8  # reformer: angular LSH buckets per round (1 or even)
     lsh_rounds: int = 2  # reformer: hashing rounds, averaged by their log-sum-exp
     # Imported models (edgeattn.convert); the defaults leave edgeattn's own models unchanged.
     head_size: int = 0  # softmax/swa, linear/performer/retnet/gla: (key) head width (0: d_model // n_heads)
-    n_kv_heads: int = 0  # softmax: grouped key/value heads, n_heads a multiple of it (0: n_heads)
-    rope_theta: float = 0.0  # softmax: rotary embeddings on q/k with this base (0: none, NoPE)
-    rotary_dim: int = 0  # softmax: leading head dims rotated (partial rotary; 0: the whole head)
+    n_kv_heads: int = (
+        0  # softmax, retnet, linear: grouped key/value heads, n_heads a multiple of it (0: n_heads)
+    )
+    rope_theta: float = 0.0  # softmax, retnet: rotary embeddings on q/k with this base (0: none, NoPE)
+    rotary_dim: int = 0  # softmax, retnet: leading head dims rotated (partial rotary; 0: the whole head)
     qk_norm: bool = False  # softmax: RMSNorm over each q and k head (with weights) before the rotary
     attn_output_gate: bool = False  # softmax: o * sigmoid(x W_g) per head, W_g interleaved in q_proj
     intermediate_size: int = 0  # SwiGLU hidden size (0: from mlp_ratio); -1: no MLP (Mamba2 blocks)
     linear_n_heads: int = 0  # delta-rule layers of a hybrid stack: key heads (0: n_heads)
     linear_key_dim: int = 0  # delta-rule layers: key head width (0: d_model // n_heads)
     linear_value_dim: int = 0  # delta-rule layers: value head width (0: expand_v * key width)
+    attn_normalize: bool = True  # linear: o / (q . z); False: o = K^-1/2 q S unnormalized (fla's linear_attn)
+    qk_sum_norm: str = ""  # linear: "q", "k" or "qk" divided by their sum + 1e-4 after the feature map
+    output_norm: bool = False  # linear: per-head RMSNorm (with weights) of the output before o_proj
+    output_gate: bool = True  # retnet: swish(x W_g) times the normed output (False: the norm alone)
     norm: str = "rms"  # block and final norms: "rms" (RMSNorm) or "layer" (LayerNorm with bias, RWKV)
     embed_norm: bool = False  # a norm right after the embedding (RWKV's pre_ln)
     extra: dict = field(default_factory=dict)  # free-form, kept through save/load
@@ -87,6 +95,8 @@ class EdgeConfig:
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if self.n_kv_heads and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.qk_sum_norm not in ("", "q", "k", "qk"):
+            raise ValueError(f"qk_sum_norm must be '', 'q', 'k' or 'qk', got {self.qk_sum_norm!r}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary_dim must be even and <= the head width {self.head_dim}, got {self.rotary_dim}"

@@ -20,6 +20,11 @@ each step reads only its own windows. The cache dir is ``$EDGEATTN_CACHE_DIR``, 
 Batches are a pure function of (seed, rank, step): window starts drawn from ``numpy.random.default_rng
 ([seed, rank, step])`` inside this rank's shard of the training split (the split cut into ``world_size``
 contiguous pieces). The data position is the step: a resumed run reads the same batches.
+
+With a Hugging Face ``tokenizer.json`` (``load_corpus(..., tokenizer=path)``: fine-tuning an imported
+model) the tokens are that tokenizer's ids instead: each file is encoded (no special tokens) and the ids
+concatenated into ``tokens-<key>.bin`` (uint32, keyed by the files and the tokenizer's bytes); the splits,
+windows and batches are then counted in tokens.
 """
 
 from __future__ import annotations
@@ -125,13 +130,45 @@ def build_cache(files: list[Path], directory: Path | None = None) -> Path:
     return out
 
 
+def build_token_cache(files: list[Path], tokenizer: Path, directory: Path | None = None) -> Path:
+    """Encode ``files`` with the Hugging Face tokenizer ``tokenizer`` (a tokenizer.json) into one cache
+    file of uint32 ids (once) and return its path."""
+    from edgeattn.artifact.tokenizer import load_hf_tokenizer
+
+    directory = cache_dir() if directory is None else Path(directory)
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    tok_hash = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, stats, tok_hash]).encode()).hexdigest()[:20]
+    out = directory / f"tokens-{key}.bin"
+    if out.is_file():
+        return out
+    total = sum(_check_text(p) for p in files)
+    if total == 0:
+        raise ValueError("the data is empty (0 bytes of text)")
+    tok = load_hf_tokenizer(tokenizer)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = make_temp_file(out)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for p in files:
+                ids = tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids
+                f.write(np.asarray(ids, dtype=np.uint32).tobytes())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
 @dataclass
 class Corpus:
-    """A byte corpus split into a training and a validation part (both views of one memmap)."""
+    """A token corpus split into a training and a validation part (both views of one memmap): bytes
+    (uint8), or a tokenizer's ids (uint32)."""
 
-    train: np.ndarray  # uint8
-    val: np.ndarray  # uint8
+    train: np.ndarray  # uint8 or uint32
+    val: np.ndarray  # uint8 or uint32
     source: str  # what was read, for logs
+    unit: str = "bytes"  # what a token is, for messages: "bytes" or "tokens"
 
     def shard(self, rank: int, world_size: int) -> np.ndarray:
         """This rank's contiguous piece of the training split."""
@@ -145,8 +182,8 @@ class Corpus:
         data = self.shard(rank, world_size)
         if len(data) < seq_len + 1:
             raise ValueError(
-                f"the training split ({len(data)} bytes per rank) is shorter than one window "
-                f"({seq_len + 1} bytes)"
+                f"the training split ({len(data)} {self.unit} per rank) is shorter than one window "
+                f"({seq_len + 1} {self.unit})"
             )
         rng = np.random.default_rng([seed, rank, step])
         starts = rng.integers(0, len(data) - seq_len, size=batch_size)
@@ -157,7 +194,7 @@ class Corpus:
         """Up to ``max_windows`` evenly spaced, non-overlapping windows of seq_len + 1 bytes: [N, T + 1]."""
         n = (len(self.val) - 1) // seq_len
         if n < 1:
-            raise ValueError(f"the validation split ({len(self.val)} bytes) is shorter than one window")
+            raise ValueError(f"the validation split ({len(self.val)} {self.unit}) is shorter than one window")
         idx = np.linspace(0, n - 1, num=min(n, max_windows)).round().astype(np.int64)
         return np.stack(
             [np.asarray(self.val[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx]
@@ -170,8 +207,10 @@ def load_corpus(
     seq_len: int = 256,
     val_fraction: float = 0.02,
     cache: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Corpus:
-    """The corpus of ``data`` (None: the standard library), split into train and validation bytes."""
+    """The corpus of ``data`` (None: the standard library), split into train and validation tokens:
+    bytes, or the ids of ``tokenizer`` (a Hugging Face tokenizer.json)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     if data is None:
@@ -180,17 +219,23 @@ def load_corpus(
             raise ValueError("found no standard library sources to train on; pass --data PATH")
     else:
         files, source = text_files(data), str(data)
-    path = build_cache(files, None if cache is None else Path(cache))
-    size = path.stat().st_size
+    directory = None if cache is None else Path(cache)
+    if tokenizer is None:
+        path, dtype, unit = build_cache(files, directory), np.uint8, "bytes"
+    else:
+        path, dtype, unit = build_token_cache(files, Path(tokenizer), directory), np.uint32, "tokens"
+        source = f"{source} (encoded with {tokenizer})"
+    size = path.stat().st_size // np.dtype(dtype).itemsize
     n_val = max(int(size * val_fraction), seq_len + 1)
     if size - n_val < seq_len + 1:
         raise ValueError(
-            f"the data is too small: {size} bytes, need at least {2 * (seq_len + 1)} for a training and "
+            f"the data is too small: {size} {unit}, need at least {2 * (seq_len + 1)} for a training and "
             f"a validation window of --seq-len {seq_len}"
         )
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    mm = np.memmap(path, dtype=dtype, mode="r")
     return Corpus(
         train=mm[: size - n_val],
         val=mm[size - n_val :],
-        source=f"{source}: {len(files)} files, {size:,} bytes",
+        source=f"{source}: {len(files)} files, {size:,} {unit}",
+        unit=unit,
     )

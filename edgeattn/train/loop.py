@@ -28,6 +28,7 @@ from pathlib import Path
 
 from edgeattn._atomic import cleanup_stale, make_temp_dir, replace_dir
 from edgeattn._deps import require
+from edgeattn.convert.hf import TOKENIZER_FILES
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
 from edgeattn.train import distributed as D
@@ -39,6 +40,7 @@ F = torch.nn.functional
 STATE = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 STATE_VERSION = 1
+TOKENIZER_JSON = "tokenizer.json"
 DEFAULT_STEPS = 2000  # when neither steps nor a time budget is given
 
 
@@ -121,19 +123,24 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def read_trainer_state(path: str | os.PathLike) -> tuple[EdgeConfig, dict]:
-    """The model config and trainer state of a training checkpoint (ValueError if ``path`` is none)."""
+    """The model config and trainer state of a checkpoint (ValueError if ``path`` is none). A model
+    checkpoint without a trainer state (``edgeattn import``'s) gives ``{}``: fine-tuning from step 0."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"--resume {path}: no such checkpoint directory")
-    if not is_checkpoint(path) or not (path / STATE).is_file():
-        raise ValueError(
-            f"--resume {path}: not a training checkpoint (needs {CONFIG}, {WEIGHTS} and {STATE})"
-        )
+    if not is_checkpoint(path):
+        raise ValueError(f"--resume {path}: not a checkpoint (needs {CONFIG} and {WEIGHTS})")
     try:
         cfg = EdgeConfig.from_dict(json.loads((path / CONFIG).read_text()))
-        state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        state = (
+            torch.load(path / STATE, map_location="cpu", weights_only=True)
+            if (path / STATE).is_file()
+            else {}
+        )
     except (OSError, RuntimeError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--resume {path}: unreadable checkpoint: {e}") from e
+    if state == {}:
+        return cfg, state
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise ValueError(f"--resume {path}: {STATE} is not a version {STATE_VERSION} trainer state")
     return cfg, state
@@ -145,15 +152,43 @@ def config_diff(have: EdgeConfig, want: EdgeConfig) -> list[str]:
     return [f"{k}={a[k]!r} (asked {b[k]!r})" for k in a if a[k] != b[k]]
 
 
+def tokenizer_of(resume: Path | None, model_cfg: EdgeConfig) -> Path | None:
+    """The tokenizer.json training data is encoded with: the resumed checkpoint's (an imported model's),
+    else None (bytes). ValueError for a model that byte-level data cannot feed."""
+    if resume is not None and (resume / TOKENIZER_JSON).is_file():
+        return resume / TOKENIZER_JSON
+    where = f"--resume {resume}: " if resume is not None else ""
+    if "tokenizer" in model_cfg.extra:
+        raise ValueError(
+            f"{where}the model was imported with a tokenizer but the checkpoint has no {TOKENIZER_JSON}: "
+            "copy it there (training data must be encoded with it)"
+        )
+    if model_cfg.vocab_size < 256:
+        raise ValueError(
+            f"{where}the model's vocabulary is {model_cfg.vocab_size} tokens and the checkpoint has no "
+            f"{TOKENIZER_JSON}: byte-level training data needs a vocabulary of at least 256"
+        )
+    return None
+
+
 def write_checkpoint(
-    out: Path, model_state: dict, model_cfg: EdgeConfig, trainer_state: dict, summary: dict
+    out: Path,
+    model_state: dict,
+    model_cfg: EdgeConfig,
+    trainer_state: dict,
+    summary: dict,
+    files_from: Path | None = None,
 ) -> None:
-    """Write the checkpoint to a temp directory next to ``out``, then swap it into place."""
+    """Write the checkpoint to a temp directory next to ``out``, then swap it into place. The tokenizer
+    files of ``files_from`` (the resumed checkpoint) are copied along."""
     tmp = make_temp_dir(out)
     try:
         model = EdgeLM(model_cfg)
         model.load_state_dict(model_state)
         model.save_files(tmp)  # EdgeLM's own format: safetensors (tied weights once) + config.json
+        for name in TOKENIZER_FILES if files_from is not None else ():
+            if (files_from / name).is_file():
+                shutil.copy2(files_from / name, tmp / name)
         torch.save(trainer_state, tmp / STATE)
         (tmp / STATE_JSON).write_text(json.dumps(summary, indent=2, sort_keys=True))
         replace_dir(tmp, out)
@@ -296,9 +331,10 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
         if info.is_main:
             cleanup_stale(out)  # what a killed earlier run left beside it (see edgeattn._atomic)
         check_out_dir(out, resume, overwrite)
+    tokenizer = tokenizer_of(resume, model_cfg)
     torch.manual_seed(cfg.seed)
     model = EdgeLM.load(resume) if resume is not None else EdgeLM(model_cfg)  # unknown mixers fail here
-    corpus = load_corpus(cfg.data, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction)
+    corpus = load_corpus(cfg.data, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, tokenizer=tokenizer)
     val = corpus.val_windows(cfg.seq_len, cfg.eval_windows)
     corpus.batch(
         0, batch_size=1, seq_len=cfg.seq_len, seed=cfg.seed, rank=info.rank, world_size=info.world_size
@@ -310,7 +346,7 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
     is_cuda = info.device.startswith("cuda")
     opt = make_optimizer(model, cfg, fused=is_cuda and not cfg.fsdp)
     step, tokens, elapsed, history = 0, 0, 0.0, []
-    if state is not None:
+    if state:  # {}: a model checkpoint without a trainer state (imported): fine-tuning from step 0
         _load_optim_state(model, opt, state["optimizer"], cfg.fsdp)
         step, tokens, elapsed, history = (
             state["step"],
@@ -334,12 +370,16 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
         f"edgeattn train: {'+'.join(sorted(set(model_cfg.mixers)))}, "
         f"{model.num_parameters() / 1e6:.2f}M params, "
         f"d_model {model_cfg.d_model}, {model_cfg.n_layers} layers, {model_cfg.n_heads} heads, "
-        f"batch {cfg.batch_size}x{info.world_size} of {cfg.seq_len} bytes, {info.device}"
+        f"batch {cfg.batch_size}x{info.world_size} of {cfg.seq_len} {corpus.unit}, {info.device}"
         + (f", {'FSDP2' if cfg.fsdp else 'DDP'} x{info.world_size}" if info.enabled else "")
     )
-    console.print(f"data: {corpus.source}; train {len(corpus.train):,} bytes, validation {len(corpus.val):,}")
-    if state is not None:
+    console.print(
+        f"data: {corpus.source}; train {len(corpus.train):,} {corpus.unit}, validation {len(corpus.val):,}"
+    )
+    if state:
         console.print(f"resumed from {resume} at step {step}")
+    elif resume is not None:
+        console.print(f"fine-tuning {resume} (no trainer state: step 0, a fresh optimizer)")
         if state.get("world_size", 1) != info.world_size:
             console.print(
                 f"note: trained on {state.get('world_size', 1)} processes, now {info.world_size}: "
@@ -379,7 +419,7 @@ def _train(info, model_cfg, cfg, out, resume, overwrite, callback, verbose) -> T
                 "history": history,
             }
             trainer_state = {"version": STATE_VERSION, "optimizer": optim_state, "rng": rng, **summary}
-            write_checkpoint(out, model_state, model_cfg, trainer_state, summary)
+            write_checkpoint(out, model_state, model_cfg, trainer_state, summary, files_from=resume)
         D.barrier(info)
         last_saved = step
 

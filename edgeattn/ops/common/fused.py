@@ -39,6 +39,10 @@ class _LinearAttentionOp(torch.autograd.Function):
     def forward(ctx, q, k, v, state, g, scale: float, num_heads: int):
         from edgeattn.ops.common.chunk import chunk_gated_recurrence
 
+        if torch.jit.is_tracing():
+            # Traced for ONNX export: ``symbolic`` replaces this node, so the recurrence need not be traced
+            # into it (its traced body broke the exporter's peephole pass for one head with a gate).
+            return v.clone(), state.clone()
         B, T, _ = q.shape
         H = num_heads
         K, V = q.shape[-1] // H, v.shape[-1] // H

@@ -1,6 +1,17 @@
 // edgeattn::Session: the step and prefill graphs of an artifact on ONNX Runtime, with the state kept in two
 // ONNX Runtime buffers per state tensor that IoBinding swaps between calls.
+//
+// Weights: in an fp32 artifact with a shared weights file (the manifest's "weights"), the file is mapped once and
+// every tensor handed to both sessions as the same OrtValue (SessionOptions::AddInitializer), and both sessions
+// are created with one Ort::PrepackedWeightsContainer, so each matrix is prepacked once for both. When step and
+// prefill name the same graph file (one graph with a dynamic token axis), one session serves both.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <set>
 #include <string>
@@ -50,12 +61,55 @@ Ort::Value zeros(Ort::Allocator& allocator, const std::vector<int64_t>& shape) {
   return v;
 }
 
+// A read-only mapping of a whole file (the shared weights), unmapped when destroyed.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw IntegrityError("cannot open " + path + ": " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+      ::close(fd);
+      throw IntegrityError("cannot read " + path + " (empty or unreadable)");
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (data_ == MAP_FAILED) throw RuntimeError("cannot map " + path + ": " + std::strerror(err));
+  }
+  ~MappedFile() {
+    if (data_ != MAP_FAILED) ::munmap(data_, size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  char* data() const { return static_cast<char*>(data_); }
+  size_t size() const { return size_; }
+
+ private:
+  void* data_ = MAP_FAILED;
+  size_t size_ = 0;
+};
+
+ONNXTensorElementDataType element_type(const std::string& dtype) {
+  if (dtype == "float32") return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (dtype == "float16") return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (dtype == "float64") return ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE;
+  if (dtype == "int8") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  if (dtype == "uint8") return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  if (dtype == "int32") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  if (dtype == "int64") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  throw ManifestError("weights tensor of unknown dtype " + dtype);
+}
+
 // One graph with its own preallocated input_ids and logits, and two bindings: binding[p] reads state set p and
-// writes state set 1 - p.
+// writes state set 1 - p. `session` is `own`, or the other graph's session when both name the same file.
 struct Graph {
   std::string file;
   int64_t tokens = 0;  // 0: the artifact has no such graph
-  Ort::Session session{nullptr};
+  Ort::Session own{nullptr};
+  Ort::Session* session = nullptr;
+  bool shares_session = false;  // true: `session` belongs to the other graph
   Ort::Allocator allocator{nullptr};
   Ort::Value ids{nullptr};     // [1, tokens] int64
   Ort::Value logits{nullptr};  // [1, tokens, vocab] float
@@ -66,10 +120,10 @@ struct Graph {
 void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<int64_t>>& shapes) {
   Ort::AllocatorWithDefaultOptions names;
   std::unordered_map<std::string, Ort::TypeInfo> inputs, outputs;
-  for (size_t i = 0; i < g.session.GetInputCount(); ++i)
-    inputs.emplace(g.session.GetInputNameAllocated(i, names).get(), g.session.GetInputTypeInfo(i));
-  for (size_t i = 0; i < g.session.GetOutputCount(); ++i)
-    outputs.emplace(g.session.GetOutputNameAllocated(i, names).get(), g.session.GetOutputTypeInfo(i));
+  for (size_t i = 0; i < g.session->GetInputCount(); ++i)
+    inputs.emplace(g.session->GetInputNameAllocated(i, names).get(), g.session->GetInputTypeInfo(i));
+  for (size_t i = 0; i < g.session->GetOutputCount(); ++i)
+    outputs.emplace(g.session->GetOutputNameAllocated(i, names).get(), g.session->GetOutputTypeInfo(i));
 
   auto expect = [&](std::unordered_map<std::string, Ort::TypeInfo>& io, const std::string& name, const char* kind,
                     ONNXTensorElementDataType type, const std::vector<int64_t>& shape) {
@@ -101,6 +155,10 @@ struct Session::Impl {
   Ort::Env env{nullptr};
   Ort::MemoryInfo cpu{nullptr};
   Ort::RunOptions run_options{nullptr};
+  // The shared weights and their prepacked forms, declared before the graphs: the sessions go first.
+  std::unique_ptr<MappedFile> weights_file;
+  std::vector<std::pair<std::string, Ort::Value>> weights;  // initializer name -> tensor over weights_file
+  Ort::PrepackedWeightsContainer prepacked{nullptr};
   Graph step, prefill;
   std::vector<std::vector<int64_t>> shapes;
   // Declared after the graphs: destroyed before the allocator they came from.
@@ -108,10 +166,35 @@ struct Session::Impl {
   int cur = 0;  // state[cur] holds the current state
   int64_t position = 0;
 
-  void open(Graph& g, const GraphInfo& info, const SessionOptions& options) {
+  // Map the manifest's weights file once and make one OrtValue per tensor, under each of its names.
+  void map_weights() {
+    const WeightsInfo& w = manifest.weights;
+    const std::string path = manifest.dir + "/" + w.path;
+    weights_file = std::make_unique<MappedFile>(path);
+    for (const WeightTensor& t : w.tensors) {
+      if (static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(t.length) > weights_file->size())
+        throw ManifestError(path + ": tensor " + t.names[0] + " lies outside the file (manifest and file disagree)");
+      for (const std::string& name : t.names)
+        weights.emplace_back(name, Ort::Value::CreateTensor(cpu, weights_file->data() + t.offset,
+                                                            static_cast<size_t>(t.length), t.shape.data(),
+                                                            t.shape.size(), element_type(t.dtype)));
+    }
+    prepacked = Ort::PrepackedWeightsContainer();
+  }
+
+  void open(Graph& g, const GraphInfo& info, const SessionOptions& options, Graph* same = nullptr) {
     g.file = info.path;
     g.tokens = info.tokens;
     if (g.tokens == 0) return;
+    if (same != nullptr) {  // one graph file for both: one session, its own ids, logits and bindings
+      g.session = same->session;
+      g.shares_session = true;
+      check_io(g, manifest, shapes);
+      g.allocator = Ort::Allocator(*g.session, cpu);
+      g.ids = zeros<int64_t>(g.allocator, {1, g.tokens});
+      g.logits = zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
+      return;
+    }
     Ort::SessionOptions so;
     so.SetIntraOpNumThreads(options.threads);
     so.SetInterOpNumThreads(1);
@@ -119,14 +202,16 @@ struct Session::Impl {
     so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
     so.EnableCpuMemArena();
     so.SetLogSeverityLevel(options.log_level);
+    for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
     const std::string path = manifest.dir + "/" + info.path;
     try {
-      g.session = Ort::Session(env, path.c_str(), so);
+      g.own = prepacked ? Ort::Session(env, path.c_str(), so, prepacked) : Ort::Session(env, path.c_str(), so);
     } catch (const Ort::Exception& e) {
       throw ManifestError("ONNX Runtime cannot load " + path + ": " + one_line(e.what()));
     }
+    g.session = &g.own;
     check_io(g, manifest, shapes);
-    g.allocator = Ort::Allocator(g.session, cpu);
+    g.allocator = Ort::Allocator(*g.session, cpu);
     g.ids = zeros<int64_t>(g.allocator, {1, g.tokens});
     g.logits = zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
   }
@@ -134,7 +219,7 @@ struct Session::Impl {
   void bind(Graph& g) {
     if (g.tokens == 0) return;
     for (int p = 0; p < 2; ++p) {
-      Ort::IoBinding b(g.session);
+      Ort::IoBinding b(*g.session);
       b.BindInput(manifest.input_ids_name.c_str(), g.ids);
       b.BindOutput(manifest.logits_name.c_str(), g.logits);
       for (size_t i = 0; i < manifest.state.size(); ++i) {
@@ -149,7 +234,7 @@ struct Session::Impl {
   const float* run(Graph& g, const int64_t* ids) {
     std::copy(ids, ids + g.tokens, g.ids.GetTensorMutableData<int64_t>());
     try {
-      g.session.Run(run_options, g.binding[cur]);
+      g.session->Run(run_options, g.binding[cur]);
     } catch (const Ort::Exception& e) {
       throw RuntimeError("ONNX Runtime failed to run " + g.file + ": " + one_line(e.what()));
     }
@@ -166,7 +251,9 @@ struct Session::Impl {
                          std::to_string(manifest.vocab_size - 1) + ")");
     if (manifest.max_length >= 0 && position + static_cast<int64_t>(n) > manifest.max_length)
       throw InputError("max_length " + std::to_string(manifest.max_length) + " exceeded: " +
-                       std::to_string(position) + " tokens consumed, " + std::to_string(n) + " more given");
+                       std::to_string(position) + " tokens consumed, " + std::to_string(n) +
+                       " more given (the softmax baseline's KV buffer holds max_length tokens: reset, or use a "
+                       "linear-attention model)");
   }
 };
 
@@ -189,10 +276,20 @@ Session::Session(const std::string& artifact_dir, const SessionOptions& options)
     s.env = Ort::Env(static_cast<OrtLoggingLevel>(options.log_level), "edgeattn");
     s.cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     s.run_options = Ort::RunOptions();
+    if (options.share_weights && !m.weights.path.empty() && m.precision == "fp32") s.map_weights();
     s.open(s.step, m.step, options);
-    s.open(s.prefill, m.prefill, options);
-    for (auto& set : s.state)
-      for (const auto& shape : s.shapes) set.push_back(zeros<float>(s.step.allocator, shape));
+    s.open(s.prefill, m.prefill, options, m.prefill.path == m.step.path ? &s.step : nullptr);
+    // A shared entry (a preallocated KV buffer) has one buffer: set 1 holds a second OrtValue over set 0's memory,
+    // so both bindings read and write it in place and the swap changes nothing for it.
+    for (size_t i = 0; i < s.shapes.size(); ++i) {
+      s.state[0].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
+      if (m.state[i].shared)
+        s.state[1].push_back(Ort::Value::CreateTensor<float>(
+            s.cpu, s.state[0][i].GetTensorMutableData<float>(), static_cast<size_t>(numel(s.shapes[i])),
+            s.shapes[i].data(), s.shapes[i].size()));
+      else
+        s.state[1].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
+    }
     s.bind(s.step);
     s.bind(s.prefill);
   } catch (const Ort::Exception& e) {
@@ -277,7 +374,7 @@ MemoryStats Session::memory_stats() const {
   MemoryStats out;
 #if ORT_API_VERSION >= 23
   for (const Graph* g : {&impl_->step, &impl_->prefill}) {
-    if (g->tokens == 0) continue;
+    if (g->tokens == 0 || g->shares_session) continue;  // one session's arena counted once
     std::unordered_map<std::string, std::string> kv;
     try {
       kv = g->allocator.GetStats().GetKeyValuePairs();

@@ -61,6 +61,9 @@ struct StateEntry {
   std::string name;
   std::vector<std::variant<int64_t, std::string>> shape;  // a string is a dynamic dimension
   std::string dtype;
+  // One buffer bound as both the past input and the present output: a preallocated KV buffer of max_length
+  // tokens that the graph (ONNX Runtime's GroupQueryAttention) updates in place.
+  bool shared = false;
   bool dynamic() const;
   std::vector<int64_t> fixed_shape() const;  // throws ManifestError for a dynamic entry
 };
@@ -76,6 +79,22 @@ struct TokenizerInfo {
   int64_t pad_token_id = -1;  // -1: none
   bool byte_level() const { return type == "byte"; }
   bool is_eos(int64_t token) const;
+};
+
+// The manifest's "weights": the graphs' large initializers stored once in one file (weights.bin), each tensor at a
+// page-aligned offset, under every initializer name that uses it. Empty path: each graph holds its own weights.
+struct WeightTensor {
+  std::vector<std::string> names;
+  std::string dtype;  // float32, float16, float64, int8, uint8, int32, int64
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  int64_t length = 0;  // bytes
+};
+
+struct WeightsInfo {
+  std::string path;  // relative to the artifact directory; "" when the manifest has no "weights"
+  int64_t bytes = 0;
+  std::vector<WeightTensor> tensors;
 };
 
 struct GraphInfo {
@@ -96,6 +115,7 @@ struct Manifest {
   GraphInfo step;
   GraphInfo prefill;  // tokens == 0: the artifact has no prefill graph
   std::vector<StateEntry> state;
+  WeightsInfo weights;
   TokenizerInfo tokenizer;
   std::vector<std::pair<std::string, std::string>> files;  // name -> sha256 hex
 
@@ -111,6 +131,9 @@ struct SessionOptions {
   int threads = 0;            // ONNX Runtime intra-op threads per graph; 0 lets ONNX Runtime choose
   bool verify_files = true;   // check the sha256 of every file listed in the manifest
   int log_level = 3;          // ONNX Runtime's OrtLoggingLevel: 2 warning, 3 error
+  // fp32 artifacts with a shared weights file: map it once, hand each tensor to both graphs' sessions and prepack
+  // each matrix once for both (Ort::PrepackedWeightsContainer). false: each session loads and prepacks its own copy.
+  bool share_weights = true;
 };
 
 // The ONNX Runtime CPU arena's statistics, summed over the step and prefill sessions. `available` is false when

@@ -177,6 +177,10 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
   m.vocab_size = f.integer(data, "vocab_size");
   m.batch_size = f.integer(data, "batch_size");
   if (m.vocab_size < 1) throw ManifestError(path + ": vocab_size must be >= 1");
+  if (data.contains("dynamic_batch") && !data["dynamic_batch"].is_null()) {
+    if (!data["dynamic_batch"].is_boolean()) throw ManifestError(path + ": \"dynamic_batch\" must be a boolean");
+    m.dynamic_batch = data["dynamic_batch"].get<bool>();
+  }
   if (data.contains("target") && data["target"].is_string()) m.target = data["target"];
   if (data.contains("precision") && data["precision"].is_string()) m.precision = data["precision"];
   if (data.contains("max_length") && !data["max_length"].is_null()) m.max_length = f.integer(data, "max_length");

@@ -115,6 +115,32 @@ def test_streams_join_and_drop(streams_bin, dyn):
     assert res["steps"] == 3 * 3 + 20  # the last stream joins before step 9 and takes 20 steps
 
 
+def test_stream_states_equal_python_sessions(streams_bin, dyn, tmp_path):
+    """Each stream's state file (its rows of the batch buffers, taken out when it stopped) equals the state of a
+    Python session fed the same prompt and tokens, and resumes there."""
+    from edgeattn.runtimes.state_file import load_state
+
+    art = dyn["gla-onnxruntime"]
+    res = run_streams(
+        streams_bin, art, "-n", 12, "--temperature", TEMPERATURES, "--seed", 5, "--state-out", tmp_path / "st"
+    )
+    for i, (prompt, stream) in enumerate(zip(PROMPTS, res["streams"])):
+        sess = open_session(art, threads=1)
+        sess.prefill(np.frombuffer(prompt, np.uint8).astype(np.int64)[None])
+        for token in stream["tokens"]:
+            sess.step(np.array([[token]], np.int64))
+        tensors, meta = load_state(tmp_path / f"st.{i}.state")
+        assert int(meta["position"]) == sess.position == len(prompt) + 12
+        state = sess.get_state()
+        assert sorted(tensors) == sorted(state)
+        for name, value in state.items():
+            assert tensors[name].shape == value.shape  # batch 1
+            np.testing.assert_allclose(tensors[name], value, rtol=LOGITS_TOL, atol=LOGITS_TOL, err_msg=name)
+        resumed = open_session(art, threads=1)
+        resumed.load_state(tmp_path / f"st.{i}.state")
+        assert resumed.position == sess.position
+
+
 def test_fixed_batch_artifact_is_refused(streams_bin, dyn):
     proc = run_streams(streams_bin, dyn["fixed"], "-n", 5, check=False)
     assert proc.returncode == 1

@@ -2,6 +2,7 @@
 //
 //   streams ARTIFACT_DIR --prompt TEXT [--prompt TEXT ...] [-n 100] [--temperature T[,T...]] [--top-k K] [--top-p P]
 //           [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX]
+//           [--state-out PREFIX]
 //
 // Stream i decodes prompt i with its own sampler: seed S + i and the i-th temperature of the list (cycled), up to
 // -n tokens. --join-every K adds prompt i after i*K batch steps (0: all before the first); --drop I:STEP drops
@@ -11,8 +12,9 @@
 //
 // stdout: one JSON line, {"mode", "streams": [{"tokens": [...], "dropped": bool}], "steps", "decode_s",
 // "tokens_per_s" (all streams together), "us_per_step", "state_bytes_per_stream", "rss_bytes"}; --dump-logits
-// writes PREFIX.I.f32, the float32 rows [tokens, vocab] that stream I's tokens were drawn from. Any error: one line
-// on stderr and exit code 1 (2 for bad arguments).
+// writes PREFIX.I.f32, the float32 rows [tokens, vocab] that stream I's tokens were drawn from; --state-out writes
+// PREFIX.I.state, the state file of each stream not dropped, after its last token (Streams::save_state). Any error:
+// one line on stderr and exit code 1 (2 for bad arguments).
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -30,14 +32,15 @@ namespace {
 
 const char* kUsage =
     "usage: streams ARTIFACT_DIR --prompt TEXT [--prompt TEXT ...] [-n 100] [--temperature T[,T...]] [--top-k K] "
-    "[--top-p P] [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX]";
+    "[--top-p P] [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX] "
+    "[--state-out PREFIX]";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 struct Args {
-  std::string artifact, dump_logits;
+  std::string artifact, dump_logits, state_out;
   std::vector<std::string> prompts;
   int64_t n = 100;
   std::vector<float> temperatures{0.0f};
@@ -112,6 +115,8 @@ Args parse_args(int argc, char** argv) {
       a.drops[parse_number<int64_t>(flag, value.substr(0, colon))] = parse_number<int64_t>(flag, value.substr(colon + 1));
     } else if (flag == "--dump-logits") {
       a.dump_logits = value;
+    } else if (flag == "--state-out") {
+      a.state_out = value;
     } else {
       throw UsageError("unknown option " + flag);
     }
@@ -217,6 +222,9 @@ Output run_streams(const Args& a, const edgeattn::SessionOptions& options, doubl
       }
     join_due(step + 1);
   }
+  if (!a.state_out.empty())
+    for (const auto& [id, i] : index)
+      if (!out.dropped[i]) streams.save_state(id, a.state_out + "." + std::to_string(i) + ".state");
   return out;
 }
 

@@ -228,7 +228,7 @@ struct StreamToken {
 // decoding would. The live streams' states sit in two [N, ...] buffers per state tensor that the step graph reads and
 // writes in turn; add() and drop() copy rows and rebind, step() writes N ids and runs. A stream that stops (stop id,
 // max_new_tokens) leaves the batch and keeps its state until drop(). The Session is borrowed: it must outlive the
-// Streams, and add() resets its own state. Needs an artifact exported with --dynamic-batch (batch_size 1) and
+// Streams and stay where it is (not moved from), and add() and resume() reset its own state. Needs an artifact exported with --dynamic-batch (batch_size 1) and
 // fixed-size state (no KV buffer: each stream would need its own length).
 class Streams {
  public:

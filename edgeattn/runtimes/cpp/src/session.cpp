@@ -104,6 +104,9 @@ Session::Session(const std::string& artifact_dir, const SessionOptions& options)
     }
     s.bind(s.step);
     s.bind(s.prefill);
+    // The sessions prepacked the matrices they multiply (one copy, in the container), reading the mapped file once:
+    // drop those pages. What the graphs still read directly (embeddings, norms, biases) pages back in on first use.
+    if (s.weights_file) s.weights_file->release();
   } catch (const Ort::Exception& e) {
     throw RuntimeError("ONNX Runtime: " + one_line(e.what()));
   }

@@ -70,6 +70,9 @@ class MappedFile {
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
   char* data() const { return static_cast<char*>(data_); }
+  // Give the resident pages back to the kernel. The mapping stays valid: a page read again is read from the file
+  // (a private, read-only mapping that nothing wrote to holds the file's bytes).
+  void release() const { ::madvise(data_, size_, MADV_DONTNEED); }
   size_t size() const { return size_; }
 
  private:

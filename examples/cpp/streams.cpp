@@ -15,6 +15,7 @@
 // writes PREFIX.I.f32, the float32 rows [tokens, vocab] that stream I's tokens were drawn from; --state-out writes
 // PREFIX.I.state, the state file of each stream not dropped, after its last token (Streams::save_state). Any error:
 // one line on stderr and exit code 1 (2 for bad arguments).
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -159,6 +160,7 @@ struct Output {
   std::vector<std::vector<float>> logits;  // rows, flattened
   std::vector<bool> dropped;
   int64_t steps = 0;
+  int64_t rss_bytes = -1;  // after the last step, the session(s) still open (separate: the largest)
 };
 
 // The reference: each prompt through its own Session, as examples/cpp/generate.cpp decodes (EOS stops a stream).
@@ -181,6 +183,7 @@ Output run_separate(const Args& a, const edgeattn::SessionOptions& options, doub
       tokens.push_back(token);
     }
     decode_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    out.rss_bytes = std::max(out.rss_bytes, resident_bytes());
     out.tokens.push_back(std::move(tokens));
     out.logits.push_back(std::move(rows));
     out.dropped.push_back(false);
@@ -222,6 +225,7 @@ Output run_streams(const Args& a, const edgeattn::SessionOptions& options, doubl
       }
     join_due(step + 1);
   }
+  out.rss_bytes = resident_bytes();
   if (!a.state_out.empty())
     for (const auto& [id, i] : index)
       if (!out.dropped[i]) streams.save_state(id, a.state_out + "." + std::to_string(i) + ".state");
@@ -261,7 +265,7 @@ int run(const Args& a) {
       "\"us_per_step\": %.3f, \"state_bytes_per_stream\": %lld, \"rss_bytes\": %lld}\n",
       a.separate ? "separate" : "streams", streams_json.c_str(), static_cast<long long>(out.steps), decode_s,
       decode_s > 0 ? total / decode_s : 0.0, out.steps ? 1e6 * decode_s / out.steps : 0.0,
-      static_cast<long long>(state_bytes), static_cast<long long>(resident_bytes()));
+      static_cast<long long>(state_bytes), static_cast<long long>(out.rss_bytes));
   return 0;
 }
 

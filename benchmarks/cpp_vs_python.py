@@ -21,6 +21,13 @@ target onnxruntime, fp32) with the same intra-op thread count on both sides:
 - that both sides generate the same tokens.
 
     nice python benchmarks/cpp_vs_python.py [--threads 1] [--repeats 7] [--binary build/cpp/generate]
+        [--artifact DIR] [--own-weights] [--skip-python]
+
+--artifact measures an exported artifact instead of the built-in models (e.g. the 92.5M GLA of issue 13:
+d_model 768, 12 layers, 12 heads). --own-weights also runs the C++ example with --no-share-weights (each
+of its two ONNX Runtime sessions loads and prepacks its own copy of the weights), interleaved with the
+default (weights.bin mapped once, one prepacked-weights container for both sessions). --skip-python
+leaves the Python session out.
 
 Builds the example with the README's recipe (build/cpp) unless --binary is given. About 6 minutes on a busy
 2-core machine (mostly the large model's 10000-token runs). Prints a table, then one JSON line.
@@ -93,12 +100,12 @@ def make_artifact(root: Path, name: str) -> tuple[Path, int]:
     return export_model(ckpt, root / name, target="onnxruntime"), params
 
 
-def run_cpp(binary: Path, art: Path, n: int, threads: int) -> dict:
+def run_cpp(binary: Path, art: Path, n: int, threads: int, extra: tuple = ()) -> dict:
     # stdout to a file, not a pipe: the example flushes every token, and waking a pipe's reader each time
     # would be timed too (about 30 us/token on a busy 2-core machine)
     with tempfile.TemporaryFile() as out:
         proc = subprocess.run(
-            [str(binary), str(art), "--prompt", PROMPT, "-n", str(n), "--threads", str(threads)],
+            [str(binary), str(art), "--prompt", PROMPT, "-n", str(n), "--threads", str(threads), *extra],
             stdout=out,
             stderr=subprocess.PIPE,
             check=True,
@@ -121,36 +128,61 @@ def run_python(art: Path, n: int, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(binary: Path, art: Path, n: int, threads: int, repeats: int, rss_tokens: int) -> dict:
-    cpp, py = [], []
+OWN = ("--no-share-weights",)
+
+
+def measure(
+    binary: Path,
+    art: Path,
+    n: int,
+    threads: int,
+    repeats: int,
+    rss_tokens: int,
+    own_weights: bool = False,
+    python: bool = True,
+) -> dict:
+    sides = ["cpp", *(["cpp_own"] if own_weights else []), *(["py"] if python else [])]
+    runs = {side: [] for side in sides}
+
+    def run(side: str, tokens: int) -> dict:
+        if side == "py":
+            return run_python(art, tokens, threads)
+        return run_cpp(binary, art, tokens, threads, OWN if side == "cpp_own" else ())
+
     for r in range(repeats):
-        order = ("cpp", "py") if r % 2 == 0 else ("py", "cpp")
-        for side in order:
-            if side == "cpp":
-                cpp.append(run_cpp(binary, art, n, threads))
-            else:
-                py.append(run_python(art, n, threads))
-    cpp_mem = run_cpp(binary, art, rss_tokens, threads)
-    py_mem = run_python(art, rss_tokens, threads)
-    cpp_us = statistics.median(x["us_per_token"] for x in cpp)
-    py_us = statistics.median(x["us_per_token"] for x in py)
-    return {
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            runs[side].append(run(side, n))
+    mem = {side: run(side, rss_tokens) for side in sides}
+    us = {side: statistics.median(x["us_per_token"] for x in runs[side]) for side in sides}
+    out = {
         "tokens": n,
-        "cpp_us_per_token": cpp_us,
-        "python_us_per_token": py_us,
-        "speedup": py_us / cpp_us,
-        "cpp_us_all": [round(x["us_per_token"], 1) for x in cpp],
-        "python_us_all": [round(x["us_per_token"], 1) for x in py],
-        "same_tokens": len({x["tokens_sha256"] for x in cpp + py}) == 1
-        and cpp_mem["tokens_sha256"] == py_mem["tokens_sha256"],
+        "cpp_us_per_token": us["cpp"],
+        "cpp_us_all": [round(x["us_per_token"], 1) for x in runs["cpp"]],
+        "same_tokens": len({x["tokens_sha256"] for side in sides for x in runs[side]}) == 1
+        and len({mem[side]["tokens_sha256"] for side in sides}) == 1,
         "rss_tokens": rss_tokens,
-        "cpp_rss_bytes_start": cpp_mem["rss_bytes_start"],
-        "cpp_rss_bytes_last": cpp_mem["rss_bytes_last"],
-        "cpp_peak_arena_bytes_at_128": cpp_mem["peak_bytes_at_128"],
-        "cpp_peak_arena_bytes_at_last": cpp_mem["peak_bytes_at_last"],
-        "python_rss_bytes_start": py_mem["rss_bytes_start"],
-        "python_rss_bytes_last": py_mem["rss_bytes_last"],
+        "cpp_rss_bytes_start": mem["cpp"]["rss_bytes_start"],
+        "cpp_rss_bytes_last": mem["cpp"]["rss_bytes_last"],
+        "cpp_peak_arena_bytes_at_128": mem["cpp"]["peak_bytes_at_128"],
+        "cpp_peak_arena_bytes_at_last": mem["cpp"]["peak_bytes_at_last"],
     }
+    if python:
+        out |= {
+            "python_us_per_token": us["py"],
+            "speedup": us["py"] / us["cpp"],
+            "python_us_all": [round(x["us_per_token"], 1) for x in runs["py"]],
+            "python_rss_bytes_start": mem["py"]["rss_bytes_start"],
+            "python_rss_bytes_last": mem["py"]["rss_bytes_last"],
+        }
+    if own_weights:
+        out |= {
+            "cpp_own_us_per_token": us["cpp_own"],
+            "cpp_own_us_all": [round(x["us_per_token"], 1) for x in runs["cpp_own"]],
+            "cpp_own_rss_bytes_start": mem["cpp_own"]["rss_bytes_start"],
+            "cpp_own_rss_bytes_last": mem["cpp_own"]["rss_bytes_last"],
+            "cpp_own_peak_arena_bytes_at_last": mem["cpp_own"]["peak_bytes_at_last"],
+        }
+    return out
 
 
 def main() -> None:
@@ -160,46 +192,91 @@ def main() -> None:
     ap.add_argument("--rss-tokens", type=int, default=10000)
     ap.add_argument("--models", default="small,large")
     ap.add_argument("--binary", type=Path, default=None, help="a built generate (default: build build/cpp)")
+    ap.add_argument("--artifact", type=Path, default=None, help="measure this artifact instead of --models")
+    ap.add_argument("--tokens", type=int, default=300, help="decode tokens per timed run of --artifact")
+    ap.add_argument("--own-weights", action="store_true", help="also C++ with --no-share-weights")
+    ap.add_argument("--skip-python", action="store_true", help="leave the Python session out")
     args = ap.parse_args()
 
     binary = build(args.binary)
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            art, params = make_artifact(Path(tmp), name)
-            n = MODELS[name][1]
-            results[name] = {
-                "config": MODELS[name][0],
-                "params": params,
-                **measure(binary, art, n, args.threads, args.repeats, args.rss_tokens),
-            }
+    opts = dict(own_weights=args.own_weights, python=not args.skip_python)
+    if args.artifact is not None:
+        cfg = json.loads((args.artifact / "edgeattn.json").read_text())["model"]
+        config = {k: cfg[k] for k in ("d_model", "n_layers", "n_heads")}
+        ckpt = args.artifact / "checkpoint" / "model.safetensors"
+        params = _safetensors_params(ckpt) if ckpt.is_file() else 0
+        results["artifact"] = {
+            "config": config,
+            "params": params,
+            "path": str(args.artifact),
+            **measure(
+                binary, args.artifact, args.tokens, args.threads, args.repeats, args.rss_tokens, **opts
+            ),
+        }
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.models.split(","):
+                art, params = make_artifact(Path(tmp), name)
+                n = MODELS[name][1]
+                results[name] = {
+                    "config": MODELS[name][0],
+                    "params": params,
+                    **measure(binary, art, n, args.threads, args.repeats, args.rss_tokens, **opts),
+                }
 
-    print(
-        f"GLA, onnxruntime target, fp32; {args.threads} intra-op thread(s), both sides; {args.repeats} runs"
-    )
+    print(f"GLA, fp32; {args.threads} intra-op thread(s), every side; {args.repeats} runs")
     at = "@" + str(args.rss_tokens)
-    print(
-        f"{'model':<26}{'C++ us/tok':>11}{'Py us/tok':>10}{'Py/C++':>8}{'C++ RSS MiB':>12}{at:>8}"
-        f"{'arena MiB @128':>15}{at:>8}{'Py RSS MiB':>11}{at:>8}"
-    )
+    print(f"{'model':<30}{'side':<22}{'us/tok':>10}{'RSS MiB start':>14}{at:>8}{'arena MiB @last':>16}")
     for name, r in results.items():
         c = r["config"]
         label = f"{name} d{c['d_model']} L{c['n_layers']} ({r['params'] / 1e6:.1f}M)"
-        print(
-            f"{label:<26}{r['cpp_us_per_token']:>11.1f}{r['python_us_per_token']:>10.1f}{r['speedup']:>7.2f}x"
-            f"{r['cpp_rss_bytes_start'] / MiB:>12.1f}{r['cpp_rss_bytes_last'] / MiB:>8.1f}"
-            f"{r['cpp_peak_arena_bytes_at_128'] / MiB:>15.2f}{r['cpp_peak_arena_bytes_at_last'] / MiB:>8.2f}"
-            f"{r['python_rss_bytes_start'] / MiB:>11.1f}{r['python_rss_bytes_last'] / MiB:>8.1f}"
-        )
+        rows = [("C++ (shared weights)", "cpp", r["cpp_peak_arena_bytes_at_last"])]
+        if "cpp_own_us_per_token" in r:
+            rows.append(("C++ --no-share-weights", "cpp_own", r["cpp_own_peak_arena_bytes_at_last"]))
+        if "python_us_per_token" in r:
+            rows.append(("Python session", "python", None))
+        for side, key, arena in rows:
+            arena_txt = f"{arena / MiB:>16.2f}" if arena else f"{'-':>16}"
+            print(
+                f"{label:<30}{side:<22}{r[f'{key}_us_per_token']:>10.1f}"
+                f"{r[f'{key}_rss_bytes_start'] / MiB:>14.1f}{r[f'{key}_rss_bytes_last'] / MiB:>8.1f}{arena_txt}"
+            )
+            label = ""
+        if "speedup" in r:
+            print(f"  Python / C++ per token: {r['speedup']:.2f}x")
+        if "cpp_own_us_per_token" in r:
+            print(
+                f"  shared / own weights: {r['cpp_us_per_token'] / r['cpp_own_us_per_token']:.2f}x per token, "
+                f"{r['cpp_rss_bytes_last'] / r['cpp_own_rss_bytes_last']:.2f}x RSS {at}"
+            )
     for name, r in results.items():
         if not r["same_tokens"]:
-            print(f"warning: {name}: C++ and Python generated different tokens")
-    met = results["small"]["speedup"] >= TARGET_SPEEDUP if "small" in results else None
-    if met is not None:
+            print(f"warning: {name}: the sides generated different tokens")
+    met = None
+    if "small" in results and "speedup" in results["small"]:
+        met = results["small"]["speedup"] >= TARGET_SPEEDUP
         print(f"target: C++ >= {TARGET_SPEEDUP}x faster on the small model: {'met' if met else 'NOT met'}")
     print(
         json.dumps({"threads": args.threads, "repeats": args.repeats, "models": results, "target_met": met})
     )
+
+
+def _safetensors_params(path: Path) -> int:
+    """Parameter count from a safetensors header (no torch)."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            count = 1
+            for d in info["shape"]:
+                count *= d
+            total += count
+    return total
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ Tiny checkpoints (tests/export_helpers.make_checkpoint) exported with ``prefill_
     gla-other           another GLA checkpoint (seed 1): same state names and shapes, another fingerprint
     gated_deltanet-onnxruntime  Gated DeltaNet: LinearAttention gated_delta + CausalConvWithState, conv_state
     mamba2-portable     Mamba2, standard ONNX ops: conv_state + recurrent_state per layer
+    softmax-onnxruntime the softmax baseline: GroupQueryAttention over a preallocated KV buffer of max_length
+                        tokens, one buffer bound as past and present (manifest "shared": true)
+    gla_softmax-onnxruntime  one GLA layer and one softmax layer: recurrent state beside a shared KV buffer
 
 The reference is the Python ONNX Runtime session, ``open_session(artifact, threads=1)``: the same ONNX Runtime
 library running the same graphs with the same thread count, so tokens must be equal and logits equal to 1e-5.
@@ -18,6 +21,7 @@ once per session and shared with tests/test_cpp.py; skipped only without cmake o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +55,12 @@ SPECS = {
     "gla-other": ("gla", 1, "onnxruntime"),
     "gated_deltanet-onnxruntime": ("gated_deltanet", 0, "onnxruntime"),
     "mamba2-portable": ("mamba2", 0, "portable"),
+    "softmax-onnxruntime": ("softmax", 0, "onnxruntime"),
+    "gla_softmax-onnxruntime": ("gla,softmax", 0, "onnxruntime"),
 }
+# Artifacts with a preallocated KV buffer (max_length 512, tests/export_helpers.tiny_config): the tests of
+# ARTIFACTS run on them too, but for test_memory_is_constant_per_token, whose 2000 tokens exceed max_length.
+KV_ARTIFACTS = ["softmax-onnxruntime", "gla_softmax-onnxruntime"]
 
 
 class _Artifacts(dict):
@@ -87,8 +96,18 @@ def artifacts(tmp_path_factory) -> _Artifacts:
     return _Artifacts(tmp_path_factory.mktemp("real-artifacts"))
 
 
-@pytest.fixture(params=ARTIFACTS)
+@pytest.fixture(params=ARTIFACTS + KV_ARTIFACTS)
 def art(request, artifacts) -> Path:
+    return artifacts[request.param]
+
+
+@pytest.fixture(params=ARTIFACTS)
+def recurrent_art(request, artifacts) -> Path:
+    return artifacts[request.param]
+
+
+@pytest.fixture(params=KV_ARTIFACTS)
+def kv_art(request, artifacts) -> Path:
     return artifacts[request.param]
 
 
@@ -210,15 +229,131 @@ def test_cpp_state_loads_in_python(generate, art, tmp_path):
     assert_logits_equal(np.load(logits_file), rows)
 
 
-def test_memory_is_constant_per_token(generate, art):
-    short = run_generate(generate, art, PROMPT, "-n", 200).report
-    long = run_generate(generate, art, PROMPT, "-n", 2000).report
+def test_memory_is_constant_per_token(generate, recurrent_art):
+    short = run_generate(generate, recurrent_art, PROMPT, "-n", 200).report
+    long = run_generate(generate, recurrent_art, PROMPT, "-n", 2000).report
     assert long["peak_bytes_at_last"] is not None, (
         "built without ONNX Runtime memory statistics (headers < 1.23)"
     )
     assert long["peak_bytes_at_last"] > 0
     assert long["peak_bytes_at_last"] == long["peak_bytes_at_128"] == short["peak_bytes_at_last"]
     assert long["rss_bytes_last"] - long["rss_bytes_start"] < 2**20  # resident memory: within 1 MiB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one copy of the weights: shared initializers, prepacked once, one session for one graph file
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_shared_weights_are_prepacked_once(generate, artifacts, tmp_path):
+    """Both sessions take weights.bin's tensors as shared initializers and one prepacked-weights container:
+    the same logits as each session prepacking its own copy (--no-share-weights), bitwise (the same packing
+    and kernels), and the packed matrices no longer in the sessions' arenas."""
+    art = artifacts["gla-onnxruntime"]
+    assert json.loads((art / "edgeattn.json").read_text())["weights"]["path"] == "weights.bin"
+    shared_file, own_file = tmp_path / "shared.npy", tmp_path / "own.npy"
+    shared = run_generate(generate, art, PROMPT, "-n", 100, "--dump-logits", shared_file)
+    own = run_generate(generate, art, PROMPT, "-n", 100, "--dump-logits", own_file, "--no-share-weights")
+    assert shared.tokens == own.tokens
+    np.testing.assert_array_equal(np.load(shared_file), np.load(own_file))
+    assert shared.report["peak_bytes_at_last"] < own.report["peak_bytes_at_last"]
+
+
+def _edit_weights(art: Path, root: Path, edit) -> Path:
+    shutil.copytree(art, root)
+    data = json.loads((root / "edgeattn.json").read_text())
+    edit(data["weights"]["tensors"][0])
+    (root / "edgeattn.json").write_text(json.dumps(data))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.update(offset=t["offset"] + 2**40), "lies outside the file"),
+        (lambda t: t.update(length=t["length"] - 4), "which its shape and dtype contradict"),
+    ],
+)
+def test_weights_table_that_disagrees_is_one_error_line(generate, artifacts, tmp_path, edit, message):
+    root = _edit_weights(artifacts["gla-onnxruntime"], tmp_path / "art", edit)
+    res = run_generate(generate, root, PROMPT, "-n", 5, check=False)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("generate: error: ") and message in lines[0], res.stderr
+
+
+def test_one_graph_file_for_step_and_prefill(generate, artifacts, tmp_path):
+    """Step and prefill naming the same graph (a dynamic token axis: export --genai's model.onnx, whose state
+    is the manifest's for Gated DeltaNet): one session serves both, with the Python session's tokens and
+    logits (which opens the file twice)."""
+    from edgeattn.export import export_model
+
+    two_graphs = artifacts["gated_deltanet-onnxruntime"]  # exports (and so makes) the checkpoint
+    art = export_model(
+        artifacts.ckpts["gated_deltanet", 0],
+        tmp_path / "one",
+        target="onnxruntime",
+        prefill_chunk=PREFILL,
+        genai=True,
+    )
+    data = json.loads((art / "edgeattn.json").read_text())
+    for graph in ("step", "prefill"):
+        data["graphs"][graph]["path"] = "model.onnx"
+    (art / "edgeattn.json").write_text(json.dumps(data))
+
+    logits_file = tmp_path / "logits.npy"
+    res = run_generate(generate, art, PROMPT, "-n", 60, "--dump-logits", logits_file)
+    tokens, rows = py_greedy(session(art), PROMPT, 60)
+    assert res.tokens == tokens
+    assert_logits_equal(np.load(logits_file), rows)
+    # and the same model as the two-graph artifact, to float rounding
+    ref_tokens, ref_rows = py_greedy(session(two_graphs), PROMPT, 60)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-3, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the preallocated KV buffer (softmax baseline, target onnxruntime)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_kv_buffer_artifacts_share_one_buffer(artifacts):
+    import onnx
+
+    for name in KV_ARTIFACTS:
+        m = json.loads((artifacts[name] / "edgeattn.json").read_text())
+        shared = [e for e in m["state"] if e.get("shared")]
+        assert shared and shared == [e for e in m["state"] if e["name"] in ("key", "value")]
+        assert all(e["shape"][2] == m["max_length"] == 512 for e in shared)  # [B, H, max_length, Dh]
+        ops = {n.op_type for n in onnx.load(str(artifacts[name] / "step.onnx")).graph.node}
+        assert "GroupQueryAttention" in ops
+
+
+def test_kv_buffer_memory_is_preallocated(generate, kv_art):
+    """The buffer of max_length tokens is allocated when the session opens: by token 128 the arena holds all
+    of it, and from 128 to 460 tokens it grows by GroupQueryAttention's per-step scratch (scores over the
+    tokens so far) only."""
+    m = json.loads((kv_art / "edgeattn.json").read_text())
+    kv_bytes = sum(4 * int(np.prod(e["shape"])) for e in m["state"] if e.get("shared"))
+    res = run_generate(generate, kv_art, PROMPT, "-n", 460).report
+    assert res["position"] == len(PROMPT) + 460
+    assert res["peak_bytes_at_128"] is not None and res["peak_bytes_at_128"] > kv_bytes
+    assert 0 <= res["peak_bytes_at_last"] - res["peak_bytes_at_128"] < kv_bytes / 16
+    assert res["rss_bytes_last"] - res["rss_bytes_start"] < 2**20
+
+
+def test_kv_buffer_max_length_is_one_error_line(generate, kv_art):
+    res = run_generate(generate, kv_art, PROMPT, "-n", 600, check=False)  # 40 + 600 > 512
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("generate: error: max_length 512 exceeded"), lines[0]
+    produced = list(res.proc.stdout[len(PROMPT) : -1])  # the partial line ends with a newline
+    # the buffer filled to its last slot: 472 tokens consumed after the prompt, the 473rd printed and refused,
+    # and they are the Python session's tokens
+    expected = list(session(kv_art).generate_ids(PROMPT, 512 - len(PROMPT), temperature=0))
+    assert len(produced) == len(expected) + 1
+    assert produced[:-1] == expected
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -55,6 +55,13 @@ def export(
         ),
     ] = False,
     batch: Annotated[int, typer.Option(min=1, help="Static batch size of the graphs.")] = 1,
+    dynamic_batch: Annotated[
+        bool,
+        typer.Option(
+            "--dynamic-batch",
+            help="Graphs take any batch (symbolic leading dimension 'batch'); needed by the streams API.",
+        ),
+    ] = False,
     prefill_chunk: Annotated[int, typer.Option(min=2, help="Tokens per call of prefill.onnx.")] = 64,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     genai: Annotated[
@@ -78,6 +85,7 @@ def export(
         target=target.value,
         precision=precision.value,
         batch_size=batch,
+        dynamic_batch=dynamic_batch,
         prefill_chunk=prefill_chunk,
         force=force,
         include_checkpoint=not no_checkpoint,

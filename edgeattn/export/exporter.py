@@ -99,24 +99,58 @@ def check_exportable(model) -> None:
         )
 
 
+BATCH_DIM = "batch"  # the symbolic leading dimension of every graph tensor in a dynamic-batch export
+# Mixers whose graphs keep a fixed batch: the AFT window's chunk form (aft, aft_local, rwkv) unfolds a mask
+# whose size the ONNX exporter cannot see once the batch is symbolic.
+FIXED_BATCH_MIXERS = frozenset({"aft", "aft_local", "rwkv"})
+
+
+def fixed_batch_reason(model, target: str) -> str | None:
+    """Why ``model`` cannot export with a dynamic batch for ``target`` (None when it can)."""
+    fixed = sorted(FIXED_BATCH_MIXERS & set(model.cfg.mixers))
+    if fixed:
+        return f"mixer {fixed[0]!r} exports with a fixed batch only (its windowed chunk form)"
+    if target == "onnxruntime" and "softmax" in model.cfg.mixers:
+        return (
+            "mixer 'softmax' on the onnxruntime target uses GroupQueryAttention, whose prefill takes batch 1 "
+            "only once the cache holds tokens; export it with --target portable for a dynamic batch"
+        )
+    return None
+
+
 def _export_graph(
-    module, tokens: int, batch_size: int, entries: list[dict], path: Path, target: str, optimize: bool = True
+    module,
+    tokens: int,
+    batch_size: int,
+    entries: list[dict],
+    path: Path,
+    target: str,
+    optimize: bool = True,
+    dynamic_batch: bool = False,
 ) -> None:
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     model = module.model
-    ids = torch.zeros(batch_size, tokens, dtype=torch.long)
+    # A dynamic batch is traced at 2 so that nothing specializes on a batch of 1.
+    trace_batch = 2 if dynamic_batch else batch_size
+    ids = torch.zeros(trace_batch, tokens, dtype=torch.long)
     # Dynamic state sizes (a growing KV cache) are traced at a small non-zero length.
     example = []
     for e in entries:
         shape = [3 if isinstance(d, str) else d for d in e["shape"]]
+        if dynamic_batch:
+            shape[0] = trace_batch
         example.append(torch.zeros(shape, dtype=getattr(torch, e["dtype"])))
     dynamic = {}
+    if dynamic_batch:
+        dynamic = {"input_ids": {0: BATCH_DIM}, "logits": {0: BATCH_DIM}}
     for e in entries:
         dims = {i: d for i, d in enumerate(e["shape"]) if isinstance(d, str)}
+        if dynamic_batch:
+            dims[0] = BATCH_DIM
         if dims:
             dynamic[e["input"]] = dims
-            dynamic[e["output"]] = {i: f"{d}_out" for i, d in dims.items()}
+            dynamic[e["output"]] = {i: d if d == BATCH_DIM else f"{d}_out" for i, d in dims.items()}
     with warnings.catch_warnings(), fused_onnxruntime_op(target == "onnxruntime"), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -198,6 +232,7 @@ def export_model(
     target: str = "onnxruntime",
     precision: str = "fp32",
     batch_size: int = 1,
+    dynamic_batch: bool = False,
     prefill_chunk: int = 64,
     force: bool = False,
     include_checkpoint: bool = True,
@@ -216,6 +251,9 @@ def export_model(
     (``edgeattn.export.genai``; recurrent mixers only, fp32, target onnxruntime).
     ``optimize``: on the ``onnxruntime`` target, fuse norms and
     projections (``edgeattn.export.optimize``) before any precision conversion.
+    ``dynamic_batch``: the leading dimension of ``input_ids``, ``logits`` and every state tensor is the
+    symbolic ``"batch"`` in both graphs (manifest ``"dynamic_batch": true``; the shapes it lists stay those
+    at ``batch_size``); otherwise the graphs take exactly ``batch_size`` sequences (what TensorRT needs).
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -234,12 +272,19 @@ def export_model(
         raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+    if dynamic_batch and genai:
+        raise ValueError(
+            "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
+        )
     checkpoint, out = Path(checkpoint), Path(out)
     check_apart(checkpoint, out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
     model = EdgeLM.load(checkpoint).eval()
     check_exportable(model)
+    reason = fixed_batch_reason(model, target) if dynamic_batch else None
+    if reason:
+        raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
     if genai:
         from edgeattn.export.genai import check_genai
 
@@ -253,7 +298,7 @@ def export_model(
     try:
         module = GraphModule(model, batch_size).eval()
         for name, tokens in (("step.onnx", 1), ("prefill.onnx", prefill_chunk)):
-            _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize)
+            _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize, dynamic_batch)
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
@@ -291,6 +336,7 @@ def export_model(
             "model": cfg.to_dict(),
             "vocab_size": cfg.vocab_size,
             "batch_size": batch_size,
+            "dynamic_batch": dynamic_batch,
             "target": target,
             "precision": precision,
             "opset": 21 if precision == "int4" else OPSET,

@@ -69,6 +69,12 @@ class Manifest:
         return int(self.data["batch_size"])
 
     @property
+    def dynamic_batch(self) -> bool:
+        """True when the graphs take any batch: dimension 0 of ``input_ids``, ``logits`` and every state
+        tensor is the symbolic ``"batch"`` (the state shapes listed are those at ``batch_size``)."""
+        return bool(self.data.get("dynamic_batch", False))
+
+    @property
     def target(self) -> str:
         return self.data.get("target", "")
 
@@ -144,13 +150,14 @@ class Manifest:
 
     def graph_io(self, graph: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
         """What ``graph`` must take and return: name -> (element type, shape), a str dimension dynamic."""
-        B, V = self.batch_size, self.vocab_size
+        B, V = "batch" if self.dynamic_batch else self.batch_size, self.vocab_size
         T = 1 if graph == "step" else self.prefill_tokens
         inputs = {self.input_ids_name: ("int64", (B, T))}
         outputs = {self.logits_name: ("float32", (B, T, V))}
         for e in self.state:
-            inputs[e.input] = (e.dtype, e.shape)
-            outputs[e.output] = (e.dtype, e.shape)
+            shape = (B, *e.shape[1:]) if self.dynamic_batch else e.shape
+            inputs[e.input] = (e.dtype, shape)
+            outputs[e.output] = (e.dtype, shape)
         return inputs, outputs
 
     def check_graph_io(self, graph: str, inputs: dict[str, tuple], outputs: dict[str, tuple]) -> None:
@@ -209,6 +216,8 @@ def check_structure(data: dict, where: str) -> None:
         raise ValueError(
             f"{where}: 'max_length' must be null or a positive integer, got {data['max_length']!r}"
         )
+    if "dynamic_batch" in data and not isinstance(data["dynamic_batch"], bool):
+        raise ValueError(f"{where}: 'dynamic_batch' must be true or false, got {data['dynamic_batch']!r}")
     for key in ("target", "precision"):
         if key in data and not isinstance(data[key], str):
             raise ValueError(f"{where}: {key!r} must be a string, got {data[key]!r}")

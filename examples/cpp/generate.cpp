@@ -1,7 +1,7 @@
 // generate: text generation with an exported edgeattn artifact, from C++.
 //
 //   generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-//            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy]
+//            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy] [--no-share-weights]
 //
 // Byte-level artifacts (no "tokenizer" in the manifest): the prompt's bytes are the token ids and each generated
 // token is printed as one byte (vocab <= 256). Artifacts with a Hugging Face tokenizer.json: this example takes and
@@ -36,7 +36,7 @@ namespace {
 
 const char* kUsage =
     "usage: generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
-    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE]";
+    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE] [--no-share-weights]";
 
 bool g_printed = false;  // stdout has text without a final newline
 
@@ -50,6 +50,7 @@ struct Args {
   std::vector<int64_t> prompt_ids;  // --prompt-ids
   int64_t n = 200;
   int threads = 0;
+  bool share_weights = true;
   edgeattn::SamplingOptions sampling;
 };
 
@@ -94,6 +95,10 @@ Args parse_args(int argc, char** argv) {
     if (flag == "-h" || flag == "--help") {
       std::printf("%s\n", kUsage);
       std::exit(0);
+    }
+    if (flag == "--no-share-weights") {
+      a.share_weights = false;
+      continue;
     }
     if (flag.rfind("-", 0) != 0) {
       if (!a.artifact.empty()) throw UsageError("unexpected argument '" + flag + "'");
@@ -200,6 +205,7 @@ int run(const Args& a) {
   using clock = std::chrono::steady_clock;
   edgeattn::SessionOptions options;
   options.threads = a.threads;
+  options.share_weights = a.share_weights;
   edgeattn::Session sess(a.artifact, options);
   const edgeattn::TokenizerInfo& tok = sess.manifest().tokenizer;
   const bool text = a.has_prompt;  // bytes in and out; else token ids in and out

@@ -78,6 +78,54 @@ TokenizerInfo parse_tokenizer(const Fields& f, const json& data, int64_t vocab_s
   return t;
 }
 
+int64_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "float32" || dtype == "int32") return 4;
+  if (dtype == "float64" || dtype == "int64") return 8;
+  if (dtype == "float16") return 2;
+  if (dtype == "int8" || dtype == "uint8") return 1;
+  return 0;
+}
+
+// The optional "weights" entry: every tensor's byte length must be its shape times its element size.
+WeightsInfo parse_weights(const Fields& f, const json& data) {
+  WeightsInfo w;
+  if (!data.contains("weights") || data["weights"].is_null()) return w;
+  const json& obj = f.object(data, "weights");
+  w.path = f.str(obj, "path");
+  if (obj.contains("bytes")) w.bytes = f.integer(obj, "bytes");
+  const json& tensors = f.get(obj, "tensors");
+  if (!tensors.is_array()) throw ManifestError(f.where + ": weights.tensors must be a list");
+  for (const json& t : tensors) {
+    if (!t.is_object()) throw ManifestError(f.where + ": every weights.tensors entry must be an object");
+    WeightTensor e;
+    const json& names = f.get(t, "names");
+    if (!names.is_array() || names.empty()) throw ManifestError(f.where + ": weights.tensors[].names must be a list");
+    for (const json& n : names) {
+      if (!n.is_string()) throw ManifestError(f.where + ": weights.tensors[].names must hold strings");
+      e.names.push_back(n.get<std::string>());
+    }
+    e.dtype = f.str(t, "dtype");
+    const json& shape = f.get(t, "shape");
+    if (!shape.is_array()) throw ManifestError(f.where + ": weights tensor " + e.names[0] + " shape must be a list");
+    int64_t n = 1;
+    for (const json& d : shape) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        throw ManifestError(f.where + ": weights tensor " + e.names[0] + " has a bad dimension " + d.dump());
+      e.shape.push_back(d.get<int64_t>());
+      n *= e.shape.back();
+    }
+    e.offset = f.integer(t, "offset");
+    e.length = f.integer(t, "length");
+    const int64_t item = dtype_bytes(e.dtype);
+    if (item == 0) throw ManifestError(f.where + ": weights tensor " + e.names[0] + " has unknown dtype " + e.dtype);
+    if (e.offset < 0 || e.length != n * item)
+      throw ManifestError(f.where + ": weights tensor " + e.names[0] + " has offset " + std::to_string(e.offset) +
+                          " and length " + std::to_string(e.length) + ", which its shape and dtype contradict");
+    w.tensors.push_back(std::move(e));
+  }
+  return w;
+}
+
 }  // namespace
 
 bool TokenizerInfo::is_eos(int64_t token) const {
@@ -129,6 +177,10 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
   m.vocab_size = f.integer(data, "vocab_size");
   m.batch_size = f.integer(data, "batch_size");
   if (m.vocab_size < 1) throw ManifestError(path + ": vocab_size must be >= 1");
+  if (data.contains("dynamic_batch") && !data["dynamic_batch"].is_null()) {
+    if (!data["dynamic_batch"].is_boolean()) throw ManifestError(path + ": \"dynamic_batch\" must be a boolean");
+    m.dynamic_batch = data["dynamic_batch"].get<bool>();
+  }
   if (data.contains("target") && data["target"].is_string()) m.target = data["target"];
   if (data.contains("precision") && data["precision"].is_string()) m.precision = data["precision"];
   if (data.contains("max_length") && !data["max_length"].is_null()) m.max_length = f.integer(data, "max_length");
@@ -163,26 +215,36 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
       else
         throw ManifestError(path + ": state " + e.input + " has a bad dimension " + d.dump());
     }
-    if (s.contains("shared") && s["shared"] == true)
-      throw ManifestError(path + ": state " + e.input +
-                          " is a KV buffer shared between past and present (the onnxruntime target's softmax "
-                          "baseline); the C++ runtime runs fixed-size recurrent state only: use the Python session");
+    if (s.contains("shared") && !s["shared"].is_null()) {
+      if (!s["shared"].is_boolean()) throw ManifestError(path + ": state " + e.input + " \"shared\" must be a boolean");
+      e.shared = s["shared"].get<bool>();
+      if (e.shared && e.dynamic())
+        throw ManifestError(path + ": state " + e.input + " is shared between past and present but has a dynamic "
+                                   "dimension: a shared KV buffer has a fixed size (max_length)");
+    }
+    if (e.shared && m.max_length < 0)
+      throw ManifestError(path + ": state " + e.input + " is a shared KV buffer, but \"max_length\" is not set");
     m.state.push_back(std::move(e));
   }
 
   m.tokenizer = parse_tokenizer(f, data, m.vocab_size);
+  m.weights = parse_weights(f, data);
 
   const json& files = f.object(data, "files");
   for (auto it = files.begin(); it != files.end(); ++it) {
     if (!it.value().is_object()) throw ManifestError(path + ": files." + it.key() + " must be an object");
     m.files.emplace_back(it.key(), Fields{path}.str(it.value(), "sha256"));
   }
-  // A graph that is not listed under "files" could not be verified: refuse it rather than run it unchecked.
-  for (const GraphInfo* g : {&m.step, &m.prefill}) {
-    if (g->tokens == 0) continue;
+  // A graph or weights file that is not listed under "files" could not be verified: refuse it rather than run it
+  // unchecked.
+  std::vector<std::string> must_list;
+  for (const GraphInfo* g : {&m.step, &m.prefill})
+    if (g->tokens > 0) must_list.push_back(g->path);
+  if (!m.weights.path.empty()) must_list.push_back(m.weights.path);
+  for (const std::string& name : must_list) {
     bool listed = false;
-    for (const auto& file : m.files) listed = listed || file.first == g->path;
-    if (!listed) throw ManifestError(path + ": " + g->path + " is not listed under \"files\", so it cannot be verified");
+    for (const auto& file : m.files) listed = listed || file.first == name;
+    if (!listed) throw ManifestError(path + ": " + name + " is not listed under \"files\", so it cannot be verified");
   }
 
   if (verify) {

@@ -1,20 +1,24 @@
 // edgeattn::Session: the step and prefill graphs of an artifact on ONNX Runtime, with the state kept in two
 // ONNX Runtime buffers per state tensor that IoBinding swaps between calls.
-#include <algorithm>
-#include <cstring>
+//
+// Weights: in an fp32 artifact with a shared weights file (the manifest's "weights"), the file is mapped once and
+// every tensor handed to both sessions as the same OrtValue (SessionOptions::AddInitializer), and both sessions
+// are created with one Ort::PrepackedWeightsContainer, so each matrix is prepacked once for both. When step and
+// prefill name the same graph file (one graph with a dynamic token axis), one session serves both.
 #include <set>
 #include <string>
 #include <unordered_map>
-#include <utility>
 
-// The API is initialised in ort_api() below, so a runtime older than the headers is an exception, not a crash.
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
-
-#include "edgeattn/session.hpp"
+#include "session_impl.hpp"
 #include "state_file.hpp"
 
 namespace edgeattn {
+using detail::Graph;
+using detail::numel;
+using detail::one_line;
+using detail::shape_str;
+using detail::zeros;
+
 namespace {
 
 void ort_api() {
@@ -26,50 +30,18 @@ void ort_api() {
   Ort::InitApi(api);
 }
 
-int64_t numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
+}  // namespace
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string one_line(std::string s) {
-  std::replace(s.begin(), s.end(), '\n', ' ');
-  return s;
-}
-
-template <typename T>
-Ort::Value zeros(Ort::Allocator& allocator, const std::vector<int64_t>& shape) {
-  Ort::Value v = Ort::Value::CreateTensor<T>(allocator, shape.data(), shape.size());
-  std::memset(v.GetTensorMutableData<T>(), 0, static_cast<size_t>(numel(shape)) * sizeof(T));
-  return v;
-}
-
-// One graph with its own preallocated input_ids and logits, and two bindings: binding[p] reads state set p and
-// writes state set 1 - p.
-struct Graph {
-  std::string file;
-  int64_t tokens = 0;  // 0: the artifact has no such graph
-  Ort::Session session{nullptr};
-  Ort::Allocator allocator{nullptr};
-  Ort::Value ids{nullptr};     // [1, tokens] int64
-  Ort::Value logits{nullptr};  // [1, tokens, vocab] float
-  Ort::IoBinding binding[2] = {Ort::IoBinding{nullptr}, Ort::IoBinding{nullptr}};
-};
+namespace detail {
 
 // Check a graph's inputs and outputs against the manifest before anything runs, so a mismatch names the tensor.
 void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<int64_t>>& shapes) {
   Ort::AllocatorWithDefaultOptions names;
   std::unordered_map<std::string, Ort::TypeInfo> inputs, outputs;
-  for (size_t i = 0; i < g.session.GetInputCount(); ++i)
-    inputs.emplace(g.session.GetInputNameAllocated(i, names).get(), g.session.GetInputTypeInfo(i));
-  for (size_t i = 0; i < g.session.GetOutputCount(); ++i)
-    outputs.emplace(g.session.GetOutputNameAllocated(i, names).get(), g.session.GetOutputTypeInfo(i));
+  for (size_t i = 0; i < g.session->GetInputCount(); ++i)
+    inputs.emplace(g.session->GetInputNameAllocated(i, names).get(), g.session->GetInputTypeInfo(i));
+  for (size_t i = 0; i < g.session->GetOutputCount(); ++i)
+    outputs.emplace(g.session->GetOutputNameAllocated(i, names).get(), g.session->GetOutputTypeInfo(i));
 
   auto expect = [&](std::unordered_map<std::string, Ort::TypeInfo>& io, const std::string& name, const char* kind,
                     ONNXTensorElementDataType type, const std::vector<int64_t>& shape) {
@@ -94,81 +66,8 @@ void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<i
     throw ManifestError(g.file + " has the input " + inputs.begin()->first + ", which edgeattn.json does not list");
 }
 
-}  // namespace
+}  // namespace detail
 
-struct Session::Impl {
-  Manifest manifest;
-  Ort::Env env{nullptr};
-  Ort::MemoryInfo cpu{nullptr};
-  Ort::RunOptions run_options{nullptr};
-  Graph step, prefill;
-  std::vector<std::vector<int64_t>> shapes;
-  // Declared after the graphs: destroyed before the allocator they came from.
-  std::vector<Ort::Value> state[2];
-  int cur = 0;  // state[cur] holds the current state
-  int64_t position = 0;
-
-  void open(Graph& g, const GraphInfo& info, const SessionOptions& options) {
-    g.file = info.path;
-    g.tokens = info.tokens;
-    if (g.tokens == 0) return;
-    Ort::SessionOptions so;
-    so.SetIntraOpNumThreads(options.threads);
-    so.SetInterOpNumThreads(1);
-    so.SetExecutionMode(ORT_SEQUENTIAL);
-    so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
-    so.EnableCpuMemArena();
-    so.SetLogSeverityLevel(options.log_level);
-    const std::string path = manifest.dir + "/" + info.path;
-    try {
-      g.session = Ort::Session(env, path.c_str(), so);
-    } catch (const Ort::Exception& e) {
-      throw ManifestError("ONNX Runtime cannot load " + path + ": " + one_line(e.what()));
-    }
-    check_io(g, manifest, shapes);
-    g.allocator = Ort::Allocator(g.session, cpu);
-    g.ids = zeros<int64_t>(g.allocator, {1, g.tokens});
-    g.logits = zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
-  }
-
-  void bind(Graph& g) {
-    if (g.tokens == 0) return;
-    for (int p = 0; p < 2; ++p) {
-      Ort::IoBinding b(g.session);
-      b.BindInput(manifest.input_ids_name.c_str(), g.ids);
-      b.BindOutput(manifest.logits_name.c_str(), g.logits);
-      for (size_t i = 0; i < manifest.state.size(); ++i) {
-        b.BindInput(manifest.state[i].input.c_str(), state[p][i]);
-        b.BindOutput(manifest.state[i].output.c_str(), state[1 - p][i]);
-      }
-      g.binding[p] = std::move(b);
-    }
-  }
-
-  // Run `g` on ids[begin, begin + g.tokens): reads state[cur], writes state[1 - cur], then swaps.
-  const float* run(Graph& g, const int64_t* ids) {
-    std::copy(ids, ids + g.tokens, g.ids.GetTensorMutableData<int64_t>());
-    try {
-      g.session.Run(run_options, g.binding[cur]);
-    } catch (const Ort::Exception& e) {
-      throw RuntimeError("ONNX Runtime failed to run " + g.file + ": " + one_line(e.what()));
-    }
-    cur = 1 - cur;
-    position += g.tokens;
-    return g.logits.GetTensorData<float>() + (g.tokens - 1) * manifest.vocab_size;
-  }
-
-  void check_tokens(const int64_t* ids, size_t n) const {
-    for (size_t i = 0; i < n; ++i)
-      if (ids[i] < 0 || ids[i] >= manifest.vocab_size)
-        throw InputError("token " + std::to_string(ids[i]) + " is out of range: the vocabulary has " +
-                         std::to_string(manifest.vocab_size) + " tokens (0.." +
-                         std::to_string(manifest.vocab_size - 1) + ")");
-    if (manifest.max_length >= 0 && position + static_cast<int64_t>(n) > manifest.max_length)
-      throw InputError("max_length " + std::to_string(manifest.max_length) + " exceeded: " +
-                       std::to_string(position) + " tokens consumed, " + std::to_string(n) + " more given");
-  }
-};
 
 Session::Session(const std::string& artifact_dir, const SessionOptions& options) : impl_(std::make_unique<Impl>()) {
   ort_api();
@@ -189,12 +88,25 @@ Session::Session(const std::string& artifact_dir, const SessionOptions& options)
     s.env = Ort::Env(static_cast<OrtLoggingLevel>(options.log_level), "edgeattn");
     s.cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     s.run_options = Ort::RunOptions();
+    if (options.share_weights && !m.weights.path.empty() && m.precision == "fp32") s.map_weights();
     s.open(s.step, m.step, options);
-    s.open(s.prefill, m.prefill, options);
-    for (auto& set : s.state)
-      for (const auto& shape : s.shapes) set.push_back(zeros<float>(s.step.allocator, shape));
+    s.open(s.prefill, m.prefill, options, m.prefill.path == m.step.path ? &s.step : nullptr);
+    // A shared entry (a preallocated KV buffer) has one buffer: set 1 holds a second OrtValue over set 0's memory,
+    // so both bindings read and write it in place and the swap changes nothing for it.
+    for (size_t i = 0; i < s.shapes.size(); ++i) {
+      s.state[0].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
+      if (m.state[i].shared)
+        s.state[1].push_back(Ort::Value::CreateTensor<float>(
+            s.cpu, s.state[0][i].GetTensorMutableData<float>(), static_cast<size_t>(numel(s.shapes[i])),
+            s.shapes[i].data(), s.shapes[i].size()));
+      else
+        s.state[1].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
+    }
     s.bind(s.step);
     s.bind(s.prefill);
+    // The sessions prepacked the matrices they multiply (one copy, in the container), reading the mapped file once:
+    // drop those pages. What the graphs still read directly (embeddings, norms, biases) pages back in on first use.
+    if (s.weights_file) s.weights_file->release();
   } catch (const Ort::Exception& e) {
     throw RuntimeError("ONNX Runtime: " + one_line(e.what()));
   }
@@ -277,7 +189,7 @@ MemoryStats Session::memory_stats() const {
   MemoryStats out;
 #if ORT_API_VERSION >= 23
   for (const Graph* g : {&impl_->step, &impl_->prefill}) {
-    if (g->tokens == 0) continue;
+    if (g->tokens == 0 || g->shares_session) continue;  // one session's arena counted once
     std::unordered_map<std::string, std::string> kv;
     try {
       kv = g->allocator.GetStats().GetKeyValuePairs();

@@ -61,6 +61,9 @@ struct StateEntry {
   std::string name;
   std::vector<std::variant<int64_t, std::string>> shape;  // a string is a dynamic dimension
   std::string dtype;
+  // One buffer bound as both the past input and the present output: a preallocated KV buffer of max_length
+  // tokens that the graph (ONNX Runtime's GroupQueryAttention) updates in place.
+  bool shared = false;
   bool dynamic() const;
   std::vector<int64_t> fixed_shape() const;  // throws ManifestError for a dynamic entry
 };
@@ -78,6 +81,22 @@ struct TokenizerInfo {
   bool is_eos(int64_t token) const;
 };
 
+// The manifest's "weights": the graphs' large initializers stored once in one file (weights.bin), each tensor at a
+// page-aligned offset, under every initializer name that uses it. Empty path: each graph holds its own weights.
+struct WeightTensor {
+  std::vector<std::string> names;
+  std::string dtype;  // float32, float16, float64, int8, uint8, int32, int64
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  int64_t length = 0;  // bytes
+};
+
+struct WeightsInfo {
+  std::string path;  // relative to the artifact directory; "" when the manifest has no "weights"
+  int64_t bytes = 0;
+  std::vector<WeightTensor> tensors;
+};
+
 struct GraphInfo {
   std::string path;  // relative to the artifact directory
   int64_t tokens = 0;
@@ -89,6 +108,7 @@ struct Manifest {
   std::string fingerprint;
   int64_t vocab_size = 0;
   int64_t batch_size = 0;
+  bool dynamic_batch = false;  // the graphs take any batch (dimension 0 of ids, logits and state): Streams
   std::string target, precision;
   int64_t max_length = -1;  // -1: unbounded
   std::string input_ids_name = "input_ids";
@@ -96,6 +116,7 @@ struct Manifest {
   GraphInfo step;
   GraphInfo prefill;  // tokens == 0: the artifact has no prefill graph
   std::vector<StateEntry> state;
+  WeightsInfo weights;
   TokenizerInfo tokenizer;
   std::vector<std::pair<std::string, std::string>> files;  // name -> sha256 hex
 
@@ -111,6 +132,9 @@ struct SessionOptions {
   int threads = 0;            // ONNX Runtime intra-op threads per graph; 0 lets ONNX Runtime choose
   bool verify_files = true;   // check the sha256 of every file listed in the manifest
   int log_level = 3;          // ONNX Runtime's OrtLoggingLevel: 2 warning, 3 error
+  // fp32 artifacts with a shared weights file: map it once, hand each tensor to both graphs' sessions and prepack
+  // each matrix once for both (Ort::PrepackedWeightsContainer). false: each session loads and prepacks its own copy.
+  bool share_weights = true;
 };
 
 // The ONNX Runtime CPU arena's statistics, summed over the step and prefill sessions. `available` is false when
@@ -150,6 +174,7 @@ class Session {
   MemoryStats memory_stats() const;
 
  private:
+  friend class Streams;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -172,6 +197,68 @@ class Sampler {
   SamplingOptions opt_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int64_t>> scratch_;
+};
+
+// ---- many streams per step -------------------------------------------------------------------------------------
+
+struct StreamOptions {
+  SamplingOptions sampling;            // each stream has its own sampler and seed
+  std::vector<int64_t> stop_ids;       // stop when one is sampled (consumed, not returned); empty: none
+  bool stop_at_eos = true;             // also stop at the tokenizer's eos_token_ids
+  int64_t max_new_tokens = -1;         // stop after this many tokens; -1: no limit
+};
+
+// One step of every live stream: the token each produced (stop tokens are not reported; the stream is done).
+struct StreamToken {
+  int64_t stream;
+  int64_t token;
+};
+
+// N independent streams over one Session's graphs, stepped together: one step-graph call at batch N per token.
+//
+//   edgeattn::Session sess("artifacts/gla-dyn", {1});      // exported with --dynamic-batch
+//   edgeattn::Streams streams(sess);
+//   int64_t a = streams.add(prompt_a, {{/*temperature*/ 0.8f, 40, 0.95f, /*seed*/ 1}});
+//   int64_t b = streams.add(prompt_b);                       // greedy
+//   for (const auto& [stream, token] : streams.step()) ...   // one graph call for a and b
+//   streams.drop(a);
+//
+// add() prefills the prompt alone at batch 1 through the session (from zeros or from a state file), then the stream
+// joins the batch: its first token is drawn from the prompt's last logits on the next step(), as Session-driven
+// decoding would. The live streams' states sit in two [N, ...] buffers per state tensor that the step graph reads and
+// writes in turn; add() and drop() copy rows and rebind, step() writes N ids and runs. A stream that stops (stop id,
+// max_new_tokens) leaves the batch and keeps its state until drop(). The Session is borrowed: it must outlive the
+// Streams and stay where it is (not moved from), and add() and resume() reset its own state. Needs an artifact exported with --dynamic-batch (batch_size 1) and
+// fixed-size state (no KV buffer: each stream would need its own length).
+class Streams {
+ public:
+  explicit Streams(Session& session, int64_t max_streams = -1);  // -1: no limit
+  ~Streams();
+  Streams(Streams&&) noexcept;
+  Streams& operator=(Streams&&) noexcept;
+  Streams(const Streams&) = delete;
+  Streams& operator=(const Streams&) = delete;
+
+  // Start a stream from `prompt` (non-empty), after the state in `state_file` when one is given. Returns its id.
+  int64_t add(const std::vector<int64_t>& prompt, const StreamOptions& options = {}, const std::string& state_file = "");
+  // Resume a stream as it was saved: its state file and the next-token logits [vocab] that came with it.
+  int64_t resume(const std::string& state_file, const std::vector<float>& logits, const StreamOptions& options = {});
+  // Sample each live stream's next token and run the step graph once on all of them.
+  std::vector<StreamToken> step();
+  void drop(int64_t stream);  // forget a stream, live or done; InputError for an unknown id
+
+  std::vector<int64_t> live() const;  // ids of the streams the next step advances, in batch-row order
+  size_t size() const;                // streams held, live or done
+  bool done(int64_t stream) const;
+  const std::vector<int64_t>& generated(int64_t stream) const;  // tokens produced, stop tokens excluded
+  const std::vector<float>& logits(int64_t stream) const;       // its next-token logits [vocab]
+  int64_t position(int64_t stream) const;                       // tokens its state has consumed
+  void save_state(int64_t stream, const std::string& path) const;  // a state file Session::load_state reads
+  int64_t state_bytes_per_stream() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace edgeattn

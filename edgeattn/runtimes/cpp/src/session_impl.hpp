@@ -1,0 +1,220 @@
+// The internals of edgeattn::Session, shared by session.cpp and streams.cpp (not installed).
+#pragma once
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+// The API is initialised in ort_api() (session.cpp), so a runtime older than the headers is an exception, not a crash.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include "edgeattn/session.hpp"
+
+namespace edgeattn {
+namespace detail {
+
+inline int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+inline std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+inline std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+
+template <typename T>
+Ort::Value zeros(Ort::Allocator& allocator, const std::vector<int64_t>& shape) {
+  Ort::Value v = Ort::Value::CreateTensor<T>(allocator, shape.data(), shape.size());
+  std::memset(v.GetTensorMutableData<T>(), 0, static_cast<size_t>(numel(shape)) * sizeof(T));
+  return v;
+}
+
+// A read-only mapping of a whole file (the shared weights), unmapped when destroyed.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw IntegrityError("cannot open " + path + ": " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+      ::close(fd);
+      throw IntegrityError("cannot read " + path + " (empty or unreadable)");
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (data_ == MAP_FAILED) throw RuntimeError("cannot map " + path + ": " + std::strerror(err));
+  }
+  ~MappedFile() {
+    if (data_ != MAP_FAILED) ::munmap(data_, size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  char* data() const { return static_cast<char*>(data_); }
+  // Give the resident pages back to the kernel. The mapping stays valid: a page read again is read from the file
+  // (a private, read-only mapping that nothing wrote to holds the file's bytes).
+  void release() const { ::madvise(data_, size_, MADV_DONTNEED); }
+  size_t size() const { return size_; }
+
+ private:
+  void* data_ = MAP_FAILED;
+  size_t size_ = 0;
+};
+
+inline ONNXTensorElementDataType element_type(const std::string& dtype) {
+  if (dtype == "float32") return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (dtype == "float16") return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (dtype == "float64") return ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE;
+  if (dtype == "int8") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  if (dtype == "uint8") return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  if (dtype == "int32") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  if (dtype == "int64") return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  throw ManifestError("weights tensor of unknown dtype " + dtype);
+}
+
+// One graph with its own preallocated input_ids and logits, and two bindings: binding[p] reads state set p and
+// writes state set 1 - p. `session` is `own`, or the other graph's session when both name the same file.
+struct Graph {
+  std::string file;
+  int64_t tokens = 0;  // 0: the artifact has no such graph
+  Ort::Session own{nullptr};
+  Ort::Session* session = nullptr;
+  bool shares_session = false;  // true: `session` belongs to the other graph
+  Ort::Allocator allocator{nullptr};
+  Ort::Value ids{nullptr};     // [1, tokens] int64
+  Ort::Value logits{nullptr};  // [1, tokens, vocab] float
+  Ort::IoBinding binding[2] = {Ort::IoBinding{nullptr}, Ort::IoBinding{nullptr}};
+};
+
+// Check a graph's inputs and outputs against the manifest before anything runs, so a mismatch names the tensor.
+void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<int64_t>>& shapes);
+
+}  // namespace detail
+
+struct Session::Impl {
+  Manifest manifest;
+  Ort::Env env{nullptr};
+  Ort::MemoryInfo cpu{nullptr};
+  Ort::RunOptions run_options{nullptr};
+  // The shared weights and their prepacked forms, declared before the graphs: the sessions go first.
+  std::unique_ptr<detail::MappedFile> weights_file;
+  std::vector<std::pair<std::string, Ort::Value>> weights;  // initializer name -> tensor over weights_file
+  Ort::PrepackedWeightsContainer prepacked{nullptr};
+  detail::Graph step, prefill;
+  std::vector<std::vector<int64_t>> shapes;
+  // Declared after the graphs: destroyed before the allocator they came from.
+  std::vector<Ort::Value> state[2];
+  int cur = 0;  // state[cur] holds the current state
+  int64_t position = 0;
+
+  // Map the manifest's weights file once and make one OrtValue per tensor, under each of its names.
+  void map_weights() {
+    const WeightsInfo& w = manifest.weights;
+    const std::string path = manifest.dir + "/" + w.path;
+    weights_file = std::make_unique<detail::MappedFile>(path);
+    for (const WeightTensor& t : w.tensors) {
+      if (static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(t.length) > weights_file->size())
+        throw ManifestError(path + ": tensor " + t.names[0] + " lies outside the file (manifest and file disagree)");
+      for (const std::string& name : t.names)
+        weights.emplace_back(name, Ort::Value::CreateTensor(cpu, weights_file->data() + t.offset,
+                                                            static_cast<size_t>(t.length), t.shape.data(),
+                                                            t.shape.size(), detail::element_type(t.dtype)));
+    }
+    prepacked = Ort::PrepackedWeightsContainer();
+  }
+
+  void open(detail::Graph& g, const GraphInfo& info, const SessionOptions& options, detail::Graph* same = nullptr) {
+    g.file = info.path;
+    g.tokens = info.tokens;
+    if (g.tokens == 0) return;
+    if (same != nullptr) {  // one graph file for both: one session, its own ids, logits and bindings
+      g.session = same->session;
+      g.shares_session = true;
+      detail::check_io(g, manifest, shapes);
+      g.allocator = Ort::Allocator(*g.session, cpu);
+      g.ids = detail::zeros<int64_t>(g.allocator, {1, g.tokens});
+      g.logits = detail::zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
+      return;
+    }
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(options.threads);
+    so.SetInterOpNumThreads(1);
+    so.SetExecutionMode(ORT_SEQUENTIAL);
+    so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
+    so.EnableCpuMemArena();
+    so.SetLogSeverityLevel(options.log_level);
+    for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
+    const std::string path = manifest.dir + "/" + info.path;
+    try {
+      g.own = prepacked ? Ort::Session(env, path.c_str(), so, prepacked) : Ort::Session(env, path.c_str(), so);
+    } catch (const Ort::Exception& e) {
+      throw ManifestError("ONNX Runtime cannot load " + path + ": " + detail::one_line(e.what()));
+    }
+    g.session = &g.own;
+    detail::check_io(g, manifest, shapes);
+    g.allocator = Ort::Allocator(*g.session, cpu);
+    g.ids = detail::zeros<int64_t>(g.allocator, {1, g.tokens});
+    g.logits = detail::zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
+  }
+
+  void bind(detail::Graph& g) {
+    if (g.tokens == 0) return;
+    for (int p = 0; p < 2; ++p) {
+      Ort::IoBinding b(*g.session);
+      b.BindInput(manifest.input_ids_name.c_str(), g.ids);
+      b.BindOutput(manifest.logits_name.c_str(), g.logits);
+      for (size_t i = 0; i < manifest.state.size(); ++i) {
+        b.BindInput(manifest.state[i].input.c_str(), state[p][i]);
+        b.BindOutput(manifest.state[i].output.c_str(), state[1 - p][i]);
+      }
+      g.binding[p] = std::move(b);
+    }
+  }
+
+  // Run `g` on ids[begin, begin + g.tokens): reads state[cur], writes state[1 - cur], then swaps.
+  const float* run(detail::Graph& g, const int64_t* ids) {
+    std::copy(ids, ids + g.tokens, g.ids.GetTensorMutableData<int64_t>());
+    try {
+      g.session->Run(run_options, g.binding[cur]);
+    } catch (const Ort::Exception& e) {
+      throw RuntimeError("ONNX Runtime failed to run " + g.file + ": " + detail::one_line(e.what()));
+    }
+    cur = 1 - cur;
+    position += g.tokens;
+    return g.logits.GetTensorData<float>() + (g.tokens - 1) * manifest.vocab_size;
+  }
+
+  void check_tokens(const int64_t* ids, size_t n) const {
+    for (size_t i = 0; i < n; ++i)
+      if (ids[i] < 0 || ids[i] >= manifest.vocab_size)
+        throw InputError("token " + std::to_string(ids[i]) + " is out of range: the vocabulary has " +
+                         std::to_string(manifest.vocab_size) + " tokens (0.." +
+                         std::to_string(manifest.vocab_size - 1) + ")");
+    if (manifest.max_length >= 0 && position + static_cast<int64_t>(n) > manifest.max_length)
+      throw InputError("max_length " + std::to_string(manifest.max_length) + " exceeded: " +
+                       std::to_string(position) + " tokens consumed, " + std::to_string(n) +
+                       " more given (the softmax baseline's KV buffer holds max_length tokens: reset, or use a "
+                       "linear-attention model)");
+  }
+};
+
+}  // namespace edgeattn

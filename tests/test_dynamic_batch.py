@@ -1,0 +1,76 @@
+"""Dynamic-batch export: symbolic leading dimension, batch-N calls equal N batch-1 calls, fixed mixers refused."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edgeattn.export import Manifest, export_model
+from edgeattn.runtimes import open_session
+from tests.export_helpers import PREFILL, make_checkpoint, text_ids
+
+B = 3
+
+
+def _random_feeds(m: Manifest, tokens: int, rng) -> dict:
+    feeds = {"input_ids": rng.integers(0, 256, (B, tokens)).astype(np.int64)}
+    for e in m.state:
+        shape = [B] + [2 if isinstance(d, str) else d for d in e.shape[1:]]
+        feeds[e.input] = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        if e.name == "position":  # a different position per row (FLASH's chunk, the window's ring)
+            feeds[e.input] = np.array([0.0, 5.0, 11.0][:B], np.float32).reshape(shape)
+    return feeds
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
+@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet", "mamba2", "flash", "swa"])
+def test_batch_n_call_equals_n_batch_one_calls(tmp_path, mixer, target):
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL, dynamic_batch=True)
+    m = Manifest.load(art)
+    assert m.dynamic_batch and m.batch_size == 1
+    assert json.loads((art / "edgeattn.json").read_text())["dynamic_batch"] is True
+    rng = np.random.default_rng(0)
+    for graph, tokens in (("prefill", PREFILL), ("step", 1)):
+        sess = ort.InferenceSession(str(m.graph_path(graph)))
+        for a in [*sess.get_inputs(), *sess.get_outputs()]:
+            assert a.shape[0] == "batch", (a.name, a.shape)
+        feeds = _random_feeds(m, tokens, rng)
+        together = sess.run(None, feeds)
+        for b in range(B):
+            alone = sess.run(None, {k: v[b : b + 1] for k, v in feeds.items()})
+            for x, y in zip(together, alone):
+                np.testing.assert_allclose(x[b : b + 1], y, rtol=0, atol=1e-5)
+
+
+def test_dynamic_artifact_runs_in_a_batch_one_session_like_a_fixed_one(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    fixed = export_model(ckpt, tmp_path / "fixed", prefill_chunk=PREFILL)
+    dyn = export_model(ckpt, tmp_path / "dyn", prefill_chunk=PREFILL, dynamic_batch=True)
+    assert Manifest.load(fixed).dynamic_batch is False
+    ids = text_ids(PREFILL + 3)
+    a, b = open_session(fixed), open_session(dyn)
+    np.testing.assert_allclose(a.prefill(ids), b.prefill(ids), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(a.step(ids[:, :1]), b.step(ids[:, :1]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("mixer", "target", "match"),
+    [("aft_local", "portable", "aft_local"), ("softmax", "onnxruntime", "GroupQueryAttention")],
+)
+def test_mixers_without_a_dynamic_batch_are_refused(tmp_path, mixer, target, match):
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    with pytest.raises(ValueError, match=match):
+        export_model(ckpt, tmp_path / "art", target=target, dynamic_batch=True)
+    assert not (tmp_path / "art").exists()
+
+
+def test_manifest_with_a_non_boolean_dynamic_batch_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    art = export_model(ckpt, tmp_path / "art", prefill_chunk=PREFILL, dynamic_batch=True)
+    data = json.loads((art / "edgeattn.json").read_text())
+    data["dynamic_batch"] = "yes"
+    (art / "edgeattn.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="dynamic_batch"):
+        Manifest.load(art)

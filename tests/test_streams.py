@@ -156,6 +156,8 @@ def test_bad_input_is_refused(arts, tmp_path):
         streams.add([1, 2], temperature=float("nan"))
     with pytest.raises(ValueError, match="next-token logits"):
         streams.add(state=open_session(art).get_state())
+    with pytest.raises(ValueError, match="logits only without prompt_ids"):
+        streams.add([1, 2], state=open_session(art).get_state(), logits=np.zeros(256))
     with pytest.raises(ValueError, match="logits must have shape"):
         streams.add(state=open_session(art).get_state(), logits=np.zeros(3))
     with pytest.raises(ValueError, match="no stream with id 5"):

@@ -180,6 +180,10 @@ class Streams:
                     raise ValueError("prompt_ids is empty: give at least one token (or state and logits)")
             if ids is None and (state is None or logits is None):
                 raise ValueError("add needs prompt_ids, or a state together with its next-token logits")
+            if ids is not None and logits is not None:
+                raise ValueError(
+                    "give logits only without prompt_ids (the prompt's last logits come from prefill)"
+                )
             sess = self._single
             with sess.lock:
                 sess.reset()

@@ -70,3 +70,20 @@ def test_manifest_with_a_non_boolean_dynamic_batch_is_refused(tmp_path):
     (art / "edgeattn.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="dynamic_batch"):
         Manifest.load(art)
+
+
+def test_cli_export_dynamic_batch_then_run_and_check(tmp_path):
+    from tests.test_cli_export import assert_bad_input, invoke
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "retnet")
+    res = invoke("export", ckpt, "--out", tmp_path / "art", "--prefill-chunk", PREFILL, "--dynamic-batch")
+    assert res.exit_code == 0, res.output
+    assert Manifest.load(tmp_path / "art").dynamic_batch
+    res = invoke("run", tmp_path / "art", "--prompt", "def ", "-n", 5, "--seed", 0)
+    assert res.exit_code == 0, res.output
+    res = invoke("check", tmp_path / "art", "--tokens", 40)
+    assert res.exit_code == 0 and "OK" in res.output, res.output
+    sm = make_checkpoint(tmp_path / "sm", "softmax")
+    res = invoke("export", sm, "--out", tmp_path / "sm_art", "--dynamic-batch")
+    assert_bad_input(res, "GroupQueryAttention")
+    assert not (tmp_path / "sm_art").exists()

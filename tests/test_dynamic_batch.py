@@ -55,6 +55,29 @@ def test_dynamic_artifact_runs_in_a_batch_one_session_like_a_fixed_one(tmp_path)
     np.testing.assert_allclose(a.step(ids[:, :1]), b.step(ids[:, :1]), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_reduced_precision_streams_equal_single_sessions(tmp_path, precision):
+    from edgeattn.runtimes.streams import Streams
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    art = export_model(ckpt, tmp_path / "art", precision=precision, prefill_chunk=PREFILL, dynamic_batch=True)
+    streams = Streams(art)
+    prompts = [text_ids(5 + 7 * i, i)[0] for i in range(3)]
+    sids = [streams.add(p, temperature=0, max_new_tokens=6, stop_ids=[]) for p in prompts]
+    while streams.live:
+        streams.step()
+    for sid, p in zip(sids, prompts):
+        assert streams.generated(sid) == list(
+            open_session(art).generate_ids(p, 6, temperature=0, stop_ids=[])
+        )
+
+
+def test_int8_with_a_dynamic_batch_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    with pytest.raises(ValueError, match="int8 quantizes activations with one scale per tensor"):
+        export_model(ckpt, tmp_path / "art", precision="int8", dynamic_batch=True)
+
+
 def test_gqa_softmax_without_a_dynamic_batch_is_refused(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "softmax")
     with pytest.raises(ValueError, match="GroupQueryAttention.*--target portable"):

@@ -267,6 +267,12 @@ def export_model(
         raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+    if dynamic_batch and precision == "int8":
+        raise ValueError(
+            "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
+            "DynamicQuantizeLinear), across the whole batch, so sequences batched together would change each "
+            "other's results: use --dynamic-batch with fp32, fp16 or int4"
+        )
     if dynamic_batch and genai:
         raise ValueError(
             "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"

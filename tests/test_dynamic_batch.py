@@ -24,7 +24,7 @@ def _random_feeds(m: Manifest, tokens: int, rng) -> dict:
 
 
 @pytest.mark.parametrize("target", ["onnxruntime", "portable"])
-@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet", "mamba2", "flash", "swa"])
+@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet", "mamba2", "flash", "swa", "aft_local"])
 def test_batch_n_call_equals_n_batch_one_calls(tmp_path, mixer, target):
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
     art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL, dynamic_batch=True)
@@ -55,14 +55,33 @@ def test_dynamic_artifact_runs_in_a_batch_one_session_like_a_fixed_one(tmp_path)
     np.testing.assert_allclose(a.step(ids[:, :1]), b.step(ids[:, :1]), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("mixer", "target", "match"),
-    [("aft_local", "portable", "aft_local"), ("softmax", "onnxruntime", "GroupQueryAttention")],
-)
-def test_mixers_without_a_dynamic_batch_are_refused(tmp_path, mixer, target, match):
-    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
-    with pytest.raises(ValueError, match=match):
-        export_model(ckpt, tmp_path / "art", target=target, dynamic_batch=True)
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_reduced_precision_streams_equal_single_sessions(tmp_path, precision):
+    from edgeattn.runtimes.streams import Streams
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    art = export_model(ckpt, tmp_path / "art", precision=precision, prefill_chunk=PREFILL, dynamic_batch=True)
+    streams = Streams(art)
+    prompts = [text_ids(5 + 7 * i, i)[0] for i in range(3)]
+    sids = [streams.add(p, temperature=0, max_new_tokens=6, stop_ids=[]) for p in prompts]
+    while streams.live:
+        streams.step()
+    for sid, p in zip(sids, prompts):
+        assert streams.generated(sid) == list(
+            open_session(art).generate_ids(p, 6, temperature=0, stop_ids=[])
+        )
+
+
+def test_int8_with_a_dynamic_batch_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    with pytest.raises(ValueError, match="int8 quantizes activations with one scale per tensor"):
+        export_model(ckpt, tmp_path / "art", precision="int8", dynamic_batch=True)
+
+
+def test_gqa_softmax_without_a_dynamic_batch_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "softmax")
+    with pytest.raises(ValueError, match="GroupQueryAttention.*--target portable"):
+        export_model(ckpt, tmp_path / "art", target="onnxruntime", dynamic_batch=True)
     assert not (tmp_path / "art").exists()
 
 
@@ -74,3 +93,20 @@ def test_manifest_with_a_non_boolean_dynamic_batch_is_refused(tmp_path):
     (art / "edgeattn.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="dynamic_batch"):
         Manifest.load(art)
+
+
+def test_cli_export_dynamic_batch_then_run_and_check(tmp_path):
+    from tests.test_cli_export import assert_bad_input, invoke
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "retnet")
+    res = invoke("export", ckpt, "--out", tmp_path / "art", "--prefill-chunk", PREFILL, "--dynamic-batch")
+    assert res.exit_code == 0, res.output
+    assert Manifest.load(tmp_path / "art").dynamic_batch
+    res = invoke("run", tmp_path / "art", "--prompt", "def ", "-n", 5, "--seed", 0)
+    assert res.exit_code == 0, res.output
+    res = invoke("check", tmp_path / "art", "--tokens", 40)
+    assert res.exit_code == 0 and "OK" in res.output, res.output
+    sm = make_checkpoint(tmp_path / "sm", "softmax")
+    res = invoke("export", sm, "--out", tmp_path / "sm_art", "--dynamic-batch")
+    assert_bad_input(res, "GroupQueryAttention")
+    assert not (tmp_path / "sm_art").exists()

@@ -709,6 +709,7 @@ def test_numpy_dtype_and_parse_device():
             "re-export with `--target portable`: TensorRT needs a plugin for com.microsoft",
         ),
         ({"precision": "int8"}, "MatMulInteger"),
+        ({"dynamic_batch": True}, "exported with --dynamic-batch"),
         (
             {
                 "state": [

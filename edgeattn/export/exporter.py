@@ -100,17 +100,12 @@ def check_exportable(model) -> None:
 
 
 BATCH_DIM = "batch"  # the symbolic leading dimension of every graph tensor in a dynamic-batch export
-# Mixers whose graphs keep a fixed batch: the AFT window's chunk form (aft, aft_local, rwkv) unfolds a mask
-# whose size the ONNX exporter cannot see once the batch is symbolic.
-FIXED_BATCH_MIXERS = frozenset({"aft", "aft_local", "rwkv"})
 
 
 def fixed_batch_reason(model, target: str) -> str | None:
-    """Why ``model`` cannot export with a dynamic batch for ``target`` (None when it can)."""
-    fixed = sorted(FIXED_BATCH_MIXERS & set(model.cfg.mixers))
-    if fixed:
-        return f"mixer {fixed[0]!r} exports with a fixed batch only (its windowed chunk form)"
-    if target == "onnxruntime" and "softmax" in model.cfg.mixers:
+    """Why ``model`` cannot export with a dynamic batch for ``target`` (None when it can). Call after
+    ``use_kv_buffers``."""
+    if any(getattr(block.mixer, "kv_buffer", None) for block in model.blocks):
         return (
             "mixer 'softmax' on the onnxruntime target uses GroupQueryAttention, whose prefill takes batch 1 "
             "only once the cache holds tokens; export it with --target portable for a dynamic batch"
@@ -272,6 +267,12 @@ def export_model(
         raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+    if dynamic_batch and precision == "int8":
+        raise ValueError(
+            "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
+            "DynamicQuantizeLinear), across the whole batch, so sequences batched together would change each "
+            "other's results: use --dynamic-batch with fp32, fp16 or int4"
+        )
     if dynamic_batch and genai:
         raise ValueError(
             "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
@@ -282,15 +283,15 @@ def export_model(
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
     model = EdgeLM.load(checkpoint).eval()
     check_exportable(model)
-    reason = fixed_batch_reason(model, target) if dynamic_batch else None
-    if reason:
-        raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
     if genai:
         from edgeattn.export.genai import check_genai
 
         check_genai(model)
     cfg = model.cfg
     kv_buffers = use_kv_buffers(model, target)
+    reason = fixed_batch_reason(model, target) if dynamic_batch else None
+    if reason:
+        raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
     entries = state_entries(model, batch_size)
     softmax_like = kv_buffers or any(isinstance(d, str) for e in entries for d in e["shape"])
 

@@ -293,6 +293,8 @@ def logit_error(
     sessions = [ort.InferenceSession(m if isinstance(m, bytes) else str(m), so) for m in (reference, path)]
     ids_input = next(i for i in sessions[0].get_inputs() if i.name not in {e["input"] for e in entries})
     B, T = ids_input.shape
+    if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
+        B = entries[0]["shape"][0] if entries else 1
     vocab = sessions[0].get_outputs()[0].shape[-1]
     text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
     text = text.reshape(calls, B, T)  # [calls, B, T]

@@ -2,6 +2,7 @@
 
 Backends: "onnxruntime" (base install), "torch" (train extra: the checkpoint stored in the artifact),
 "tensorrt" (tensorrt extra, NVIDIA GPUs and Jetson). The backend is always chosen by argument.
+``Streams(artifact_dir)`` (ONNX Runtime) decodes many independent streams in one graph call per token.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 
 from edgeattn.export.manifest import Manifest
 from edgeattn.runtimes.base import Session
+from edgeattn.runtimes.streams import Streams
 
 BACKENDS = ("onnxruntime", "torch", "tensorrt")
 
@@ -37,4 +39,4 @@ def open_session(
     return TensorRTSession(manifest, device=device)
 
 
-__all__ = ["BACKENDS", "Session", "open_session"]
+__all__ = ["BACKENDS", "Session", "Streams", "open_session"]

@@ -8,6 +8,10 @@ sess.reset(); state = sess.get_state(); sess.set_state(state)
 sess.save_state(path); sess.load_state(path)
 text = sess.generate(prompt, max_new_tokens=..., temperature=..., top_k=..., top_p=..., seed=...)
 
+Many independent streams stepped together in one batch-N graph call (an artifact exported with
+``--dynamic-batch``), each with its own prompt or saved state and its own sampling: ``Streams`` in
+``edgeattn.runtimes.streams``; a Session holds one batch of the artifact's fixed ``batch_size``.
+
 Threads: a session may be shared. Each public call (step, prefill, run_graph, reset, get_state, set_state,
 save_state, load_state, generate) holds the session's lock, ``sess.lock`` (a re-entrant lock), for its whole
 duration, so calls from several threads run one after another, each on a consistent state. The state is

@@ -88,6 +88,11 @@ def check_supported(manifest: Manifest) -> None:
             f"dimension in {dynamic[0]}), and the tensorrt backend runs fixed-size state only; use "
             "--backend onnxruntime, or a linear-attention or swa model"
         )
+    if manifest.dynamic_batch:
+        raise ValueError(
+            f"{manifest.root} was exported with --dynamic-batch: the tensorrt backend builds static-shape "
+            "engines; re-export without --dynamic-batch (--batch N fixes the batch)"
+        )
     if manifest.precision == "int8":
         raise ValueError(
             f"{manifest.root} is int8: ONNX Runtime's dynamic quantization (MatMulInteger, "

@@ -19,6 +19,11 @@ torch = require("torch")
 
 def _windows(x, W: int, C: int, N: int):
     """x: [B, W + N*C, ...] -> [B, N, W + C, ...], window n = indices n*C .. n*C + W + C - 1."""
+    if torch.onnx.is_in_onnx_export():
+        # A gather by a constant index: the exporter's Unfold needs the axis size, which it loses once
+        # the batch is symbolic (export --dynamic-batch).
+        idx = torch.tensor([n * C + j for n in range(N) for j in range(W + C)], device=x.device)
+        return x.index_select(1, idx).unflatten(1, (N, W + C))  # [B, N, W + C, ...]
     # unfold, not a list of slices: each slice's backward would allocate a full-size gradient (quadratic in T).
     u = x.unfold(1, W + C, C)  # [B, N, ..., W + C]
     return u.permute(0, 1, u.dim() - 1, *range(2, u.dim() - 1))  # positive axes: ONNX Transpose needs them
@@ -52,9 +57,13 @@ def chunk_aft(q, k, v, decay, window_bias, state, *, chunk_size):
         key0, value0, pos0 = state[4:]
         keys, values = torch.cat([key0, k], 1), torch.cat([value0, v], 1)  # [B, W + N*C, D]
         # Buffer slot j (distance W - j from the first token) holds a token iff W - j <= position.
-        slot_dist = torch.arange(W, 0, -1, dtype=q.dtype, device=q.device)
-        valid = torch.cat([slot_dist < pos0.unsqueeze(1) + 0.5, k.new_ones(B, N * C, dtype=torch.bool)], 1)
-        valid = _windows(valid, W, C, N)  # [B, N, W + C]
+        # The chunk's own tokens get distance -1 (always valid). Windowed without the batch, so the unfold
+        # has a size known at export even when the batch is symbolic.
+        slot_dist = torch.tensor(
+            [float(W - j) for j in range(W)] + [-1.0] * (N * C), dtype=q.dtype, device=q.device
+        )
+        dist_w = slot_dist.unfold(0, W + C, C)  # [N, W + C]
+        valid = dist_w.unsqueeze(0) < pos0.reshape(-1, 1, 1) + 0.5  # [B, N, W + C]
     else:
         keys, values, valid = k, v, None
     kw, vw = _windows(keys, W, C, N), _windows(values, W, C, N)  # [B, N, W + C, D]

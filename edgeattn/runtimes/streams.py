@@ -1,0 +1,320 @@
+"""Many independent streams decoded together: one step-graph call per token for every live stream.
+
+    streams = Streams(artifact_dir, threads=2)          # an artifact exported with --dynamic-batch
+    a = streams.add(prompt_ids, temperature=0.8, top_k=40, seed=1)   # prefilled alone, at batch 1
+    b = streams.add(other_ids, temperature=0, max_new_tokens=64)     # greedy
+    new = streams.step()            # {stream id: new token} for every live stream, ONE graph call at batch N
+    streams.drop(a)                 # frees its row
+    streams.get_state(b); streams.save_state(b, path)   # batch-1 state, as Session.get_state / save_state
+    c = streams.add(state=path, logits=last_logits)     # resume from a saved state (or give prompt_ids)
+
+Each stream has its own sampling parameters and its own ``numpy`` generator (``seed``), and samples
+exactly as ``Session.generate_ids`` does: the first new token from the prompt's last logits, then one
+token per ``step()``. A stream stops when it samples one of ``stop_ids`` (default: the tokenizer's
+end-of-sequence ids; the stop token is consumed into its state but not returned) or after
+``max_new_tokens``; a stopped stream leaves the batch but keeps its state until ``drop``.
+
+The live streams' state sits in ``[N, ...]`` float32 buffers (two per state tensor, the step graph reads
+one and writes the other); ``add`` and ``drop`` gather and scatter rows and rebind, ``step`` only writes N
+token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
+(different lengths per stream) is refused. Thread safety: every public call holds ``streams.lock``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgeattn.export.manifest import Manifest
+from edgeattn.runtimes.sampling import check_sampling, sample_next
+
+
+@dataclass
+class _Stream:
+    sampling: dict
+    rng: np.random.Generator
+    stop: frozenset
+    max_new_tokens: int | None
+    logits: np.ndarray  # [V], the logits of the next token
+    position: int
+    generated: list = field(default_factory=list)
+    done: bool = False
+    parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
+
+
+class Streams:
+    """N independent streams over one artifact, stepped together at batch N (see the module docstring)."""
+
+    def __init__(
+        self,
+        artifact: str | os.PathLike | Manifest,
+        *,
+        threads: int | None = None,
+        device: str | None = None,
+        max_streams: int | None = None,
+    ):
+        import onnxruntime as ort
+
+        from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
+
+        self._ort = ort
+        m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
+        if not m.dynamic_batch or m.batch_size != 1:
+            raise ValueError(
+                f"{m.root} was exported with a fixed batch of {m.batch_size}: streams need graphs that take "
+                "any batch; export again with --dynamic-batch (and --batch 1)"
+            )
+        grow = [e.input for e in m.state if any(isinstance(d, str) for d in e.shape[1:])]
+        if grow or any(e.shared for e in m.state):
+            raise ValueError(
+                f"{m.root} is a softmax KV-cache baseline (state {(grow or [m.state[0].input])[0]!r} grows "
+                "with every token, to a different length per stream): streams take fixed-size states only; "
+                "use a linear-attention model (or mixer 'swa')"
+            )
+        if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
+            raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
+        self.manifest = m
+        self.max_streams = None if max_streams is None else int(max_streams)
+        self.lock = threading.RLock()
+        # A batch-1 session prefills new streams alone; its step graph also runs the batch-N steps.
+        self._single = OnnxRuntimeSession(m, threads=threads, device=device)
+        self._step_graph = self._single.sessions["step"]
+        self._entries = list(m.state)
+        self._streams: dict[int, _Stream] = {}
+        self._rows: list[int] = []  # stream id of each batch row, in row order
+        self._next_id = 0
+        self._bufs: list[list[np.ndarray]] = [[], []]  # two sets of [N, ...] state buffers
+        self._cur = 0
+        self._resize([])
+
+    # ---- the batch buffers ----
+
+    def _row_shape(self, e) -> tuple:
+        return tuple(e.shape[1:])
+
+    def _resize(self, state: list[np.ndarray]) -> None:
+        """Make ``state`` (one [N, ...] array per state tensor, N = len(self._rows)) the current buffers and
+        bind the step graph to them (A -> B and B -> A)."""
+        n = len(self._rows)
+        if not state:
+            state = [np.zeros((n, *self._row_shape(e)), np.float32) for e in self._entries]
+        self._bufs = [
+            [np.ascontiguousarray(s, dtype=np.float32) for s in state],
+            [np.empty_like(s) for s in state],
+        ]
+        self._cur = 0
+        V = self.manifest.vocab_size
+        self._ids_np = np.zeros((n, 1), np.int64)
+        self._logits_np = np.zeros((n, 1, V), np.float32)
+        self._bindings = []
+        if n == 0:
+            return
+        ort = self._ort
+        ids = ort.OrtValue.ortvalue_from_numpy(self._ids_np)  # CPU OrtValues over the arrays' own memory
+        logits = ort.OrtValue.ortvalue_from_numpy(self._logits_np)
+        vals = [[ort.OrtValue.ortvalue_from_numpy(a) for a in bufs] for bufs in self._bufs]
+        self._vals = (ids, logits, vals)  # the OrtValues must outlive the bindings
+        for p in (0, 1):
+            io = self._step_graph.io_binding()
+            io.bind_ortvalue_input(self.manifest.input_ids_name, ids)
+            io.bind_ortvalue_output(self.manifest.logits_name, logits)
+            for i, e in enumerate(self._entries):
+                io.bind_ortvalue_input(e.input, vals[p][i])
+                io.bind_ortvalue_output(e.output, vals[1 - p][i])
+            self._bindings.append(io)
+
+    def _current(self) -> list[np.ndarray]:
+        return self._bufs[self._cur]
+
+    # ---- the API ----
+
+    def __len__(self) -> int:
+        """The number of streams held (live or stopped, not yet dropped)."""
+        return len(self._streams)
+
+    @property
+    def live(self) -> list[int]:
+        """Ids of the streams that the next ``step`` advances, in batch-row order."""
+        return list(self._rows)
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        """Bytes of recurrent state one stream holds (all layers, float32)."""
+        return sum(4 * int(np.prod(self._row_shape(e), dtype=np.int64)) for e in self._entries)
+
+    def add(
+        self,
+        prompt_ids=None,
+        *,
+        state: dict | str | os.PathLike | None = None,
+        position: int = 0,
+        logits=None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_ids=None,
+        max_new_tokens: int | None = None,
+    ) -> int:
+        """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
+        at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
+        the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
+        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``."""
+        with self.lock:
+            check_sampling(temperature, top_k, top_p)
+            if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or int(max_new_tokens) < 0):
+                raise ValueError(f"max_new_tokens must be None or an integer >= 0, got {max_new_tokens!r}")
+            if self.max_streams is not None and len(self._rows) >= self.max_streams:
+                raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")
+            ids = None
+            if prompt_ids is not None:
+                ids = np.asarray(prompt_ids)
+                if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+                    raise ValueError(
+                        f"prompt_ids must be a 1-D sequence of token ids, got shape {list(ids.shape)}"
+                    )
+                if ids.size == 0:
+                    raise ValueError("prompt_ids is empty: give at least one token (or state and logits)")
+            if ids is None and (state is None or logits is None):
+                raise ValueError("add needs prompt_ids, or a state together with its next-token logits")
+            if ids is not None and logits is not None:
+                raise ValueError(
+                    "give logits only without prompt_ids (the prompt's last logits come from prefill)"
+                )
+            sess = self._single
+            with sess.lock:
+                sess.reset()
+                if isinstance(state, (str, os.PathLike)):
+                    sess.load_state(state)
+                elif state is not None:
+                    sess.set_state(state, position=int(position))
+                if ids is not None:
+                    last = sess.prefill(ids[None].astype(np.int64))[0]
+                else:
+                    last = np.asarray(logits, dtype=np.float32).reshape(-1)
+                    if last.shape != (self.manifest.vocab_size,):
+                        raise ValueError(
+                            f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
+                        )
+                row = sess.get_state()
+                pos = sess.position
+            stop = sess.tokenizer.eos_token_ids if stop_ids is None else stop_ids
+            sid = self._next_id
+            self._next_id += 1
+            self._streams[sid] = _Stream(
+                sampling={"temperature": temperature, "top_k": top_k, "top_p": top_p},
+                rng=np.random.default_rng(seed),
+                stop=frozenset(int(i) for i in stop),
+                max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
+                logits=np.array(last, dtype=np.float32),
+                position=pos,
+            )
+            if max_new_tokens == 0:
+                self._streams[sid].done = True
+                self._streams[sid].parked = row
+                return sid
+            cur = self._current()
+            self._rows.append(sid)
+            self._resize([np.concatenate([c, row[e.input]], 0) for c, e in zip(cur, self._entries)])
+            return sid
+
+    def _stream(self, sid) -> _Stream:
+        if sid not in self._streams:
+            raise ValueError(f"no stream with id {sid!r} (held: {sorted(self._streams)})")
+        return self._streams[sid]
+
+    def _park(self, sids: list[int]) -> None:
+        """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream."""
+        keep = [i for i, s in enumerate(self._rows) if s not in sids]
+        cur = self._current()
+        for i, s in enumerate(self._rows):
+            if s in sids and self._streams.get(s) is not None:
+                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(cur, self._entries)}
+        self._rows = [self._rows[i] for i in keep]
+        self._resize([c[keep] for c in cur] if keep else [])
+
+    def drop(self, sid: int) -> None:
+        """Forget a stream (live or stopped) and free its row."""
+        with self.lock:
+            self._stream(sid)
+            if sid in self._rows:
+                self._park([sid])
+            del self._streams[sid]
+
+    def done(self, sid: int) -> bool:
+        """Whether the stream stopped (a stop token or ``max_new_tokens``)."""
+        with self.lock:
+            return self._stream(sid).done
+
+    def generated(self, sid: int) -> list[int]:
+        """The token ids the stream has produced (stop tokens excluded)."""
+        with self.lock:
+            return list(self._stream(sid).generated)
+
+    def logits(self, sid: int) -> np.ndarray:
+        """The stream's next-token logits ``[vocab]`` (a copy)."""
+        with self.lock:
+            return self._stream(sid).logits.copy()
+
+    def position(self, sid: int) -> int:
+        """Tokens the stream's state has consumed."""
+        with self.lock:
+            return self._stream(sid).position
+
+    def get_state(self, sid: int) -> dict[str, np.ndarray]:
+        """A copy of the stream's state, batch 1, keyed by the graph input names (``Session.set_state`` takes it)."""
+        with self.lock:
+            st = self._stream(sid)
+            if st.parked is not None:
+                return {k: v.copy() for k, v in st.parked.items()}
+            i = self._rows.index(sid)
+            return {e.input: c[i : i + 1].copy() for c, e in zip(self._current(), self._entries)}
+
+    def save_state(self, sid: int, path: str | os.PathLike) -> None:
+        """Write the stream's state as a state file (``Session.load_state`` and ``add(state=path)`` read it)."""
+        from edgeattn.runtimes.state_file import save_state
+
+        with self.lock:
+            save_state(
+                path, self.get_state(sid), fingerprint=self.manifest.fingerprint, position=self.position(sid)
+            )
+
+    def step(self) -> dict[int, int]:
+        """Sample each live stream's next token from its logits (its own parameters and generator) and run
+        the step graph ONCE on all of them at batch N. Returns {stream id: new token} for the streams that
+        produced one; a stream that sampled a stop token (consumed, not returned) or reached
+        ``max_new_tokens`` is done and leaves the batch."""
+        with self.lock:
+            n = len(self._rows)
+            if n == 0:
+                return {}
+            out, stopped = {}, []
+            for i, sid in enumerate(self._rows):
+                st = self._streams[sid]
+                tok = sample_next(st.logits, rng=st.rng, **st.sampling)
+                self._ids_np[i, 0] = tok
+                if tok in st.stop:
+                    stopped.append(sid)
+                else:
+                    out[sid] = tok
+                    st.generated.append(tok)
+                    if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
+                        stopped.append(sid)
+            self._step_graph.run_with_iobinding(self._bindings[self._cur])
+            self._cur = 1 - self._cur
+            logits = self._logits_np[:, 0].copy()  # [N, V]
+            for i, sid in enumerate(self._rows):
+                st = self._streams[sid]
+                st.logits = logits[i]
+                st.position += 1
+            if stopped:
+                for sid in stopped:
+                    self._streams[sid].done = True
+                self._park(stopped)
+            return out
+
+
+__all__ = ["Streams"]

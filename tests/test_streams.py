@@ -1,0 +1,178 @@
+"""Streams: N streams stepped together at batch N equal N separate batch-1 sessions (logits, tokens, sampling,
+state files), with streams added, stopped and dropped at different times; bad input refused."""
+
+import numpy as np
+import pytest
+
+from edgeattn.export import export_model
+from edgeattn.runtimes import open_session
+from edgeattn.runtimes.streams import Streams
+from tests.export_helpers import PREFILL, make_checkpoint, text_ids
+
+TOL = 1e-5
+
+
+class _Artifacts(dict):
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key):
+        mixer, target = key
+        ckpt = self.root / f"ckpt_{mixer}"
+        if not ckpt.exists():
+            make_checkpoint(ckpt, mixer)
+        self[key] = export_model(
+            ckpt, self.root / f"{mixer}_{target}", target=target, prefill_chunk=PREFILL, dynamic_batch=True
+        )
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    return _Artifacts(tmp_path_factory.mktemp("streams"))
+
+
+def _prompt(n, seed):
+    return text_ids(n, seed)[0]
+
+
+class _Reference:
+    """One stream decoded alone in its own batch-1 session (greedy)."""
+
+    def __init__(self, art, prompt):
+        self.sess = open_session(art)
+        self.logits = self.sess.prefill(prompt[None])[0]
+
+    def step(self):
+        tok = int(np.argmax(self.logits))
+        self.logits = self.sess.step(np.array([[tok]]))[0]
+        return tok
+
+
+@pytest.mark.parametrize(
+    ("mixer", "target"),
+    [
+        ("gla", "onnxruntime"),
+        ("retnet", "onnxruntime"),
+        ("gated_deltanet", "onnxruntime"),
+        ("mamba2", "onnxruntime"),
+        ("flash", "onnxruntime"),
+        ("swa", "portable"),
+    ],
+)
+def test_streams_equal_separate_sessions_as_streams_come_and_go(arts, mixer, target):
+    art = arts[mixer, target]
+    streams = Streams(art)
+    refs, worst = {}, 0.0
+    prompts = {0: _prompt(PREFILL + 4, 1), 1: _prompt(5, 2), 2: _prompt(PREFILL + 1, 3), 3: _prompt(3, 4)}
+    schedule = [("add", 0), 3, ("add", 1), 2, ("add", 2), 2, ("drop", 1), ("add", 3), 3, ("drop", 0), 2]
+    ids = {}
+    for action in schedule:
+        if isinstance(action, int):
+            for _ in range(action):
+                got = streams.step()
+                assert sorted(got) == sorted(ids[k] for k in refs)  # every live stream, one token each
+                for k, ref in refs.items():
+                    assert got[ids[k]] == ref.step()
+                    worst = max(worst, float(np.abs(streams.logits(ids[k]) - ref.logits).max()))
+            continue
+        op, k = action
+        if op == "add":
+            ids[k] = streams.add(prompts[k], temperature=0)
+            refs[k] = _Reference(art, prompts[k])
+            worst = max(worst, float(np.abs(streams.logits(ids[k]) - refs[k].logits).max()))
+        else:
+            streams.drop(ids[k])
+            del refs[k]
+        assert streams.live == [ids[k] for k in sorted(refs)]
+    assert worst <= TOL, worst
+    for k, ref in refs.items():  # the state held in the batch rows equals the lone session's
+        want = ref.sess.get_state()
+        got = streams.get_state(ids[k])
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=TOL)  # state values reach ~20
+
+
+def test_per_stream_sampling_equals_the_single_session_sampler(arts):
+    art = arts["gla", "onnxruntime"]
+    params = [
+        dict(temperature=0.9, top_k=20, seed=7),
+        dict(temperature=1.3, top_p=0.8, seed=11),
+        dict(temperature=0.7, seed=7),
+        dict(temperature=0.0),
+    ]
+    streams = Streams(art)
+    prompts = [_prompt(6 + 3 * i, 20 + i) for i in range(len(params))]
+    sids = [streams.add(p, max_new_tokens=12, stop_ids=[], **kw) for p, kw in zip(prompts, params)]
+    while streams.live:
+        streams.step()
+    for sid, p, kw in zip(sids, prompts, params):
+        want = list(open_session(art).generate_ids(p, 12, stop_ids=[], **kw))
+        assert streams.generated(sid) == want
+        assert streams.done(sid)
+
+
+def test_stop_token_ends_one_stream_and_its_state_continues_elsewhere(arts, tmp_path):
+    art = arts["mamba2", "onnxruntime"]
+    prompt = _prompt(9, 5)
+    ref = _Reference(art, prompt)
+    greedy = [ref.step() for _ in range(4)]  # ref has now consumed all four
+    streams = Streams(art)
+    other = streams.add(_prompt(4, 6), temperature=0)
+    sid = streams.add(prompt, temperature=0, stop_ids=[greedy[3]])
+    for _ in range(6):
+        streams.step()
+    if greedy[3] in greedy[:3]:
+        pytest.skip("the stop token came earlier in the greedy run")
+    assert streams.generated(sid) == greedy[:3] and streams.done(sid)
+    assert streams.live == [other] and len(streams.generated(other)) == 6
+    state = streams.get_state(sid)
+    for name, w in ref.sess.get_state().items():
+        np.testing.assert_allclose(state[name], w, rtol=1e-5, atol=TOL)
+    # saved, then resumed in a plain session and as a new stream: both continue like the reference
+    streams.save_state(sid, tmp_path / "s.safetensors")
+    sess = open_session(art)
+    sess.load_state(tmp_path / "s.safetensors")
+    assert sess.position == len(prompt) + 4
+    resumed = streams.add(state=tmp_path / "s.safetensors", logits=ref.logits, temperature=0)
+    got = streams.step()
+    want = ref.step()
+    assert got[resumed] == want
+    np.testing.assert_allclose(sess.step(np.array([[want]]))[0], ref.logits, rtol=0, atol=TOL)
+    np.testing.assert_allclose(streams.logits(resumed), ref.logits, rtol=0, atol=TOL)
+
+
+def test_bad_input_is_refused(arts, tmp_path):
+    art = arts["gla", "onnxruntime"]
+    streams = Streams(art, max_streams=2)
+    with pytest.raises(ValueError, match="prompt_ids must be a 1-D"):
+        streams.add([[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        streams.add([])
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        streams.add([1, 999])
+    with pytest.raises(ValueError, match="temperature"):
+        streams.add([1, 2], temperature=float("nan"))
+    with pytest.raises(ValueError, match="next-token logits"):
+        streams.add(state=open_session(art).get_state())
+    with pytest.raises(ValueError, match="logits only without prompt_ids"):
+        streams.add([1, 2], state=open_session(art).get_state(), logits=np.zeros(256))
+    with pytest.raises(ValueError, match="logits must have shape"):
+        streams.add(state=open_session(art).get_state(), logits=np.zeros(3))
+    with pytest.raises(ValueError, match="no stream with id 5"):
+        streams.drop(5)
+    streams.add([1, 2])
+    streams.add([3])
+    with pytest.raises(ValueError, match="max_streams is 2"):
+        streams.add([4])
+    assert len(streams.step()) == 2
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, "gla")
+    fixed = export_model(ckpt, tmp_path / "fixed", prefill_chunk=PREFILL)
+    with pytest.raises(ValueError, match="--dynamic-batch"):
+        Streams(fixed)
+    make_checkpoint(tmp_path / "ckpt_sm", "softmax")
+    grow = export_model(tmp_path / "ckpt_sm", tmp_path / "sm", target="portable", dynamic_batch=True)
+    with pytest.raises(ValueError, match="grows with every token"):
+        Streams(grow)

@@ -102,17 +102,20 @@ class OnnxRuntimeSession(Session):
         providers = pick_providers(device)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._weights = None  # the shared initializers; they must outlive the sessions
+        paths = {g: manifest.graph_path(g) for g in ("step", "prefill")}
+        one = paths["step"] == paths["prefill"]  # one graph with a dynamic token axis: one session
         shared = manifest.weights is not None and manifest.precision in SHARED_PRECISIONS
-        if share_weights and shared and self.device == "cpu":
+        if share_weights and shared and self.device == "cpu" and not one:
             self._weights = shared_initializers(manifest)
             so.add_session_config_entry("session.disable_prepacking", "1")
             for name, value in self._weights.items():
                 so.add_initializer(name, value)
         try:
-            self.sessions = {
-                g: ort.InferenceSession(str(manifest.graph_path(g)), so, providers=providers)
-                for g in ("step", "prefill")
-            }
+            loaded = {}  # path -> session: a graph that serves as step and prefill is loaded once
+            for path in paths.values():
+                if path not in loaded:
+                    loaded[path] = ort.InferenceSession(str(path), so, providers=providers)
+            self.sessions = {g: loaded[path] for g, path in paths.items()}
         except Exception as e:  # ORT raises its own exception types for invalid graphs
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs

@@ -23,6 +23,7 @@ from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+from edgeattn.export.optimize import TOKEN_AXIS  # the one graph's dynamic token dimension
 
 torch = require("torch")
 
@@ -36,7 +37,6 @@ DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 # Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences): a model made
 # of them alone exports one graph that serves as both step and prefill (one_graph_ok).
 ONE_GRAPH_MIXERS = frozenset({"linear", "performer", "retnet", "gla", *DELTA_FAMILIES})
-TOKEN_AXIS = "sequence_length"  # the one graph's dynamic token dimension, as onnxruntime-genai names it
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -295,7 +295,7 @@ def export_model(
         if genai:
             from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
 
-            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len)
+            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len, optimize=optimize)
             graphs.append(GENAI_GRAPH)
         files = [*graphs, *[f for f in extra if f not in graphs]]
         weights = None
@@ -333,7 +333,7 @@ def export_model(
             "graphs": {
                 "step": {"path": "step.onnx", "tokens": 1},
                 # one graph: the same file, fed chunks of prefill_chunk (its token axis is dynamic)
-                "prefill": {"path": graphs[-1], "tokens": prefill_chunk},
+                "prefill": {"path": shapes[-1][0], "tokens": prefill_chunk},
             },
             "state": entries,
             "weights": weights,

@@ -29,7 +29,7 @@ import numpy as np
 from edgeattn.export.precision import _sort_topologically
 
 MS = "com.microsoft"
-TOKEN_AXIS = "sequence_length"  # a dynamic token axis (edgeattn.export.exporter.TOKEN_AXIS)
+TOKEN_AXIS = "sequence_length"  # the dynamic token axis of exported graphs, as onnxruntime-genai names it
 PROBE_TOKENS = (3, 5)  # token counts the graph is run at to tell which dimensions follow the token axis
 
 

@@ -5,7 +5,10 @@ target, manifest ``"shared": true``) is one buffer bound as both past and presen
 writes the new tokens into it in place. A growing KV cache (the portable target's softmax) is fed back
 from the outputs ONNX Runtime allocated.
 
-Weights: in an fp32 artifact whose graphs keep their initializers in one shared file (the manifest's
+Weights: when the manifest names one graph file for both step and prefill (the ``onnxruntime`` target's
+fused recurrent models: a dynamic token axis), that file is loaded once, in one InferenceSession with
+prepacking on (one packed copy of the weights); both graph names use it, each with its own bindings.
+In an fp32 artifact with two graphs that keep their initializers in one shared file (the manifest's
 ``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
 sessions as the same OrtValue (``SessionOptions.add_initializer``), with prepacking off: each session
 would otherwise keep a packed copy of every matrix of its own (ONNX Runtime's Python API has no shared

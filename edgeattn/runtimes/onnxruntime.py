@@ -24,7 +24,12 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.base import Session
+from edgeattn.runtimes.base import Session, _locked
+
+# One graph with a dynamic token axis prefills in calls of up to this many bytes of logits ([B, n, vocab]
+# float32; 65536 tokens at vocabulary 256): larger calls ran up to 1.5x faster at 2 threads than the
+# manifest's 64-token chunks (benchmarks/RESULTS.md), and no slower at 1.
+PREFILL_LOGITS_BYTES = 64 * 2**20
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -77,6 +82,12 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
     return values
 
 
+def _token_axis(sess: ort.InferenceSession, name: str) -> bool:
+    """Whether the graph's token-id input ``name`` has a symbolic token axis."""
+    shape = next(i.shape for i in sess.get_inputs() if i.name == name)
+    return len(shape) == 2 and not isinstance(shape[1], int)
+
+
 class OnnxRuntimeSession(Session):
     backend = "onnxruntime"
 
@@ -124,6 +135,13 @@ class OnnxRuntimeSession(Session):
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
             manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
         self.dynamic = any(e.dynamic for e in manifest.state)
+        # one graph that takes any number of tokens: prefill needs no fixed-size chunks (CPU: numpy buffers)
+        self.any_tokens = (
+            one
+            and not self.dynamic
+            and self.device == "cpu"
+            and _token_axis(self.sessions["step"], manifest.input_ids_name)
+        )
         B, V = manifest.batch_size, manifest.vocab_size
         # On CPU an OrtValue made from a numpy array uses the array's memory: the per-token work is a write
         # into one array and a copy out of another (no OrtValue calls).
@@ -143,6 +161,38 @@ class OnnxRuntimeSession(Session):
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
+
+    @_locked
+    def prefill(self, ids) -> np.ndarray:
+        """Consume ids [B, T]; with one graph for any number of tokens, in calls of up to
+        ``PREFILL_LOGITS_BYTES`` of logits (and never one token at a time), else as every backend does."""
+        if not self.any_tokens:
+            return Session.prefill.__wrapped__(self, ids)
+        ids = self._check_ids(ids)
+        B, T = ids.shape
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        n = max(self.manifest.prefill_tokens, PREFILL_LOGITS_BYTES // (4 * B * self.manifest.vocab_size))
+        for c in range(0, T, n):
+            logits = self._run_tokens(ids[:, c : c + n])
+            self.position += logits.shape[1]
+        return logits[:, -1]
+
+    def _run_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Run the one graph on ids [B, n] (any n), advancing the state; logits [B, n, V]."""
+        if ids.shape[1] == self.manifest.prefill_tokens:
+            return self._run("prefill", ids)
+        ids = np.ascontiguousarray(ids, np.int64)
+        logits = np.empty((*ids.shape, self.manifest.vocab_size), np.float32)
+        io = self.sessions["prefill"].io_binding()
+        io.bind_ortvalue_input(self.manifest.input_ids_name, self._alloc_from(ids))
+        io.bind_ortvalue_output(self.manifest.logits_name, self._alloc_from(logits))
+        for e, bufs in zip(self.manifest.state, self._bufs):
+            io.bind_ortvalue_input(e.input, bufs[self._cur])
+            io.bind_ortvalue_output(e.output, bufs[1 - self._cur])
+        self.sessions["prefill"].run_with_iobinding(io)
+        self._cur = 1 - self._cur
+        return logits
 
     def _tokens(self, graph: str) -> int:
         return 1 if graph == "step" else self.manifest.prefill_tokens

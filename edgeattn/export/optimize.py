@@ -2,6 +2,10 @@
 
 ``optimize_graph(model)`` rewrites a float32 ONNX model (torch's export) in place, in this order:
 
+0. In a graph with a dynamic token axis (``TOKEN_AXIS``: the one graph for step and prefill, ``--genai``'s
+   model.onnx), the Reshape targets that torch computes at run time (Shape, Gather, Unsqueeze, Concat)
+   become constants with a -1 for the token axis, found by running the graph at 3 and 5 tokens; every
+   value gets its shape with the token axis by name, so the fusions below see equal shapes.
 1. ``Identity`` nodes and ``Cast`` nodes to the type their input already has are bypassed (torch writes
    them for ``x.float()`` and tied parameters; ONNX Runtime drops them too, but they hide the patterns).
 2. RMSNorm ``x * 1 / sqrt(mean(x^2, -1) + eps) [* w]`` becomes ONNX Runtime's ``SimplifiedLayerNormalization``
@@ -290,11 +294,11 @@ def _probe(model) -> list[dict[str, np.ndarray]] | None:
 
 
 def fold_token_shapes(model) -> int:
-    """In a graph with a dynamic token axis (and every other dimension static), torch computes each
-    Reshape's target at run time (Shape, Gather, Unsqueeze, Concat: dozens of nodes a layer). Run at two
-    token counts (``_probe``), a Reshape whose output dimensions all stay put but at most one gets a
-    constant target, that one -1; and every value gets its shape, the token axis named ``TOKEN_AXIS``, so that the fusions
-    below see equal shapes. Returns how many Reshape targets became constants."""
+    """In a graph with a dynamic token axis (every other dimension static) torch computes each Reshape's
+    target at run time (Shape, Gather, Unsqueeze, Concat: dozens of nodes a layer). The graph is run at
+    two token counts (``_probe``); a Reshape whose output changes in at most one dimension gets a constant
+    target with -1 there. Every value then gets its probed shape as value_info, the token axis named
+    ``TOKEN_AXIS``, so that the fusions below see equal shapes. Returns how many targets became constants."""
     from onnx import helper, numpy_helper
 
     runs = _probe(model)

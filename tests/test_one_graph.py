@@ -119,25 +119,20 @@ def test_one_graph_is_as_lean_as_the_step_graph(tmp_path):
 
 
 @pytest.mark.parametrize("mixer", ["gla", "mamba2"])
-def test_prefill_in_calls_of_any_length(tmp_path, mixer, monkeypatch):
-    """The one-graph session prefills in long calls (no single steps for the remainder); the logits and
-    state equal the two-graph session's chunks and steps."""
-    import edgeattn.runtimes.onnxruntime as backend
-
+def test_prefill_rest_is_one_call(tmp_path, mixer, monkeypatch):
+    """The one-graph session prefills full chunks, then the rest in one call (not single steps); the logits
+    and state equal the two-graph session's chunks and steps."""
     one, two = pair(tmp_path, mixer)
     ids = text_ids(3 * PREFILL + 5)
     s2 = OnnxRuntimeSession(two, threads=1, share_weights=False)
     want = s2.prefill(ids)
-    for cap in (None, 2 * PREFILL):  # one call of 53 tokens; calls of 32 and 21
-        if cap:
-            monkeypatch.setattr(backend, "PREFILL_LOGITS_BYTES", 4 * 256 * cap)
-        s1 = OnnxRuntimeSession(one, threads=1)
-        assert s1.any_tokens and not s2.any_tokens
-        calls = []
-        run = s1._run_tokens
-        monkeypatch.setattr(s1, "_run_tokens", lambda x, c=calls, r=run: c.append(x.shape[1]) or r(x))
-        close(s1.prefill(ids), want)
-        assert calls == ([ids.shape[1]] if cap is None else [32, 21]) and s1.position == ids.shape[1]
-        a, b = s1.get_state(), s2.get_state()
-        for k in a:
-            close(a[k], b[k])
+    s1 = OnnxRuntimeSession(one, threads=1)
+    assert s1.any_tokens and not s2.any_tokens
+    calls = []
+    run = s1._run_tokens
+    monkeypatch.setattr(s1, "_run_tokens", lambda x: calls.append(x.shape[1]) or run(x))
+    close(s1.prefill(ids), want)
+    assert calls == [PREFILL] * 3 + [5] and s1.position == ids.shape[1]
+    a, b = s1.get_state(), s2.get_state()
+    for k in a:
+        close(a[k], b[k])

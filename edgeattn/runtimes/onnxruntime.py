@@ -26,11 +26,6 @@ import onnxruntime as ort
 from edgeattn.export.manifest import Manifest
 from edgeattn.runtimes.base import Session, _locked
 
-# One graph with a dynamic token axis prefills in calls of up to this many bytes of logits ([B, n, vocab]
-# float32; 65536 tokens at vocabulary 256): larger calls ran up to 1.5x faster at 2 threads than the
-# manifest's 64-token chunks (benchmarks/RESULTS.md), and no slower at 1.
-PREFILL_LOGITS_BYTES = 64 * 2**20
-
 
 def _version_tuple(v: str) -> tuple[int, ...]:
     out = []
@@ -164,15 +159,17 @@ class OnnxRuntimeSession(Session):
 
     @_locked
     def prefill(self, ids) -> np.ndarray:
-        """Consume ids [B, T]; with one graph for any number of tokens, in calls of up to
-        ``PREFILL_LOGITS_BYTES`` of logits (and never one token at a time), else as every backend does."""
+        """Consume ids [B, T] in chunks of the manifest's prefill tokens; with one graph for any number of
+        tokens the rest is one call, not single steps. (Longer calls prefilled up to 1.3x faster at 2 threads,
+        benchmarks/RESULTS.md, but ONNX Runtime's arena keeps the activations of the longest call: the
+        chunk bounds the memory; export with a larger --prefill-chunk for longer calls.)"""
         if not self.any_tokens:
             return Session.prefill.__wrapped__(self, ids)
         ids = self._check_ids(ids)
-        B, T = ids.shape
+        T = ids.shape[1]
         if T == 0:
             raise ValueError("prefill needs at least one token")
-        n = max(self.manifest.prefill_tokens, PREFILL_LOGITS_BYTES // (4 * B * self.manifest.vocab_size))
+        n = self.manifest.prefill_tokens
         for c in range(0, T, n):
             logits = self._run_tokens(ids[:, c : c + n])
             self.position += logits.shape[1]

@@ -2,10 +2,10 @@
 
 What it builds (random weights: speed and memory do not depend on them; vocabulary 256, d_model 768,
 12 layers, 12 heads, about 92.5M parameters; ``--quick``: d_model 128, 2 layers, 2 heads):
-- edgeattn ``gla`` and the ``softmax`` KV-cache baseline (its default MLP width: 85.2M parameters at full
-  size): ``EdgeLM`` exported with ``export_model`` (fp32,
-  onnxruntime target, one shared weights file, no checkpoint), run by edgeattn's ONNX Runtime session; the
-  softmax baseline there is GroupQueryAttention over a preallocated KV buffer of max_length (as genai's
+- edgeattn ``gla``, ``gated_deltanet`` (the all-Gated-DeltaNet peer's architecture) and the ``softmax``
+  KV-cache baseline (their default MLP width: softmax has 85.2M parameters at full size): ``EdgeLM``
+  exported with ``export_model`` (fp32, onnxruntime target: the recurrent models as one graph for step
+  and prefill, no checkpoint), run by edgeattn's ONNX Runtime session; the softmax baseline there is GroupQueryAttention over a preallocated KV buffer of max_length (as genai's
   Llama); ``edgeattn-softmax-growing`` is the portable target's growing cache (the form before);
 - the same sizes as ``transformers`` configs (random init, ``save_pretrained``) built by onnxruntime-genai's
   own builder (``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu``) and run by its
@@ -52,6 +52,7 @@ QUICK = dict(d_model=128, n_layers=2, n_heads=2)
 VOCAB = 256
 MODELS = (
     "edgeattn-gla",
+    "edgeattn-gated_deltanet",
     "edgeattn-softmax",
     "edgeattn-softmax-growing",
     "genai-edgeattn-gla",
@@ -61,6 +62,7 @@ MODELS = (
 )
 LABELS = {
     "edgeattn-gla": "edgeattn `gla` (ONNX Runtime session)",
+    "edgeattn-gated_deltanet": "edgeattn `gated_deltanet` (ONNX Runtime session)",
     "edgeattn-softmax": "edgeattn `softmax` baseline (GQA op, preallocated KV buffer)",
     "edgeattn-softmax-growing": "edgeattn `softmax`, growing KV cache (portable form)",
     "genai-edgeattn-gla": "edgeattn `gla` exported with --genai, run by onnxruntime-genai's Generator",
@@ -202,8 +204,8 @@ def build_all(root: Path, models: list[str], size: dict, max_len: int) -> dict[s
         if name in built:
             continue
         try:
-            if name == "edgeattn-softmax":
-                path, params = build_edgeattn(root, size, "softmax", max_len)
+            if name in ("edgeattn-softmax", "edgeattn-gated_deltanet"):
+                path, params = build_edgeattn(root, size, name.removeprefix("edgeattn-"), max_len)
             elif name == "genai-edgeattn-gla":
                 path, params = build_edgeattn(root, size, "gla", max_len, genai=True)
             elif name == "edgeattn-softmax-growing":

@@ -45,7 +45,7 @@ def assert_bad_input(res, message):
 
 def test_export_run_check_happy_path(artifact, tmp_path):
     files = json.loads((artifact / "edgeattn.json").read_text())["files"]
-    assert {"step.onnx", "prefill.onnx"} <= set(files)
+    assert {"step.onnx", "weights.bin"} <= set(files)  # gla: one graph serves step and prefill
     res = invoke("run", artifact, "--prompt", "def ", "-n", 20, "--seed", 0, "--state-out", tmp_path / "s.st")
     assert res.exit_code == 0, res.output
     assert res.output.startswith("def ")  # the prompt, then its continuation
@@ -106,7 +106,7 @@ def test_run_bad_inputs(artifact, ckpt, tmp_path):
 
     edited = tmp_path / "edited"
     shutil.copytree(artifact, edited)
-    with open(edited / "prefill.onnx", "ab") as f:
+    with open(edited / "step.onnx", "ab") as f:
         f.write(b"\0")
     assert_bad_input(invoke("run", edited, "-n", 1), "sha256")
 

@@ -62,10 +62,10 @@ def initializer_bytes(path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("mixer", ["gla", "gla,softmax"])
 def test_shared_weights_equal_todays_layout_bitwise(ckpts, tmp_path, mixer):
-    shared = Manifest.load(export_model(ckpts[mixer], tmp_path / "shared", prefill_chunk=PREFILL))
-    legacy = Manifest.load(
-        export_model(ckpts[mixer], tmp_path / "legacy", prefill_chunk=PREFILL, shared_weights=False)
-    )
+    # two graphs (gla alone would export one graph for both: tests/test_one_graph.py)
+    two = dict(prefill_chunk=PREFILL, one_graph=False)
+    shared = Manifest.load(export_model(ckpts[mixer], tmp_path / "shared", **two))
+    legacy = Manifest.load(export_model(ckpts[mixer], tmp_path / "legacy", shared_weights=False, **two))
     assert shared.weights is not None and legacy.weights is None
     ids = text_ids(2 * PREFILL + 9)
     # the graphs are today's graphs: ONNX Runtime loading either layout by itself gives the same bits
@@ -85,8 +85,9 @@ def test_shared_weights_equal_todays_layout_bitwise(ckpts, tmp_path, mixer):
 
 
 def test_weights_stored_once_and_covered_by_the_manifest(ckpts, tmp_path):
-    legacy = export_model(ckpts["gla"], tmp_path / "legacy", prefill_chunk=PREFILL, shared_weights=False)
-    art = export_model(ckpts["gla"], tmp_path / "shared", prefill_chunk=PREFILL, include_checkpoint=False)
+    two = dict(prefill_chunk=PREFILL, one_graph=False)  # two graphs sharing one weights.bin
+    legacy = export_model(ckpts["gla"], tmp_path / "legacy", shared_weights=False, **two)
+    art = export_model(ckpts["gla"], tmp_path / "shared", include_checkpoint=False, **two)
     data = json.loads((art / "edgeattn.json").read_text())
     assert set(data["files"]) == {"step.onnx", "prefill.onnx", "weights.bin"}
     for name, info in data["files"].items():

@@ -103,12 +103,13 @@ def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, ru
     ckpt = make_checkpoint(tmp_path / "ck", mixer, num_v_heads=4 if mixer != "mamba2" else 0)
     fused = export_model(ckpt, tmp_path / "fused", target="onnxruntime", prefill_chunk=PREFILL)
     portable = export_model(ckpt, tmp_path / "portable", target="portable", prefill_chunk=PREFILL)
+    assert not (fused / "prefill.onnx").exists()  # one graph for any number of tokens
+    found, inputs = _rules(fused / "step.onnx")
+    assert found == {"LinearAttention": {rule}, "CausalConvWithState": {"silu"}}
+    assert len(inputs) == 2  # one per layer
+    if rule == "delta":  # no decay: the optional input is left empty and beta is the sixth
+        assert all(len(i) == 6 and i[4] == "" and i[5] for i in inputs)
     for g in ("step.onnx", "prefill.onnx"):
-        found, inputs = _rules(fused / g)
-        assert found == {"LinearAttention": {rule}, "CausalConvWithState": {"silu"}}
-        assert len(inputs) == 2  # one per layer
-        if rule == "delta":  # no decay: the optional input is left empty and beta is the sixth
-            assert all(len(i) == 6 and i[4] == "" and i[5] for i in inputs)
         assert _rules(portable / g) == ({}, [])
     assert (
         Manifest.load(fused).data["requires"]["onnxruntime"] == "1.32.0"
@@ -121,13 +122,13 @@ def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, ru
         full = np.concatenate([got["prefill"], got["step"]], axis=1)
         assert np.abs(full - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), art.name
     if mixer == "kda":  # the per-key-dimension gate goes to the op as [B, T, HV * K]
-        model = onnx.shape_inference.infer_shapes(onnx.load(str(fused / "prefill.onnx")))
+        model = onnx.shape_inference.infer_shapes(onnx.load(str(fused / "step.onnx")))
         shapes = {
-            v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+            v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
             for v in [*model.graph.value_info, *model.graph.input]
         }
-        _, inputs = _rules(fused / "prefill.onnx")
-        assert shapes[inputs[0][4]] == [1, PREFILL, 4 * 16]
+        _, inputs = _rules(fused / "step.onnx")
+        assert shapes[inputs[0][4]] == [1, "sequence_length", 4 * 16]
 
 
 def test_qwen3_5_hybrid_with_grouped_value_heads_matches_pytorch(tmp_path):

@@ -135,8 +135,9 @@ def test_cli_prints_one_error_line_for_an_edited_manifest(exported, tmp_path):
 
     root = tmp_path / "art"
     shutil.copytree(exported, root)
-    edit(root, lambda d: d["graphs"]["prefill"].update(tokens=8))
+    # (gla's one graph takes any number of tokens, so an edited prefill chunk would be no error)
+    edit(root, lambda d: d.update(vocab_size=300))
     res = CliRunner().invoke(app, ["run", str(root), "--prompt", "x", "-n", "2"])
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "[1, 8]" in lines[0], res.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "[1, 1, 300]" in lines[0], res.output

@@ -23,6 +23,7 @@ from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+from edgeattn.export.optimize import TOKEN_AXIS  # the one graph's dynamic token dimension
 
 torch = require("torch")
 
@@ -33,6 +34,9 @@ FUSED_MIN_ORT = "1.31.0"
 # LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
 FUSED_DELTA_MIN_ORT = "1.32.0"
 DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
+# Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences): a model made
+# of them alone exports one graph that serves as both step and prefill (one_graph_ok).
+ONE_GRAPH_MIXERS = frozenset({"linear", "performer", "retnet", "gla", *DELTA_FAMILIES})
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -113,9 +117,15 @@ def fixed_batch_reason(model, target: str) -> str | None:
     return None
 
 
+def one_graph_ok(cfg, target: str, precision: str) -> bool:
+    """Whether the artifact can be one graph with a dynamic token axis for both step and prefill: the
+    onnxruntime target (fused ops take any number of tokens), fp32, and every layer's mixer fused."""
+    return target == "onnxruntime" and precision == "fp32" and set(cfg.mixers) <= ONE_GRAPH_MIXERS
+
+
 def _export_graph(
     module,
-    tokens: int,
+    tokens: int | None,
     batch_size: int,
     entries: list[dict],
     path: Path,
@@ -123,12 +133,14 @@ def _export_graph(
     optimize: bool = True,
     dynamic_batch: bool = False,
 ) -> None:
+    """Trace ``module`` over ``tokens`` tokens into ``path``; ``tokens=None``: a dynamic token axis
+    (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     model = module.model
     # A dynamic batch is traced at 2 so that nothing specializes on a batch of 1.
     trace_batch = 2 if dynamic_batch else batch_size
-    ids = torch.zeros(trace_batch, tokens, dtype=torch.long)
+    ids = torch.zeros(trace_batch, tokens or 3, dtype=torch.long)
     # Dynamic state sizes (a growing KV cache) are traced at a small non-zero length.
     example = []
     for e in entries:
@@ -146,6 +158,9 @@ def _export_graph(
         if dims:
             dynamic[e["input"]] = dims
             dynamic[e["output"]] = {i: d if d == BATCH_DIM else f"{d}_out" for i, d in dims.items()}
+    if tokens is None:
+        dynamic.setdefault("input_ids", {})[1] = TOKEN_AXIS
+        dynamic.setdefault("logits", {})[1] = TOKEN_AXIS
     with warnings.catch_warnings(), fused_onnxruntime_op(target == "onnxruntime"), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -235,6 +250,7 @@ def export_model(
     quantization: dict | None = None,
     genai: bool = False,
     optimize: bool = True,
+    one_graph: bool | None = None,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
@@ -249,6 +265,9 @@ def export_model(
     ``dynamic_batch``: the leading dimension of ``input_ids``, ``logits`` and every state tensor is the
     symbolic ``"batch"`` in both graphs (manifest ``"dynamic_batch": true``; the shapes it lists stay those
     at ``batch_size``); otherwise the graphs take exactly ``batch_size`` sequences (what TensorRT needs).
+    ``one_graph``: write one ``step.onnx`` with a dynamic token axis that the manifest names for both
+    step and prefill (ONNX Runtime then holds one session, one prepacked copy of the weights); None
+    (default): wherever ``one_graph_ok`` allows, False: a step and a prefill graph as on other targets.
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -288,6 +307,12 @@ def export_model(
 
         check_genai(model)
     cfg = model.cfg
+    if one_graph and not one_graph_ok(cfg, target, precision):
+        raise ValueError(
+            "one_graph needs target 'onnxruntime', precision fp32 and every layer's mixer among "
+            f"{sorted(ONE_GRAPH_MIXERS)} (got target {target!r}, precision {precision!r}, mixers {cfg.mixers})"
+        )
+    one = one_graph_ok(cfg, target, precision) if one_graph is None else one_graph
     kv_buffers = use_kv_buffers(model, target)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
     if reason:
@@ -298,19 +323,20 @@ def export_model(
     tmp = make_temp_dir(out)
     try:
         module = GraphModule(model, batch_size).eval()
-        for name, tokens in (("step.onnx", 1), ("prefill.onnx", prefill_chunk)):
+        shapes = [("step.onnx", None)] if one else [("step.onnx", 1), ("prefill.onnx", prefill_chunk)]
+        for name, tokens in shapes:
             _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize, dynamic_batch)
+        graphs = [name for name, _ in shapes]
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
-            for name in ("step.onnx", "prefill.onnx"):
+            for name in graphs:
                 convert_precision(tmp / name, precision, entries, **(quantization or {}))
-        graphs = ["step.onnx", "prefill.onnx"]
         extra = []
         if genai:
             from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
 
-            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len)
+            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len, optimize=optimize)
             graphs.append(GENAI_GRAPH)
         files = [*graphs, *[f for f in extra if f not in graphs]]
         weights = None
@@ -348,7 +374,8 @@ def export_model(
             "outputs": {"logits": "logits"},
             "graphs": {
                 "step": {"path": "step.onnx", "tokens": 1},
-                "prefill": {"path": "prefill.onnx", "tokens": prefill_chunk},
+                # one graph: the same file, fed chunks of prefill_chunk (its token axis is dynamic)
+                "prefill": {"path": shapes[-1][0], "tokens": prefill_chunk},
             },
             "state": entries,
             "weights": weights,

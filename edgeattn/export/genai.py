@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 
 from edgeattn._deps import require
+from edgeattn.export.optimize import TOKEN_AXIS
 
 torch = require("torch")
 
@@ -111,8 +112,9 @@ class GenaiModule(torch.nn.Module):
         return (logits, *outs)
 
 
-def export_genai_graph(model, path: Path, batch_size: int) -> list[dict]:
-    """Write the dynamic-token-axis graph (onnxruntime target: fused ops) to ``path``; return its state entries."""
+def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True) -> list[dict]:
+    """Write the dynamic-token-axis graph (onnxruntime target: fused ops) to ``path``; return its state entries.
+    ``optimize``: run the lean-graph pass (``edgeattn.export.optimize``) on it, as on the artifact's graphs."""
     import onnx
 
     from edgeattn.ops.common.fused import fused_onnxruntime_op
@@ -122,7 +124,7 @@ def export_genai_graph(model, path: Path, batch_size: int) -> list[dict]:
     entries = genai_entries(model, batch_size)
     ids = torch.zeros(batch_size, 3, dtype=torch.long)  # traced at 3 tokens; the token axis stays dynamic
     example = [torch.zeros(e["shape"]) for e in entries]
-    tokens = {1: "sequence_length"}
+    tokens = {1: TOKEN_AXIS}
     with warnings.catch_warnings(), fused_onnxruntime_op(True), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -138,7 +140,13 @@ def export_genai_graph(model, path: Path, batch_size: int) -> list[dict]:
             do_constant_folding=True,
         )
     graph = onnx.load(str(path))
-    if fix_optional_inputs(graph):
+    changed = fix_optional_inputs(graph)
+    if optimize:
+        from edgeattn.export.optimize import optimize_graph
+
+        optimize_graph(graph)
+        changed = True
+    if changed:
         onnx.save(graph, str(path))
     return entries
 
@@ -214,9 +222,11 @@ def genai_config(cfg, entries: list[dict], *, max_length: int, threads: int | No
     }
 
 
-def write_genai_files(root: Path, model, batch_size: int, *, max_length: int) -> list[str]:
+def write_genai_files(
+    root: Path, model, batch_size: int, *, max_length: int, optimize: bool = True
+) -> list[str]:
     """Write model.onnx, genai_config.json and (byte-level models) tokenizer files into ``root``; return their names."""
-    entries = export_genai_graph(model, root / GENAI_GRAPH, batch_size)
+    entries = export_genai_graph(model, root / GENAI_GRAPH, batch_size, optimize)
     conf = genai_config(model.cfg, entries, max_length=max_length)
     (root / GENAI_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
     files = [GENAI_GRAPH, GENAI_CONFIG]

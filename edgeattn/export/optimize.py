@@ -2,6 +2,10 @@
 
 ``optimize_graph(model)`` rewrites a float32 ONNX model (torch's export) in place, in this order:
 
+0. In a graph with a dynamic token axis (``TOKEN_AXIS``: the one graph for step and prefill, ``--genai``'s
+   model.onnx), the Reshape targets that torch computes at run time (Shape, Gather, Unsqueeze, Concat)
+   become constants with a -1 for the token axis, found by running the graph at 3 and 5 tokens; every
+   value gets its shape with the token axis by name, so the fusions below see equal shapes.
 1. ``Identity`` nodes and ``Cast`` nodes to the type their input already has are bypassed (torch writes
    them for ``x.float()`` and tied parameters; ONNX Runtime drops them too, but they hide the patterns).
 2. RMSNorm ``x * 1 / sqrt(mean(x^2, -1) + eps) [* w]`` becomes ONNX Runtime's ``SimplifiedLayerNormalization``
@@ -29,6 +33,8 @@ import numpy as np
 from edgeattn.export.precision import _sort_topologically
 
 MS = "com.microsoft"
+TOKEN_AXIS = "sequence_length"  # the dynamic token axis of exported graphs, as onnxruntime-genai names it
+PROBE_TOKENS = (3, 5)  # token counts the graph is run at to tell which dimensions follow the token axis
 
 
 class _Graph:
@@ -98,11 +104,7 @@ def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
         values = [*g.input, *g.value_info, *g.output]
         types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
         types.update({i.name: i.data_type for i in g.initializer})
-        shapes = {
-            v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            for v in values
-            if v.type.tensor_type.HasField("shape")
-        }
+        shapes = {v.name: _dims(v) for v in values if v.type.tensor_type.HasField("shape")}
         shapes.update({i.name: list(i.dims) for i in g.initializer})
         added = False
         for n in g.node:
@@ -120,6 +122,15 @@ def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
             break
     _infer.last = m  # the model with every value's type, for optimize_graph's value_info
     return types, shapes
+
+
+def _dims(value) -> list:
+    """A ValueInfo's dimensions: ints, the token axis by name (one symbol, so two values that both have it
+    agree there), None for any other unknown."""
+    return [
+        d.dim_value if d.HasField("dim_value") else (TOKEN_AXIS if d.dim_param == TOKEN_AXIS else None)
+        for d in value.type.tensor_type.shape.dim
+    ]
 
 
 def _key(node) -> tuple:
@@ -193,7 +204,7 @@ def fuse_rms_norm(model) -> int:
                 chain.append(wmul)
         if scale is None:
             dim = (shapes.get(x) or [None])[-1]
-            if not dim:
+            if not isinstance(dim, int) or not dim:
                 continue
             scale = f"{mul.output[0]}.ones"
             G.g.initializer.append(numpy_helper.from_array(np.ones(dim, np.float32), scale))
@@ -245,6 +256,89 @@ def fuse_skip_norm(model) -> int:
     return count
 
 
+def _probe(model) -> list[dict[str, np.ndarray]] | None:
+    """Every value of ``model`` (one whose ``input_ids`` has a dynamic token axis) computed by ONNX Runtime
+    at each of ``PROBE_TOKENS`` tokens from a zero state, or None when the graph has no such axis or a
+    dynamic state dimension (a growing KV cache: nothing to feed it)."""
+    import onnx
+    import onnxruntime as ort
+
+    inputs = {i.name: i for i in model.graph.input}
+    ids = inputs.get("input_ids")
+    if ids is None or ids.type.tensor_type.shape.dim[1].dim_param != TOKEN_AXIS:
+        return None
+    shapes = {n: _dims(v) for n, v in inputs.items()}
+    if any(d is None or d == TOKEN_AXIS for n, s in shapes.items() if n != "input_ids" for d in s):
+        return None
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    for n in probe.graph.node:
+        probe.graph.output.extend(onnx.ValueInfoProto(name=o) for o in n.output if o and o not in have)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    types = {1: np.float32, 7: np.int64, 10: np.float16}
+    runs = []
+    for t in PROBE_TOKENS:
+        feed = {}
+        for n, v in inputs.items():
+            if n in {i.name for i in model.graph.initializer}:
+                continue
+            shape = [shapes[n][0], t] if n == "input_ids" else shapes[n]
+            feed[n] = np.zeros(shape, types.get(v.type.tensor_type.elem_type, np.float32))
+        runs.append(dict(zip(names, sess.run(names, feed))))
+    return runs
+
+
+def fold_token_shapes(model) -> int:
+    """In a graph with a dynamic token axis (every other dimension static) torch computes each Reshape's
+    target at run time (Shape, Gather, Unsqueeze, Concat: dozens of nodes a layer). The graph is run at
+    two token counts (``_probe``); a Reshape whose output changes in at most one dimension gets a constant
+    target with -1 there. Every value then gets its probed shape as value_info, the token axis named
+    ``TOKEN_AXIS``, so that the fusions below see equal shapes. Returns how many targets became constants."""
+    from onnx import helper, numpy_helper
+
+    runs = _probe(model)
+    if runs is None:
+        return 0
+    G = _Graph(model)
+    count = 0
+    for n in G.g.node:
+        if n.op_type != "Reshape" or G.const(n.input[1]) is not None:
+            continue
+        # the shapes the Reshape produced (its target may hold a -1 already)
+        a, b = (np.array(r[n.output[0]].shape, np.int64) if n.output[0] in r else None for r in runs)
+        if a is None or b is None or a.shape != b.shape or (a <= 0).any():
+            continue
+        moving = np.flatnonzero(a != b)
+        if len(moving) > 1:
+            continue
+        target = a.astype(np.int64).copy()
+        target[moving] = -1
+        name = f"{n.output[0]}.shape"
+        G.g.initializer.append(numpy_helper.from_array(target, name))
+        n.input[1] = name
+        count += 1
+    io = {v.name for v in [*model.graph.input, *model.graph.output]}
+    elem = {np.dtype(np.float32): 1, np.dtype(np.int64): 7, np.dtype(np.float16): 10}
+    infos = []
+    for name, x in runs[0].items():
+        y = runs[1][name]
+        if name in io or x.ndim != y.ndim or x.dtype not in elem:
+            continue
+        dims = []
+        for p, q in zip(x.shape, y.shape):
+            dims.append(p if p == q else (TOKEN_AXIS if (p, q) == PROBE_TOKENS else None))
+        infos.append(helper.make_tensor_value_info(name, elem[x.dtype], dims))
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(infos)
+    _drop_dead(model)
+    return count
+
+
 def fuse_reshapes(model) -> int:
     """Reshape(Reshape(x, a), b) -> Reshape(x, b) when ``b`` is constant and has no 0 (copy-a-dimension)
     entry; then Reshapes to the shape their input already has are bypassed. Returns how many went."""
@@ -265,13 +359,21 @@ def fuse_reshapes(model) -> int:
         if n.op_type != "Reshape" or n.output[0] in G.outputs:
             continue
         src, b = shapes.get(n.input[0]), G.const(n.input[1])
-        if src and None not in src and b is not None and list(b) == src:
+        if src and b is not None and _same_shape(src, [int(d) for d in b]):
             G.rename_input(n.output[0], n.input[0])
             dead.append(n)
             count += 1
     _drop_nodes(G, dead)
     _drop_dead(model)
     return count
+
+
+def _same_shape(src: list, target: list[int]) -> bool:
+    """Whether a Reshape to ``target`` leaves a value of shape ``src`` as it is: equal sizes, the token
+    axis (at most one) against a -1."""
+    if len(src) != len(target) or target.count(-1) > 1:
+        return False
+    return all(t == -1 if d == TOKEN_AXIS else d is not None and d == t for d, t in zip(src, target))
 
 
 def fuse_matmuls(model) -> int:
@@ -354,6 +456,7 @@ def optimize_graph(model) -> dict[str, int]:
         model.opset_import.append(helper.make_opsetid(MS, 1))
     done = {}
     for name, apply in (
+        ("token_shapes", fold_token_shapes),
         ("removed", remove_redundant),
         ("rms_norm", fuse_rms_norm),
         ("skip_norm", fuse_skip_norm),

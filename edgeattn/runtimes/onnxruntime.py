@@ -5,7 +5,10 @@ target, manifest ``"shared": true``) is one buffer bound as both past and presen
 writes the new tokens into it in place. A growing KV cache (the portable target's softmax) is fed back
 from the outputs ONNX Runtime allocated.
 
-Weights: in an fp32 artifact whose graphs keep their initializers in one shared file (the manifest's
+Weights: when the manifest names one graph file for both step and prefill (the ``onnxruntime`` target's
+fused recurrent models: a dynamic token axis), that file is loaded once, in one InferenceSession with
+prepacking on (one packed copy of the weights); both graph names use it, each with its own bindings.
+In an fp32 artifact with two graphs that keep their initializers in one shared file (the manifest's
 ``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
 sessions as the same OrtValue (``SessionOptions.add_initializer``), with prepacking off: each session
 would otherwise keep a packed copy of every matrix of its own (ONNX Runtime's Python API has no shared
@@ -21,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.base import Session
+from edgeattn.runtimes.base import Session, _locked
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -74,6 +77,12 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
     return values
 
 
+def _token_axis(sess: ort.InferenceSession, name: str) -> bool:
+    """Whether the graph's token-id input ``name`` has a symbolic token axis."""
+    shape = next(i.shape for i in sess.get_inputs() if i.name == name)
+    return len(shape) == 2 and not isinstance(shape[1], int)
+
+
 class OnnxRuntimeSession(Session):
     backend = "onnxruntime"
 
@@ -102,22 +111,32 @@ class OnnxRuntimeSession(Session):
         providers = pick_providers(device)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._weights = None  # the shared initializers; they must outlive the sessions
+        paths = {g: manifest.graph_path(g) for g in ("step", "prefill")}
+        one = paths["step"] == paths["prefill"]  # one graph with a dynamic token axis: one session
         shared = manifest.weights is not None and manifest.precision in SHARED_PRECISIONS
-        if share_weights and shared and self.device == "cpu":
+        if share_weights and shared and self.device == "cpu" and not one:
             self._weights = shared_initializers(manifest)
             so.add_session_config_entry("session.disable_prepacking", "1")
             for name, value in self._weights.items():
                 so.add_initializer(name, value)
         try:
-            self.sessions = {
-                g: ort.InferenceSession(str(manifest.graph_path(g)), so, providers=providers)
-                for g in ("step", "prefill")
-            }
+            loaded = {}  # path -> session: a graph that serves as step and prefill is loaded once
+            for path in paths.values():
+                if path not in loaded:
+                    loaded[path] = ort.InferenceSession(str(path), so, providers=providers)
+            self.sessions = {g: loaded[path] for g, path in paths.items()}
         except Exception as e:  # ORT raises its own exception types for invalid graphs
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
             manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
         self.dynamic = any(e.dynamic for e in manifest.state)
+        # one graph that takes any number of tokens: prefill needs no fixed-size chunks (CPU: numpy buffers)
+        self.any_tokens = (
+            one
+            and not self.dynamic
+            and self.device == "cpu"
+            and _token_axis(self.sessions["step"], manifest.input_ids_name)
+        )
         B, V = manifest.batch_size, manifest.vocab_size
         # On CPU an OrtValue made from a numpy array uses the array's memory: the per-token work is a write
         # into one array and a copy out of another (no OrtValue calls).
@@ -137,6 +156,40 @@ class OnnxRuntimeSession(Session):
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
+
+    @_locked
+    def prefill(self, ids) -> np.ndarray:
+        """Consume ids [B, T] in chunks of the manifest's prefill tokens; with one graph for any number of
+        tokens the rest is one call, not single steps. (Longer calls prefilled up to 1.3x faster at 2 threads,
+        benchmarks/RESULTS.md, but ONNX Runtime's arena keeps the activations of the longest call: the
+        chunk bounds the memory; export with a larger --prefill-chunk for longer calls.)"""
+        if not self.any_tokens:
+            return Session.prefill.__wrapped__(self, ids)
+        ids = self._check_ids(ids)
+        T = ids.shape[1]
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        n = self.manifest.prefill_tokens
+        for c in range(0, T, n):
+            logits = self._run_tokens(ids[:, c : c + n])
+            self.position += logits.shape[1]
+        return logits[:, -1]
+
+    def _run_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Run the one graph on ids [B, n] (any n), advancing the state; logits [B, n, V]."""
+        if ids.shape[1] == self.manifest.prefill_tokens:
+            return self._run("prefill", ids)
+        ids = np.ascontiguousarray(ids, np.int64)
+        logits = np.empty((*ids.shape, self.manifest.vocab_size), np.float32)
+        io = self.sessions["prefill"].io_binding()
+        io.bind_ortvalue_input(self.manifest.input_ids_name, self._alloc_from(ids))
+        io.bind_ortvalue_output(self.manifest.logits_name, self._alloc_from(logits))
+        for e, bufs in zip(self.manifest.state, self._bufs):
+            io.bind_ortvalue_input(e.input, bufs[self._cur])
+            io.bind_ortvalue_output(e.output, bufs[1 - self._cur])
+        self.sessions["prefill"].run_with_iobinding(io)
+        self._cur = 1 - self._cur
+        return logits
 
     def _tokens(self, graph: str) -> int:
         return 1 if graph == "step" else self.manifest.prefill_tokens

@@ -29,6 +29,7 @@ longest context measured, so that both runtimes preallocate KV buffers of the sa
     python benchmarks/imported.py [--threads 2] [--precisions fp32,int4] [--repeats 1]
         [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/imported.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
+    python benchmarks/imported.py --workdir DIR --models edgeattn-qwen35   # build/run only these, table of all
     python benchmarks/imported.py --quick
 
 Prints a markdown table and ratios genai / edgeattn, then ONE JSON line.
@@ -40,6 +41,7 @@ import argparse
 import gc
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,6 +106,7 @@ def labels(precisions) -> dict:
 
 
 def build_hf(root: Path, shape: dict, max_len: int) -> tuple[Path, int]:
+    """A random transformers Qwen3_5ForCausalLM of ``shape``, saved (reused when already there)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -116,28 +119,63 @@ def build_hf(root: Path, shape: dict, max_len: int) -> tuple[Path, int]:
         eos_token_id=1,
         pad_token_id=1,
     )
+    hf = root / "hf-qwen35"
+    if (hf / "model.safetensors").is_file() and json.loads((hf / "config.json").read_text()).get(
+        "max_position_embeddings"
+    ) == max_len:
+        with torch.device("meta"):
+            return hf, sum(p.numel() for p in Qwen3_5ForCausalLM(cfg).parameters())
+    shutil.rmtree(root / "ckpt", ignore_errors=True)  # imported from an older model
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
-    hf = peers.save_hf(model, root / "hf-qwen35", qwen35=True)
+    peers.save_hf(model, hf, qwen35=True)
     del model
     gc.collect()
     return hf, params
 
 
-def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int) -> Path:
-    from edgeattn.convert import import_model
-    from edgeattn.export import export_model
+def wait_for_memory(gib: float, timeout: float) -> None:
+    """Wait (up to ``timeout`` s) until the machine has ``gib`` GiB available: the 0.8B builds peak near
+    8 GiB on a machine that others share, and one killed for memory loses its work."""
+    t = time.time()
+    while time.time() - t < timeout:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        avail = int(info["MemAvailable"].split()[0]) / 2**20
+        if avail >= gib:
+            return
+        print(f"waiting for {gib:.0f} GiB of memory ({avail:.1f} available)", file=sys.stderr, flush=True)
+        time.sleep(30)
 
+
+def cli(*args: str) -> None:
+    """An edgeattn CLI command in its own process (its memory is returned when it ends)."""
+    res = subprocess.run([sys.executable, "-m", "edgeattn.cli.main", *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+        raise RuntimeError(f"edgeattn {args[0]} failed: {tail[0]}")
+
+
+def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int) -> Path:
+    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint``."""
     ckpt = root / "ckpt"
     if not ckpt.is_dir():
-        import_model(hf, ckpt, force=True)
+        cli("import", str(hf), "--out", str(ckpt), "--force")
     out = root / name_of("edgeattn", precision)
-    art = export_model(
-        ckpt, out, precision=precision, prefill_chunk=prefill_chunk, include_checkpoint=False, force=True
+    cli(
+        "export",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--precision",
+        precision,
+        "--no-checkpoint",
+        "--force",
+        "--prefill-chunk",
+        str(prefill_chunk),
     )
-    gc.collect()
-    return art
+    return out
 
 
 def main() -> None:
@@ -152,6 +190,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker")
     ap.add_argument("--report", action="store_true", help="only the table of the runs in --workdir")
+    ap.add_argument("--models", default="", help="only these (e.g. edgeattn-qwen35,genai-qwen35-int4)")
+    ap.add_argument("--build-memory", type=float, default=9.0, help="GiB to wait for before each build")
     args = ap.parse_args()
     shape = QUICK if args.quick else FULL
     contexts = [16, 64] if args.quick else sorted(int(c) for c in args.contexts.split(","))
@@ -176,12 +216,22 @@ def main() -> None:
         if built["key"] != key:
             built = {"key": key, "models": {}}
         models = built["models"]
-        todo = [(r, p) for p in precisions for r in ("edgeattn", "genai") if name_of(r, p) not in models]
+        wanted = [name_of(r, p) for p in precisions for r in ("edgeattn", "genai")]
+        if args.models:
+            wanted = [n for n in wanted if n in args.models.split(",")]
+        todo = [
+            (r, p)
+            for p in precisions
+            for r in ("edgeattn", "genai")
+            if name_of(r, p) in wanted and "error" in models.get(name_of(r, p), {"error": "not built"})
+        ]
         if todo and not args.report:
             t = time.time()
             hf, params = build_hf(root, shape, max_len)
             for runtime, p in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB per process
                 name = name_of(runtime, p)
+                if not args.quick:
+                    wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
                         path = build_edgeattn(root, hf, p, chunk)
@@ -197,18 +247,17 @@ def main() -> None:
             shutil.rmtree(root / "cache", ignore_errors=True)
         order = [name_of(r, p) for p in precisions for r in ("edgeattn", "genai")]
         models = {n: models.get(n, {"error": "not built", "params": 0}) for n in order}
-        if args.report:
-            runs = peers.read_log(log)
-            repeats = max((len(v) for v in runs.values()), default=0)
-        else:
+        if not args.report:
             configs = [
                 {"model": n, "path": m["path"], "threads": th, "contexts": contexts, "steps": steps}
                 | {"prefill": prefill}
                 for th in threads
                 for n, m in models.items()
-                if "error" not in m
+                if "error" not in m and n in wanted
             ]
-            runs = peers.run_interleaved(configs, repeats, args.timeout, log, {})
+            peers.run_interleaved(configs, repeats, args.timeout, log, {})
+        runs = peers.read_log(log)  # this invocation's runs and earlier ones in the same --workdir
+        repeats = max((len(v) for v in runs.values()), default=0)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -50,13 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (the workers, the run loop and the table of benchmarks/peers.py)
 
-ROPE = {
-    "rope_type": "default",
-    "rope_theta": 10_000_000,
-    "partial_rotary_factor": 0.25,
-    "mrope_section": [11, 11, 10],
-    "mrope_interleaved": True,
-}
+ROPE = peers.qwen35_rope(256, theta=10_000_000)  # [11, 11, 10], as published
 FULL = dict(
     vocab_size=248320,
     hidden_size=1024,
@@ -88,7 +82,7 @@ QUICK = dict(
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     tie_word_embeddings=True,
-    rope_parameters=ROPE | {"mrope_section": [3, 3, 2]},
+    rope_parameters=peers.qwen35_rope(64, theta=10_000_000),
 )
 PRECISIONS = ("fp32", "int4")
 

@@ -29,8 +29,9 @@ The growing cache at 16384 tokens needs ~10 GB: it is measured only up to ``--so
     python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)
     python benchmarks/peers.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
 
-The Qwen3.5 3:1 hybrid builds at full size but onnxruntime-genai 0.18 fails on its first step there
-(RotaryEmbedding: 'position_ids' has 3 dimensions); at --quick size it runs.
+The Qwen3.5 models carry the published rope layout (``qwen35_rope``: M-RoPE sections); without it
+onnxruntime-genai 0.18's build of the 3:1 hybrid failed on its first step (RotaryEmbedding: 'position_ids'
+has 3 dimensions).
 
 Prints a markdown table, ratios against edgeattn gla, then ONE JSON line.
 """
@@ -124,6 +125,7 @@ def _hf_config(kind: str, size: dict, intermediate: int, max_len: int):
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)]
     return Qwen3_5TextConfig(
         **common,
+        rope_parameters=qwen35_rope(d // H),
         head_dim=d // H,
         layer_types=layer_types,
         linear_num_key_heads=H,
@@ -132,6 +134,22 @@ def _hf_config(kind: str, size: dict, intermediate: int, max_len: int):
         linear_value_head_dim=d // H,
         linear_conv_kernel_dim=4,
     )
+
+
+def qwen35_rope(head_dim: int, theta: float = 10000.0) -> dict:
+    """Qwen3.5's published rope layout for a head size: partial rotary 0.25, interleaved M-RoPE sections
+    over its rotary pairs as the published configs split them ([11, 11, 10] for 32 pairs). Without the
+    sections onnxruntime-genai's builder emits RotaryEmbedding nodes that its Generator feeds 3-D
+    position ids (the first step fails); with them it emits MRotaryEmbedding and runs."""
+    p = int(head_dim * 0.25) // 2
+    sections = [p // 3 + (p % 3 > 0), p // 3 + (p % 3 > 1), p // 3]
+    return {
+        "rope_type": "default",
+        "rope_theta": theta,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": sections,
+        "mrope_interleaved": True,
+    }
 
 
 def byte_tokenizer():

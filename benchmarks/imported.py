@@ -151,12 +151,25 @@ def cli(*args: str) -> None:
         raise RuntimeError(f"edgeattn {args[0]} failed: {tail[0]}")
 
 
-def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int) -> Path:
-    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint``."""
+def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True) -> Path:
+    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint``; ``optimize=False``:
+    ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too."""
     ckpt = root / "ckpt"
     if not ckpt.is_dir():
         cli("import", str(hf), "--out", str(ckpt), "--force")
     out = root / name_of("edgeattn", precision)
+    if not optimize:
+        code = (
+            "import sys; from edgeattn.export import export_model; export_model(sys.argv[1], sys.argv[2], "
+            "precision=sys.argv[3], prefill_chunk=int(sys.argv[4]), include_checkpoint=False, force=True, "
+            "optimize=False)"
+        )
+        args = [str(ckpt), str(out), precision, str(prefill_chunk)]
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+            raise RuntimeError(f"edgeattn export failed: {tail[0]}")
+        return out
     cli(
         "export",
         str(ckpt),
@@ -185,6 +198,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker")
     ap.add_argument("--report", action="store_true", help="only the table of the runs in --workdir")
     ap.add_argument("--models", default="", help="only these (e.g. edgeattn-qwen35,genai-qwen35-int4)")
+    ap.add_argument("--no-optimize", action="store_true", help="edgeattn: export without the graph optimizer")
     ap.add_argument("--build-memory", type=float, default=9.0, help="GiB to wait for before each build")
     args = ap.parse_args()
     shape = QUICK if args.quick else FULL
@@ -228,7 +242,7 @@ def main() -> None:
                     wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
-                        path = build_edgeattn(root, hf, p, chunk)
+                        path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize)
                     else:
                         path = peers.genai_build(hf, root / name, max_len, root / "cache", precision=p)
                     models[name] = {"path": str(path), "params": params}

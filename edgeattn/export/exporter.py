@@ -139,10 +139,12 @@ def _export_graph(
         graph = onnx.load(str(path), load_external_data=False)
         # Over 2 GB torch writes each weight to its own file beside the graph: read them in, then remove
         # them (the next graph's export writes files of the same names) and save one PATH.data instead.
-        spilled = {e.value for i in graph.graph.initializer for e in i.external_data if e.key == "location"}
-        if spilled:
-            from onnx.external_data_helper import load_external_data_for_model
+        from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
+        spilled = {  # initializers' and Constant nodes' files
+            e.value for t in _get_all_tensors(graph) for e in t.external_data if e.key == "location"
+        }
+        if spilled:
             load_external_data_for_model(graph, str(path.parent))
             for name in spilled:
                 (path.parent / name).unlink()

@@ -47,6 +47,9 @@ def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = W
     tmp = root / f".{data_name}.tmp"
     offset = 0
     spilled = set()  # external-data files the graphs came with (over 2 GB), removed once moved
+    spilled |= {
+        f"{g}.data" for g in graphs
+    }  # the exporter's files over 2 GB (orphaned by a precision change)
     with open(tmp, "wb") as f:
         for g in graphs:  # one graph in memory at a time
             head = onnx.load(str(root / g), load_external_data=False)

@@ -29,8 +29,9 @@ The growing cache at 16384 tokens needs ~10 GB: it is measured only up to ``--so
     python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)
     python benchmarks/peers.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
 
-The Qwen3.5 3:1 hybrid builds at full size but onnxruntime-genai 0.18 fails on its first step there
-(RotaryEmbedding: 'position_ids' has 3 dimensions); at --quick size it runs.
+The Qwen3.5 models carry the published rope layout (``qwen35_rope``: M-RoPE sections); without it
+onnxruntime-genai 0.18's build of the 3:1 hybrid failed on its first step (RotaryEmbedding: 'position_ids'
+has 3 dimensions).
 
 Prints a markdown table, ratios against edgeattn gla, then ONE JSON line.
 """
@@ -126,6 +127,7 @@ def _hf_config(kind: str, size: dict, intermediate: int, max_len: int):
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)]
     return Qwen3_5TextConfig(
         **common,
+        rope_parameters=qwen35_rope(d // H),
         head_dim=d // H,
         layer_types=layer_types,
         linear_num_key_heads=H,
@@ -134,6 +136,22 @@ def _hf_config(kind: str, size: dict, intermediate: int, max_len: int):
         linear_value_head_dim=d // H,
         linear_conv_kernel_dim=4,
     )
+
+
+def qwen35_rope(head_dim: int, theta: float = 10000.0) -> dict:
+    """Qwen3.5's published rope layout for a head size: partial rotary 0.25, interleaved M-RoPE sections
+    over its rotary pairs as the published configs split them ([11, 11, 10] for 32 pairs). Without the
+    sections onnxruntime-genai's builder emits RotaryEmbedding nodes that its Generator feeds 3-D
+    position ids (the first step fails); with them it emits MRotaryEmbedding and runs."""
+    p = int(head_dim * 0.25) // 2
+    sections = [p // 3 + (p % 3 > 0), p // 3 + (p % 3 > 1), p // 3]
+    return {
+        "rope_type": "default",
+        "rope_theta": theta,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": sections,
+        "mrope_interleaved": True,
+    }
 
 
 def byte_tokenizer():
@@ -160,6 +178,34 @@ def _hf_params(kind: str, size: dict, intermediate: int, max_len: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def save_hf(model, hf: Path, qwen35: bool = False) -> Path:
+    """``save_pretrained`` plus the byte-level tokenizer (the builder copies one into its output); a Qwen3.5
+    model is renamed ``Qwen3_5ForConditionalGeneration``, the name genai's builder knows it by."""
+    model.save_pretrained(hf)
+    byte_tokenizer().save_pretrained(hf)
+    if qwen35:  # save_pretrained writes the class's own name back
+        data = json.loads((hf / "config.json").read_text())
+        data["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+        (hf / "config.json").write_text(json.dumps(data))
+    return hf
+
+
+def genai_build(hf: Path, out: Path, max_len: int, cache: Path, precision: str = "fp32") -> Path:
+    """onnxruntime-genai's own builder (``-e cpu -p PRECISION``) on a transformers directory; the search made
+    greedy and long enough for ``max_len`` tokens."""
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", precision, "-e", "cpu", "-c", str(cache)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"onnxruntime-genai's builder failed for {hf.name}: {tail[0]}")
+    conf = json.loads((out / "genai_config.json").read_text())
+    conf["search"].update(max_length=max_len, do_sample=False, num_beams=1)
+    conf["model"]["context_length"] = max(int(conf["model"].get("context_length", 0)), max_len)
+    (out / "genai_config.json").write_text(json.dumps(conf, indent=2))
+    return out
+
+
 def build_genai(root: Path, kind: str, size: dict, target_params: int, max_len: int) -> tuple[Path, int]:
     """A transformers model of ~target_params (MLP width searched in steps of 32), built by genai's builder."""
     import torch
@@ -169,31 +215,11 @@ def build_genai(root: Path, kind: str, size: dict, target_params: int, max_len: 
     per_unit = (_hf_params(kind, size, 64, max_len) - base) / 32  # parameters per unit of MLP width
     inter = max(32, round((32 + (target_params - base) / per_unit) / 32) * 32)
     cfg = _hf_config(kind, size, inter, max_len)
-    if kind != "llama":
-        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]  # the builder knows Qwen3.5 by this name
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     params = sum(p.numel() for p in model.parameters())
-    hf = root / f"hf-{kind}"
-    model.save_pretrained(hf)
-    byte_tokenizer().save_pretrained(hf)  # the builder copies a tokenizer into its output
-    if kind != "llama":  # save_pretrained writes the class's own name back
-        data = json.loads((hf / "config.json").read_text())
-        data["architectures"] = ["Qwen3_5ForConditionalGeneration"]
-        (hf / "config.json").write_text(json.dumps(data))
-    out = root / f"genai-{kind}"
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
-    cmd += ["-p", "fp32", "-e", "cpu", "-c", str(root / "cache")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"onnxruntime-genai's builder failed for {kind}: {tail[0]}")
-    # the search must be greedy and allow the longest context
-    conf = json.loads((out / "genai_config.json").read_text())
-    conf["search"].update(max_length=max_len, do_sample=False, num_beams=1)
-    conf["model"]["context_length"] = max(int(conf["model"].get("context_length", 0)), max_len)
-    (out / "genai_config.json").write_text(json.dumps(conf, indent=2))
-    return out, params
+    hf = save_hf(model, root / f"hf-{kind}", qwen35=kind != "llama")
+    return genai_build(hf, root / f"genai-{kind}", max_len, root / "cache"), params
 
 
 def build_all(root: Path, models: list[str], size: dict, max_len: int) -> dict[str, dict]:
@@ -244,6 +270,9 @@ def worker_edgeattn(cfg: dict) -> dict:
             shape = [c if isinstance(d, str) else d for d in e.shape]
             if e.name == "position":  # a preallocated KV buffer's fill level
                 state[e.input] = np.full(shape, c, np.float32)
+            elif e.shared:  # a preallocated KV buffer [B, H, L, D]: its first c slots hold tokens
+                state[e.input] = np.zeros(shape, np.float32)
+                state[e.input][:, :, :c] = rng.standard_normal((*shape[:2], c, shape[3])) * 0.1
             else:
                 state[e.input] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         sess.set_state(state, position=c)
@@ -330,6 +359,32 @@ def run_worker(cfg: dict, timeout: float | None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def run_interleaved(configs: list[dict], repeats: int, timeout: float, log: Path, runs: dict) -> dict:
+    """Every configuration once per repeat, the order rotated by the repeat; each result appended to
+    ``log`` (JSON lines) as it comes, so a cut-short run can still be reported; ``runs[key]`` collects them."""
+    for r in range(repeats):
+        for cfg in configs[r % len(configs) :] + configs[: r % len(configs)]:
+            key = f"{cfg['model']}@{cfg['threads']}"
+            res = run_worker(cfg, timeout)
+            runs.setdefault(key, []).append(res)
+            with open(log, "a") as f:
+                f.write(json.dumps({"key": key, "cfg": cfg, "result": res}) + "\n")
+            status = res.get("error") or " ".join(
+                f"@{c} {v['ms']:.2f} ms" for c, v in res["contexts"].items()
+            )
+            print(f"[repeat {r + 1}/{repeats}] {key}: {status}", file=sys.stderr, flush=True)
+    return runs
+
+
+def read_log(log: Path) -> dict:
+    """The runs logged by ``run_interleaved``: key -> list of results."""
+    runs: dict[str, list[dict]] = {}
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        entry = json.loads(line)
+        runs.setdefault(entry["key"], []).append(entry["result"])
+    return runs
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the table
 # ---------------------------------------------------------------------------------------------------------
@@ -355,7 +410,17 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def print_table(results: dict, built: dict, contexts: list[int], threads: list[int]) -> dict:
+def print_table(
+    results: dict,
+    built: dict,
+    contexts: list[int],
+    threads: list[int],
+    labels: dict | None = None,
+    base_of=lambda name: "edgeattn-gla",
+) -> dict:
+    """The markdown table per thread count, then each model's ratios against ``base_of(model)`` (a model
+    name, or None for no ratios): peer / base decode ms and RSS, base / peer prefill tokens/s."""
+    labels = labels or LABELS
     ratios = {}
     lo, hi = contexts[0], contexts[-1]
     for th in threads:
@@ -366,7 +431,7 @@ def print_table(results: dict, built: dict, contexts: list[int], threads: list[i
         for name, info in built.items():
             s = results.get(f"{name}@{th}", {"error": info.get("error", "not run")})
             if "error" in s:
-                print(f"| {LABELS[name]} | - | {s['error']} |")
+                print(f"| {labels[name]} | - | {s['error']} |")
                 continue
             cells = []
             for c in contexts:
@@ -374,19 +439,22 @@ def print_table(results: dict, built: dict, contexts: list[int], threads: list[i
                 cells.append(f"{v['ms']:.2f} [{v['ms_min']:.2f}-{v['ms_max']:.2f}]" if v else "-")
             rss = [f"{s['contexts'][c]['rss_mib']:.0f}" if c in s["contexts"] else "-" for c in (lo, hi)]
             print(
-                f"| {LABELS[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {rss[0]} | {rss[1]} "
+                f"| {labels[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {rss[0]} | {rss[1]} "
                 f"| {s['prefill_tps']:,.0f} |"
             )
-        base = results.get(f"edgeattn-gla@{th}", {})
-        if "error" in base or not base:
-            continue
-        print(
-            f"\nratios, {th} thread(s): peer / edgeattn gla (decode > 1: edgeattn faster; RSS > 1: edgeattn smaller)"
-        )
+        printed = False
         for name in built:
             s = results.get(f"{name}@{th}", {})
-            if name == "edgeattn-gla" or "error" in s or not s:
+            base_name = base_of(name)
+            base = results.get(f"{base_name}@{th}", {})
+            if base_name in (None, name) or "error" in s or not s or "error" in base or not base:
                 continue
+            if not printed:
+                print(
+                    f"\nratios, {th} thread(s): model / its edgeattn counterpart (decode > 1: edgeattn faster; "
+                    "RSS > 1: edgeattn smaller; prefill > 1: edgeattn faster)"
+                )
+                printed = True
             r = {
                 f"decode@{c}": s["contexts"][c]["ms"] / base["contexts"][c]["ms"]
                 for c in contexts
@@ -401,7 +469,7 @@ def print_table(results: dict, built: dict, contexts: list[int], threads: list[i
             )
             r["prefill"] = base["prefill_tps"] / s["prefill_tps"]
             ratios[f"{name}@{th}"] = r
-            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+            print(f"  {name} / {base_name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     return ratios
 
 
@@ -463,9 +531,7 @@ def main() -> None:
         log = root / "runs.jsonl"  # every worker's result, as it comes: a cut-short run can still be reported
         runs: dict[str, list[dict]] = {}
         if args.report:
-            for line in log.read_text().splitlines() if log.is_file() else []:
-                entry = json.loads(line)
-                runs.setdefault(entry["key"], []).append(entry["result"])
+            runs = read_log(log)
             repeats = max((len(v) for v in runs.values()), default=0)
         configs = []
         for th in [] if args.report else threads:
@@ -479,18 +545,8 @@ def main() -> None:
                     {"model": name, "path": info["path"], "threads": th, "contexts": ctx}
                     | {"steps": steps, "prefill": prefill}
                 )
-        for r in range(0 if args.report else repeats):
-            order = configs[r % len(configs) :] + configs[: r % len(configs)]
-            for cfg in order:
-                key = f"{cfg['model']}@{cfg['threads']}"
-                res = run_worker(cfg, args.timeout)
-                runs.setdefault(key, []).append(res)
-                with open(log, "a") as f:
-                    f.write(json.dumps({"key": key, "cfg": cfg, "result": res}) + "\n")
-                status = res.get("error") or " ".join(
-                    f"@{c} {v['ms']:.2f} ms" for c, v in res["contexts"].items()
-                )
-                print(f"[repeat {r + 1}/{repeats}] {key}: {status}", file=sys.stderr, flush=True)
+        if not args.report:
+            run_interleaved(configs, repeats, args.timeout, log, runs)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 import pytest
 
 from edgeattn.convert import import_model
@@ -56,7 +57,13 @@ def artifact(hf, tmp_path_factory):
 def test_logits_equal_transformers_prefill_then_steps(hf, ids, tmp_path, target):
     model, root = hf
     art = export_hf(root / "fp32", tmp_path / "art", target=target)
-    got = run_logits(open_session(art), ids)
+    sess = open_session(art)
+    if target == "onnxruntime":  # the gated attention layers keep a preallocated, shared KV buffer
+        ops = {n.op_type for n in onnx.load(str(art / "step.onnx")).graph.node}
+        assert "GroupQueryAttention" in ops
+        shared = [e for e in sess.manifest.state if e.shared]
+        assert len(shared) == 2 and all(e.shape[2] == sess.manifest.max_length for e in shared)
+    got = run_logits(sess, ids)
     assert got["prefill"].shape[1] == (N // PREFILL) * PREFILL and got["step"].shape[1] == N % PREFILL
     full = np.concatenate([got["prefill"], got["step"]], axis=1)
     assert rel_err(full, hf_logits(model, ids)) <= 1e-4
@@ -125,8 +132,8 @@ def test_vision_language_checkpoint_imports_its_text_model_and_skips_the_vision_
     _, notes = import_model(tmp_path / "vl", tmp_path / "ckpt")
     assert any("vision tower" in n for n in notes)
     with torch.no_grad():
-        want = model(input_ids=torch.from_numpy(ids[:, :64])).logits.numpy()
-    assert rel_err(edge_logits(tmp_path / "ckpt", ids[:, :64]), want) <= 1e-4
+        want = model(input_ids=torch.from_numpy(ids[:, :70])).logits.numpy()
+    assert rel_err(edge_logits(tmp_path / "ckpt", ids[:, :70]), want) <= 1e-4
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -140,3 +147,16 @@ def test_bf16_checkpoint_exports_at_lower_precision_and_check_passes(hf, tmp_pat
     art = export_hf(tmp_path / "bf16", tmp_path / "art", precision=precision)
     report = check_artifact(art, tokens=80)
     assert report.ok, report.graphs
+
+
+def test_published_rope_layout_interleaved_mrope_exports_with_the_kv_buffer(ids, tmp_path):
+    """The published configs carry M-RoPE sections (interleaved); text positions make it plain RoPE."""
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    rope |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    model = qwen3_5_text(seed=2, head_dim=32, rope_parameters=rope)
+    model.save_pretrained(tmp_path / "hf")
+    sess = open_session(export_hf(tmp_path / "hf", tmp_path / "art"))
+    assert any(e.shared for e in sess.manifest.state)
+    got = run_logits(sess, ids[:, :70])
+    full = np.concatenate([got["prefill"], got["step"]], axis=1)
+    assert rel_err(full, hf_logits(model, ids[:, :70])) <= 1e-4

@@ -35,6 +35,26 @@ def test_buffer_attention_equals_the_naive_loop_in_chunks_and_steps():
     assert not key[:, :, T:].any()
 
 
+def test_buffer_attention_with_grouped_kv_heads_equals_the_naive_loop():
+    torch.manual_seed(1)
+    B, T, H, Hkv, D, L = 1, 21, 6, 2, 8, 32
+    q = torch.randn(B, T, H, D)
+    k, v = torch.randn(B, T, Hkv, D), torch.randn(B, T, Hkv, D)
+    kr, vr = (x.repeat_interleave(H // Hkv, dim=2) for x in (k, v))  # query head h reads KV head h // 3
+    ref, _ = naive_softmax_attention(q, kr, vr, scale=D**-0.5, window=None, sink=0, initial_state=None)
+    key, value, pos = torch.zeros(B, Hkv, L, D), torch.zeros(B, Hkv, L, D), torch.zeros(B)
+    outs, t = [], 0
+    for n in (7, 1, 13):
+        o, key, value, pos = buffer_attention(
+            q[:, t : t + n], k[:, t : t + n], v[:, t : t + n], key, value, pos, scale=D**-0.5
+        )
+        outs.append(o)
+        t += n
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        buffer_attention(q, torch.randn(B, T, 4, D), torch.randn(B, T, 4, D), key, value, pos, scale=1.0)
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv")

@@ -34,4 +34,4 @@ def test_peers_quick_measures_edgeattn_and_genai(tmp_path):
         assert r["prefill_tps"] > 0
     # equal sizes: the peer's MLP width was chosen to match edgeattn's parameter count within 10%
     assert abs(out["params"]["genai-llama"] / out["params"]["edgeattn-gla"] - 1) < 0.1
-    assert "| edgeattn `gla`" in res.stdout and "genai-llama: decode@16" in res.stdout
+    assert "| edgeattn `gla`" in res.stdout and "genai-llama / edgeattn-gla: decode@16" in res.stdout

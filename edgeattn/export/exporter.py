@@ -180,15 +180,27 @@ def _export_graph(
 
         from edgeattn.ops.common.fused_delta import fix_optional_inputs
 
-        graph = onnx.load(str(path))
-        changed = fix_optional_inputs(graph)
+        graph = onnx.load(str(path), load_external_data=False)
+        # Over 2 GB torch writes each weight to its own file beside the graph: read them in, then remove
+        # them (the next graph's export writes files of the same names) and save one PATH.data instead.
+        from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
+
+        spilled = {  # initializers' and Constant nodes' files
+            e.value for t in _get_all_tensors(graph) for e in t.external_data if e.key == "location"
+        }
+        if spilled:
+            load_external_data_for_model(graph, str(path.parent))
+            for name in spilled:
+                (path.parent / name).unlink()
+        changed = fix_optional_inputs(graph) or bool(spilled)
         if optimize:
             from edgeattn.export.optimize import optimize_graph
 
             optimize_graph(graph)
             changed = True
         if changed:
-            onnx.save(graph, str(path))
+            big = sum(len(i.raw_data) for i in graph.graph.initializer) > 2**31 - 2**26
+            onnx.save(graph, str(path), save_as_external_data=big, location=f"{path.name}.data")
     del model
 
 

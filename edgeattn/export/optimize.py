@@ -94,7 +94,33 @@ SHAPE_PRESERVING = {"SimplifiedLayerNormalization": (0,), "SkipSimplifiedLayerNo
 def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
     """Element type and shape (None for an unknown dimension) of every value ONNX's inference can tell.
     Outputs of ops it does not know (contrib ops) get their first input's type, the norms' outputs its
-    shape too, and inference runs again from there."""
+    shape too, and inference runs again from there. It runs on a copy without the large weights' bytes
+    (the inference serializes its model, which protobuf refuses over 2 GB; it needs their shapes only)."""
+    import onnx
+
+    g = model.graph
+    inits = [
+        onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims)
+        if int(np.prod(i.dims, dtype=np.int64)) > 2**18
+        else i
+        for i in g.initializer
+    ]
+    light = onnx.ModelProto(
+        ir_version=model.ir_version,
+        opset_import=model.opset_import,
+        graph=onnx.GraphProto(
+            name=g.name,
+            node=g.node,
+            input=g.input,
+            output=g.output,
+            value_info=g.value_info,
+            initializer=inits,
+        ),
+    )
+    return _infer_light(light)
+
+
+def _infer_light(model) -> tuple[dict[str, int], dict[str, list]]:
     import onnx
 
     m = model

@@ -174,9 +174,40 @@ INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4}
 INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
 
 
+def _convert_version(model, opset: int):
+    """ONNX's version converter on a copy without the large weights' bytes (it serializes its model, which
+    protobuf refuses over 2 GB; it rewrites nodes only), the weights put back afterwards."""
+    import onnx
+    from onnx import version_converter
+
+    g = model.graph
+    big = {i.name for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > 2**18}
+    light = onnx.ModelProto(
+        ir_version=model.ir_version,
+        opset_import=model.opset_import,
+        graph=onnx.GraphProto(
+            name=g.name,
+            node=g.node,
+            input=g.input,
+            output=g.output,
+            value_info=g.value_info,
+            initializer=[
+                onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims) if i.name in big else i
+                for i in g.initializer
+            ],
+        ),
+    )
+    out = version_converter.convert_version(light, opset)
+    small = [onnx.TensorProto() for i in out.graph.initializer if i.name not in big]
+    for t, i in zip(small, [i for i in out.graph.initializer if i.name not in big]):
+        t.CopyFrom(i)
+    del out.graph.initializer[:]
+    out.graph.initializer.extend([i for i in g.initializer if i.name in big] + small)
+    return out
+
+
 def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
-    from onnx import version_converter
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
@@ -195,7 +226,7 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
         hidden = [n for n in model.graph.node if n.domain == "" and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
         for n in hidden:
             n.domain = "com.microsoft"
-        model = version_converter.convert_version(model, INT4_OPSET)
+        model = _convert_version(model, INT4_OPSET)
         for n in model.graph.node:
             if n.domain == "com.microsoft" and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
                 n.domain = ""
@@ -223,7 +254,7 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
     for i, n in enumerate(model.graph.node):  # the converter's node_block_list needs names
         if not n.name:
             n.name = f"{n.op_type}_{i}"
-    reference = model.SerializeToString()  # float32, to measure the conversion's error against
+    reference = str(path)  # float32, to measure the conversion's error against (replaced only at the end)
     fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=path.parent)
     os.close(fd)
     try:

@@ -44,11 +44,20 @@ def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = W
     root = Path(root)
     tensors: dict[str, dict] = {}  # content key -> entry
     by_name: dict[str, str] = {}  # initializer name -> content key
-    models = {g: onnx.load(str(root / g)) for g in graphs}
     tmp = root / f".{data_name}.tmp"
     offset = 0
+    spilled = set()  # external-data files the graphs came with (over 2 GB), removed once moved
+    spilled |= {
+        f"{g}.data" for g in graphs
+    }  # the exporter's files over 2 GB (orphaned by a precision change)
     with open(tmp, "wb") as f:
-        for model in models.values():
+        for g in graphs:  # one graph in memory at a time
+            head = onnx.load(str(root / g), load_external_data=False)
+            spilled |= {
+                e.value for i in head.graph.initializer for e in i.external_data if e.key == "location"
+            }
+            del head
+            model = onnx.load(str(root / g))
             renames = {}
             for init in model.graph.initializer:
                 # Every name, small tensors' too, means one content across the graphs: the runtime hands
@@ -94,14 +103,17 @@ def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = W
             if renames:
                 for node in model.graph.node:
                     node.input[:] = [renames.get(i, i) for i in node.input]
+            with open(root / f".{g}.tmp", "wb") as part:
+                part.write(model.SerializeToString())
+            del model
     try:
-        for g, model in models.items():
-            part = root / f".{g}.tmp"
-            with open(part, "wb") as f:
-                f.write(model.SerializeToString())
-            os.replace(part, root / g)
+        for g in graphs:
+            os.replace(root / f".{g}.tmp", root / g)
         os.replace(tmp, root / data_name)
+        for name in spilled - {data_name}:
+            (root / name).unlink(missing_ok=True)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        for leftover in [tmp, *(root / f".{g}.tmp" for g in graphs)]:
+            if leftover.exists():
+                leftover.unlink()
     return {"path": data_name, "bytes": offset, "tensors": list(tensors.values())}

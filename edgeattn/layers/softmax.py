@@ -69,10 +69,10 @@ class SoftmaxAttention(_Attention):
     ``rotary_dim``, ``attn_output_gate``) the cache holds the ``n_kv_heads`` grouped heads (rotated
     keys) and the position of each token is its index in the cache.
 
-    With ``kv_buffer = L`` (set by the exporter for the onnxruntime target, plain layers only: see
-    ``supports_kv_buffer``) the cache is instead a preallocated buffer: ``key``/``value`` [B, H, L, Dh]
-    plus ``position`` [B], updated in place by ONNX Runtime's GroupQueryAttention
-    (``edgeattn.ops.softmax.kv_buffer``).
+    With ``kv_buffer = L`` (set by the exporter for the onnxruntime target) the cache is instead a
+    preallocated buffer: ``key``/``value`` [B, Hkv, L, Dh] plus ``position`` [B], updated in place by ONNX
+    Runtime's GroupQueryAttention (``edgeattn.ops.softmax.kv_buffer``); in imported layers the q/k norms,
+    the rotary embedding (positions ``position + 0 .. T-1``) and the output gate run around that op.
     """
 
     fixed_size_state = False
@@ -83,11 +83,7 @@ class SoftmaxAttention(_Attention):
         c = self.cfg
         return bool(c.n_kv_heads or c.head_size or c.qk_norm or c.rope_theta or c.attn_output_gate)
 
-    @property
-    def supports_kv_buffer(self) -> bool:
-        """The GroupQueryAttention buffer covers plain layers; imported ones (grouped heads, rotary,
-        q/k norms, output gates) keep the growing cache."""
-        return not self._extended
+    supports_kv_buffer = True  # plain and imported layers alike (grouped heads, rotary, norms, gates)
 
     def state_spec(self, batch_size: int) -> list[StateSpec]:
         H, Dh = self.n_kv_heads, self.head_dim
@@ -119,6 +115,17 @@ class SoftmaxAttention(_Attention):
         v = self.v_proj(x).view(B, T, Hkv, Dh).float()
         if c.qk_norm:
             q, k = _rms(q, self.q_norm, c.norm_eps), _rms(k, self.k_norm, c.norm_eps)
+        if self.kv_buffer:
+            if c.rope_theta:
+                rd = c.rotary_dim or Dh
+                pos = state["position"][:1] + torch.ones_like(q[0, :, 0, 0]).cumsum(0) - 1  # [T]
+                q, k = _rotate(q, pos, rd, c.rope_theta), _rotate(k, pos, rd, c.rope_theta)
+            o, key, value, position = buffer_attention(
+                q, k, v, state["key"], state["value"], state["position"], scale=Dh**-0.5
+            )
+            if gate is not None:
+                o = o * torch.sigmoid(gate.float())
+            return self._output(o, x), {"key": key, "value": value, "position": position}
         key = torch.cat([state["key"], k.transpose(1, 2)], dim=2)  # [B, Hkv, L + T, Dh]
         value = torch.cat([state["value"], v.transpose(1, 2)], dim=2)
         # Positions from the cache length, with tensor ops only (exported graphs keep L dynamic).

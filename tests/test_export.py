@@ -79,7 +79,12 @@ def test_one_head_exports_to_the_fused_op(tmp_path, mixer):
     target (the traced body of the fused op); the graph now holds the contrib op and matches PyTorch."""
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer, n_heads=1)
     art = export_model(ckpt, tmp_path / "art", target="onnxruntime", prefill_chunk=PREFILL)
-    ops = {(n.domain, n.op_type) for n in onnx.load(str(art / "prefill.onnx")).graph.node}
+    ops = {
+        (n.domain, n.op_type)
+        for n in onnx.load(
+            str(art / json.loads((art / "edgeattn.json").read_text())["graphs"]["prefill"]["path"])
+        ).graph.node
+    }
     assert ("com.microsoft", "LinearAttention") in ops
     ids = text_ids(2 * PREFILL + 5)
     ref = torch_logits(ckpt, ids)
@@ -251,7 +256,13 @@ def test_fp16_of_a_trained_gla_passes_check(trained_gla, tmp_path, target):
         "prefill.onnx",
     ):  # valid ONNX: nodes in topological order (TensorRT's parser needs it)
         onnx.checker.check_model(checkable(onnx.load(str(art / g))), full_check=True)
-    weights = [i for i in onnx.load(str(art / "prefill.onnx")).graph.initializer if len(i.dims) == 2]
+    weights = [
+        i
+        for i in onnx.load(
+            str(art / json.loads((art / "edgeattn.json").read_text())["graphs"]["prefill"]["path"])
+        ).graph.initializer
+        if len(i.dims) == 2
+    ]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)  # still an fp16 graph
     report = check_artifact(art, tokens=120)
     assert report.ok, {g: r["rel"] for g, r in report.graphs.items()}

@@ -137,7 +137,7 @@ def test_state_specs_and_feature_maps():
     assert build_mixer("linear", cfg).feature_map == "elu1"
     with pytest.raises(ValueError, match="feature_map must be"):
         build_mixer(
-            "linear", EdgeConfig(d_model=32, n_layers=1, n_heads=2, mixer="linear", feature_map="relu")
+            "linear", EdgeConfig(d_model=32, n_layers=1, n_heads=2, mixer="linear", feature_map="tanh")
         )
 
 

@@ -61,6 +61,30 @@ def test_one_graph_equals_two_graphs(tmp_path, mixer):
             check(a[k], b[k])
 
 
+@pytest.mark.parametrize("mixer", ["gla", "mamba2"])
+def test_int4_one_graph_equals_two_graphs(tmp_path, mixer):
+    """int4 is one graph too (one session, one prepacked copy of the quantized weights): its logits and
+    state are the bits of today's two int4 graphs."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    kw = dict(precision="int4", prefill_chunk=PREFILL, include_checkpoint=False)
+    with pytest.warns(Warning):  # a tiny random model quantizes poorly: the precision warning, both forms
+        one = Manifest.load(export_model(ckpt, tmp_path / "one", **kw))
+        two = Manifest.load(export_model(ckpt, tmp_path / "two", one_graph=False, **kw))
+    assert one.graph_path("prefill") == one.graph_path("step")
+    assert two.graph_path("prefill") != two.graph_path("step")
+    ops = {n.op_type for n in onnx.load(str(one.graph_path("step")), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops
+    s1, s2 = open_session(one.root, threads=1), open_session(two.root, threads=1)
+    assert s1.sessions["step"] is s1.sessions["prefill"]
+    ids = text_ids(2 * PREFILL + 5)
+    got, want = run_logits(s1, ids), run_logits(s2, ids)
+    for g in ("prefill", "step"):
+        np.testing.assert_array_equal(got[g], want[g])
+    a, b = s1.get_state(), s2.get_state()
+    for k in b:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
 def test_one_graph_takes_any_number_of_tokens(tmp_path):
     """A raw ONNX Runtime run of 7 tokens in one call equals the two-graph session's 7 steps."""
     one, two = pair(tmp_path, "gla")

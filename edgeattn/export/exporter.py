@@ -37,6 +37,7 @@ DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 # Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences): a model made
 # of them alone exports one graph that serves as both step and prefill (one_graph_ok).
 ONE_GRAPH_MIXERS = frozenset({"linear", "performer", "retnet", "gla", *DELTA_FAMILIES})
+ONE_GRAPH_PRECISIONS = ("fp32", "int4")
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -119,8 +120,11 @@ def fixed_batch_reason(model, target: str) -> str | None:
 
 def one_graph_ok(cfg, target: str, precision: str) -> bool:
     """Whether the artifact can be one graph with a dynamic token axis for both step and prefill: the
-    onnxruntime target (fused ops take any number of tokens), fp32, and every layer's mixer fused."""
-    return target == "onnxruntime" and precision == "fp32" and set(cfg.mixers) <= ONE_GRAPH_MIXERS
+    onnxruntime target (fused ops take any number of tokens), fp32 or int4 (one session holds one
+    prepacked copy of the weights), and every layer's mixer fused."""
+    return (
+        target == "onnxruntime" and precision in ONE_GRAPH_PRECISIONS and set(cfg.mixers) <= ONE_GRAPH_MIXERS
+    )
 
 
 def _export_graph(
@@ -321,7 +325,7 @@ def export_model(
     cfg = model.cfg
     if one_graph and not one_graph_ok(cfg, target, precision):
         raise ValueError(
-            "one_graph needs target 'onnxruntime', precision fp32 and every layer's mixer among "
+            f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every layer's mixer among "
             f"{sorted(ONE_GRAPH_MIXERS)} (got target {target!r}, precision {precision!r}, mixers {cfg.mixers})"
         )
     one = one_graph_ok(cfg, target, precision) if one_graph is None else one_graph

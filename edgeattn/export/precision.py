@@ -326,6 +326,8 @@ def logit_error(
     B, T = ids_input.shape
     if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
         B = entries[0]["shape"][0] if entries else 1
+    if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
+        T = 16
     vocab = sessions[0].get_outputs()[0].shape[-1]
     text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
     text = text.reshape(calls, B, T)  # [calls, B, T]

@@ -31,7 +31,7 @@ def pair(tmp_path, mixer: str):
     return Manifest.load(one), Manifest.load(two)
 
 
-@pytest.mark.parametrize("mixer", [*sorted(ONE_GRAPH_MIXERS), "gla,gated_deltanet"])
+@pytest.mark.parametrize("mixer", [*sorted(ONE_GRAPH_MIXERS), "gla,gated_deltanet", "gla,softmax", "softmax"])
 def test_one_graph_equals_two_graphs(tmp_path, mixer):
     one, two = pair(tmp_path, mixer)
     data = json.loads((one.root / "edgeattn.json").read_text())
@@ -116,7 +116,7 @@ def test_state_round_trip_between_layouts(tmp_path):
 
 
 def test_other_models_keep_two_graphs(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "ckpt", "gla,softmax")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla,flash")
     art = Manifest.load(
         export_model(ckpt, tmp_path / "mixed", prefill_chunk=PREFILL, include_checkpoint=False)
     )

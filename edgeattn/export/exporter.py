@@ -35,7 +35,8 @@ FUSED_MIN_ORT = "1.31.0"
 FUSED_DELTA_MIN_ORT = "1.32.0"
 DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 # Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences): a model made
-# of them alone exports one graph that serves as both step and prefill (one_graph_ok).
+# of them and of softmax layers on a GroupQueryAttention KV buffer exports one graph that serves as both
+# step and prefill (one_graph_ok).
 ONE_GRAPH_MIXERS = frozenset({"linear", "performer", "retnet", "gla", *DELTA_FAMILIES})
 ONE_GRAPH_PRECISIONS = ("fp32", "int4")
 CHECKPOINT_DIR = "checkpoint"
@@ -118,13 +119,20 @@ def fixed_batch_reason(model, target: str) -> str | None:
     return None
 
 
-def one_graph_ok(cfg, target: str, precision: str) -> bool:
+def one_graph_ok(model, target: str, precision: str) -> bool:
     """Whether the artifact can be one graph with a dynamic token axis for both step and prefill: the
-    onnxruntime target (fused ops take any number of tokens), fp32 or int4 (one session holds one
-    prepacked copy of the weights), and every layer's mixer fused."""
-    return (
-        target == "onnxruntime" and precision in ONE_GRAPH_PRECISIONS and set(cfg.mixers) <= ONE_GRAPH_MIXERS
-    )
+    onnxruntime target (its fused ops take any number of tokens), fp32 or int4 (one session holds one
+    prepacked copy of the weights), and every layer a fused recurrence or a softmax layer on a
+    GroupQueryAttention KV buffer (which also takes any number of tokens)."""
+    from edgeattn.layers.softmax import SoftmaxAttention
+
+    if target != "onnxruntime" or precision not in ONE_GRAPH_PRECISIONS:
+        return False
+    for name, block in zip(model.cfg.mixers, model.blocks):
+        buffered = isinstance(block.mixer, SoftmaxAttention) and block.mixer.supports_kv_buffer
+        if name not in ONE_GRAPH_MIXERS and not buffered:
+            return False
+    return True
 
 
 def _export_graph(
@@ -323,12 +331,13 @@ def export_model(
 
         check_genai(model)
     cfg = model.cfg
-    if one_graph and not one_graph_ok(cfg, target, precision):
+    if one_graph and not one_graph_ok(model, target, precision):
         raise ValueError(
-            f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every layer's mixer among "
-            f"{sorted(ONE_GRAPH_MIXERS)} (got target {target!r}, precision {precision!r}, mixers {cfg.mixers})"
+            f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every layer's "
+            f"mixer among {sorted(ONE_GRAPH_MIXERS)} or a plain softmax (got target {target!r}, precision "
+            f"{precision!r}, mixers {cfg.mixers})"
         )
-    one = one_graph_ok(cfg, target, precision) if one_graph is None else one_graph
+    one = one_graph_ok(model, target, precision) if one_graph is None else one_graph
     kv_buffers = use_kv_buffers(model, target)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
     if reason:

@@ -71,7 +71,12 @@ def test_portable_target_is_not_optimized(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
     a = ops(export_model(ckpt, tmp_path / "a", target="portable") / "step.onnx")
     b = ops(export_model(ckpt, tmp_path / "b", target="portable", optimize=False) / "step.onnx")
-    assert a == b and "SkipSimplifiedLayerNormalization" not in a and "Split" not in a
+    # only the tied embedding's standard Gather(E^T, axis=1) + Transpose (share_tied_embedding)
+    assert (
+        a == b + Counter({"Transpose": 1})
+        and "SkipSimplifiedLayerNormalization" not in a
+        and "Split" not in a
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])

@@ -144,9 +144,11 @@ def _export_graph(
     target: str,
     optimize: bool = True,
     dynamic_batch: bool = False,
+    tie: bool = False,
 ) -> None:
     """Trace ``module`` over ``tokens`` tokens into ``path``; ``tokens=None``: a dynamic token axis
-    (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
+    (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length). ``tie``: store a tied
+    embedding once (``edgeattn.export.optimize.share_tied_embedding``, standard ONNX, any target)."""
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     model = module.model
@@ -187,7 +189,7 @@ def _export_graph(
             custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
-    if target == "onnxruntime":
+    if target == "onnxruntime" or tie:
         import onnx
 
         from edgeattn.ops.common.fused_delta import fix_optional_inputs
@@ -204,12 +206,18 @@ def _export_graph(
             load_external_data_for_model(graph, str(path.parent))
             for name in spilled:
                 (path.parent / name).unlink()
-        changed = fix_optional_inputs(graph) or bool(spilled)
-        if optimize:
+        changed = bool(spilled)
+        if target == "onnxruntime":
+            changed = fix_optional_inputs(graph) or changed
+        if optimize and target == "onnxruntime":
             from edgeattn.export.optimize import optimize_graph
 
             optimize_graph(graph)
             changed = True
+        if tie:
+            from edgeattn.export.optimize import share_tied_embedding
+
+            changed = bool(share_tied_embedding(graph)) or changed
         if changed:
             big = sum(len(i.raw_data) for i in graph.graph.initializer) > 2**31 - 2**26
             onnx.save(graph, str(path), save_as_external_data=big, location=f"{path.name}.data")
@@ -350,7 +358,11 @@ def export_model(
         module = GraphModule(model, batch_size).eval()
         shapes = [("step.onnx", None)] if one else [("step.onnx", 1), ("prefill.onnx", prefill_chunk)]
         for name, tokens in shapes:
-            _export_graph(module, tokens, batch_size, entries, tmp / name, target, optimize, dynamic_batch)
+            # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart
+            tie = optimize and precision != "int4" and model.cfg.tie_embeddings
+            _export_graph(
+                module, tokens, batch_size, entries, tmp / name, target, optimize, dynamic_batch, tie
+            )
         graphs = [name for name, _ in shapes]
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision

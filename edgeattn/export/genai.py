@@ -142,9 +142,10 @@ def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True
     graph = onnx.load(str(path))
     changed = fix_optional_inputs(graph)
     if optimize:
-        from edgeattn.export.optimize import optimize_graph
+        from edgeattn.export.optimize import optimize_graph, share_tied_embedding
 
         optimize_graph(graph)
+        share_tied_embedding(graph)  # a tied embedding stored once
         changed = True
     if changed:
         onnx.save(graph, str(path))

@@ -536,3 +536,69 @@ def checkable(model):
 
 
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def share_tied_embedding(model) -> int:
+    """A tied embedding stored once: torch's constant folding writes the output head's ``E^T`` [D, V] beside
+    the token embedding ``E`` [V, D] read by a Gather. Where one initializer is exactly the transpose of
+    another that only Gathers (axis 0) read, each such Gather reads ``E^T`` along axis 1 and a Transpose
+    turns its small result back (``[D, *ids] -> [*ids, D]``), and ``E`` goes. Standard ONNX ops only (the
+    ``portable`` target runs it too). Returns how many embeddings were dropped."""
+    from onnx import helper, numpy_helper
+
+    G = _Graph(model)
+    big = {
+        name: i
+        for name, i in G.inits.items()
+        if len(i.dims) == 2 and i.dims[0] != i.dims[1] and not i.external_data
+    }
+    by_shape: dict[tuple, list[str]] = {}
+    for name, i in big.items():
+        by_shape.setdefault(tuple(i.dims), []).append(name)
+    dropped = 0
+    for name, init in big.items():
+        users = G.consumers.get(name, [])
+        if not users or name in G.outputs:
+            continue
+        if any(n.op_type != "Gather" or n.domain != "" or n.input[0] != name for n in users):
+            continue
+        if any((_attr(n, "axis", 0) or 0) != 0 for n in users):
+            continue
+        V, D = init.dims
+        table = None
+        for other in by_shape.get((D, V), []):
+            if big[other].data_type != init.data_type:
+                continue
+            if table is None:
+                table = numpy_helper.to_array(init)
+            if np.array_equal(numpy_helper.to_array(big[other]), table.T):
+                break
+        else:
+            continue
+        ranks = [_ids_rank(G, n.input[1]) for n in users]
+        if None in ranks:
+            continue
+        for n, rank in zip(users, ranks):
+            ranked = f"{n.output[0]}/by_column"  # [D, *ids]
+            del n.attribute[:]
+            n.attribute.append(helper.make_attribute("axis", 1))
+            n.input[0] = other
+            out = n.output[0]
+            n.output[0] = ranked
+            perm = [*range(1, rank + 1), 0]
+            G.g.node.append(
+                helper.make_node("Transpose", [ranked], [out], name=f"{n.name or out}/Transpose", perm=perm)
+            )
+        dropped += 1
+    if dropped:
+        _drop_dead(model)
+        _sort_topologically(model)
+    return dropped
+
+
+def _ids_rank(G: _Graph, name: str) -> int | None:
+    """The rank of a graph input or typed value, else None."""
+    for v in [*G.g.input, *G.g.value_info]:
+        if v.name == name and v.type.tensor_type.HasField("shape"):
+            return len(v.type.tensor_type.shape.dim)
+    return None

@@ -20,7 +20,12 @@ MIN_BYTES = 1024  # smaller initializers (shapes, scalars) stay inside the graph
 ALIGN = 4096  # page-aligned offsets: ONNX Runtime can map them, numpy views them without a copy
 
 # ONNX TensorProto data types -> numpy dtype names, for the ones an exported graph stores as weights
-ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 10: "float16", 11: "float64"}
+# (uint4 and int4, two to a byte, have no numpy dtype: a runtime maps only the others, see PACKED_4BIT)
+ONNX_DTYPES = {
+    **{1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 10: "float16", 11: "float64"},
+    **{21: "uint4", 22: "int4"},  # GatherBlockQuantized's data in int4 artifacts
+}
+PACKED_4BIT = frozenset({"uint4", "int4"})  # length: ceil(elements / 2) bytes
 
 
 def _raw(init) -> bytes:

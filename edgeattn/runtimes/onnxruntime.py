@@ -65,6 +65,8 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
     data = np.memmap(path, dtype=np.uint8, mode="r")
     values = {}
     for t in info["tensors"]:
+        if t["dtype"] in ("uint4", "int4"):  # no numpy dtype: the session reads it from the file itself
+            continue
         start, length = int(t["offset"]), int(t["length"])
         if start < 0 or start + length > data.size:
             raise ValueError(

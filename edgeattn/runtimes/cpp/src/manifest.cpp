@@ -116,9 +116,11 @@ WeightsInfo parse_weights(const Fields& f, const json& data) {
     }
     e.offset = f.integer(t, "offset");
     e.length = f.integer(t, "length");
-    const int64_t item = dtype_bytes(e.dtype);
+    // uint4/int4 (an int4 artifact's GatherBlockQuantized data): two to a byte; such artifacts share no weights
+    const bool packed = e.dtype == "uint4" || e.dtype == "int4";
+    const int64_t item = packed ? 1 : dtype_bytes(e.dtype);
     if (item == 0) throw ManifestError(f.where + ": weights tensor " + e.names[0] + " has unknown dtype " + e.dtype);
-    if (e.offset < 0 || e.length != n * item)
+    if (e.offset < 0 || e.length != (packed ? (n + 1) / 2 : n * item))
       throw ManifestError(f.where + ": weights tensor " + e.names[0] + " has offset " + std::to_string(e.offset) +
                           " and length " + std::to_string(e.length) + ", which its shape and dtype contradict");
     w.tensors.push_back(std::move(e));

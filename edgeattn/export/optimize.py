@@ -91,20 +91,17 @@ def _attr(node, name, default=None):
 SHAPE_PRESERVING = {"SimplifiedLayerNormalization": (0,), "SkipSimplifiedLayerNormalization": (0, 3)}
 
 
-def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
-    """Element type and shape (None for an unknown dimension) of every value ONNX's inference can tell.
-    Outputs of ops it does not know (contrib ops) get their first input's type, the norms' outputs its
-    shape too, and inference runs again from there. It runs on a copy without the large weights' bytes
-    (the inference serializes its model, which protobuf refuses over 2 GB; it needs their shapes only)."""
+LARGE_ELEMENTS = 2**18  # initializers above this many elements are left out of ``without_large_weights``
+
+
+def without_large_weights(model):
+    """A copy of ``model`` whose large initializers keep their name, type and shape but no bytes, and the
+    names of those initializers: for ONNX's tools that serialize their model (shape inference, the version
+    converter), which protobuf refuses over 2 GB."""
     import onnx
 
     g = model.graph
-    inits = [
-        onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims)
-        if int(np.prod(i.dims, dtype=np.int64)) > 2**18
-        else i
-        for i in g.initializer
-    ]
+    big = {i.name for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > LARGE_ELEMENTS}
     light = onnx.ModelProto(
         ir_version=model.ir_version,
         opset_import=model.opset_import,
@@ -114,10 +111,22 @@ def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
             input=g.input,
             output=g.output,
             value_info=g.value_info,
-            initializer=inits,
+            initializer=[
+                onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims) if i.name in big else i
+                for i in g.initializer
+            ],
         ),
     )
-    return _infer_light(light)
+    return light, big
+
+
+def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
+    """Element type and shape (None for an unknown dimension) of every value ONNX's inference can tell.
+    Outputs of ops it does not know (contrib ops) get their first input's type, the norms' outputs its
+    shape too, and inference runs again from there. It runs on a copy without the large weights' bytes
+    (the inference serializes its model, which protobuf refuses over 2 GB; it needs their shapes only)."""
+
+    return _infer_light(without_large_weights(model)[0])
 
 
 def _infer_light(model) -> tuple[dict[str, int], dict[str, list]]:

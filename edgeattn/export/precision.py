@@ -180,23 +180,10 @@ def _convert_version(model, opset: int):
     import onnx
     from onnx import version_converter
 
+    from edgeattn.export.optimize import without_large_weights
+
     g = model.graph
-    big = {i.name for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > 2**18}
-    light = onnx.ModelProto(
-        ir_version=model.ir_version,
-        opset_import=model.opset_import,
-        graph=onnx.GraphProto(
-            name=g.name,
-            node=g.node,
-            input=g.input,
-            output=g.output,
-            value_info=g.value_info,
-            initializer=[
-                onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims) if i.name in big else i
-                for i in g.initializer
-            ],
-        ),
-    )
+    light, big = without_large_weights(model)
     out = version_converter.convert_version(light, opset)
     small = [onnx.TensorProto() for i in out.graph.initializer if i.name not in big]
     for t, i in zip(small, [i for i in out.graph.initializer if i.name not in big]):

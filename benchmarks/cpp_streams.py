@@ -30,6 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpp_vs_python import build  # noqa: E402  (the same CMake build)
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -38,18 +41,6 @@ PROMPTS = [
     "It was a dark and stormy night",
 ]
 MiB = 2**20
-
-
-def build(binary: Path | None) -> Path:
-    if binary is not None:
-        return binary
-    for cmd in (
-        ["bash", "scripts/fetch_onnxruntime_headers.sh"],
-        ["cmake", "-S", "edgeattn/runtimes/cpp", "-B", "build/cpp", f"-DEDGEATTN_PYTHON={sys.executable}"],
-        ["cmake", "--build", "build/cpp", "-j2"],
-    ):
-        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return REPO / "build" / "cpp" / "streams"
 
 
 def make_artifact(root: Path, d_model: int, layers: int, heads: int) -> Path:
@@ -87,7 +78,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
 
-    binary = build(args.binary)
+    binary = build(args.binary, "streams")
     counts = [int(x) for x in args.streams.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         art = args.artifact or make_artifact(Path(tmp), args.d_model, args.layers, args.heads)

@@ -75,7 +75,8 @@ print(json.dumps({"us_per_token": 1e6 * dt / n, "rss_bytes_start": rss_start, "r
 """
 
 
-def build(binary: Path | None) -> Path:
+def build(binary: Path | None, program: str = "generate") -> Path:
+    """``binary`` if given, else the C++ runtime and its examples built into build/cpp: that ``program``."""
     if binary is not None:
         return binary
     for cmd in (
@@ -84,7 +85,7 @@ def build(binary: Path | None) -> Path:
         ["cmake", "--build", "build/cpp", "-j2"],
     ):
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return REPO / "build" / "cpp" / "generate"
+    return REPO / "build" / "cpp" / program
 
 
 def make_artifact(root: Path, name: str) -> tuple[Path, int]:

@@ -91,15 +91,7 @@ def _gla_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
     _expect(c, "use_gv", (False,), False, "value gates are not supported")
     _expect(c, "use_output_gate", (True,), True, "GLA without its output gate is not supported")
     _expect(c, "elementwise_affine", (True, None), True, "an output norm without weights is not supported")
-    key_dim, value_dim = D * float(c.get("expand_k", 0.5)), D * float(c.get("expand_v", 1.0))
-    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
-        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
-    K = round(key_dim) // H
-    V = round(value_dim) // H
-    if not (
-        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
-    ):
-        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    K, V = _widths(c, D, H, 0.5, 1.0)
     return K, V, dict(head_size=K, expand_v=V / K, gate_logit_normalizer=16)
 
 
@@ -188,14 +180,7 @@ def _deltanet_layer(c: dict, D: int, H: int) -> tuple[int, int, dict]:
     _expect(c, "use_output_norm", (True,), True, "edgeattn's DeltaNet always has its output norm")
     _expect(c, "qk_activation", ("silu",), "silu", "only SiLU on q/k is supported")
     _expect(c, "qk_norm", ("l2",), "l2", "only L2-normalised q/k are supported")
-    key_dim, value_dim = D * float(c.get("expand_k", 1.0)), D * float(c.get("expand_v", 1.0))
-    if not (math.isclose(key_dim, round(key_dim)) and round(key_dim) % H == 0):
-        raise refuse("expand_k", c.get("expand_k"), f"hidden_size * expand_k must be a multiple of {H} heads")
-    K, V = round(key_dim) // H, round(value_dim) // H
-    if not (
-        math.isclose(value_dim, round(value_dim)) and round(value_dim) % H == 0 and int(K * (V / K)) == V
-    ):
-        raise refuse("expand_v", c.get("expand_v"), f"hidden_size * expand_v must be a multiple of {H} heads")
+    K, V = _widths(c, D, H, 1.0, 1.0)
     fields = dict(
         head_size=K,
         expand_v=V / K,

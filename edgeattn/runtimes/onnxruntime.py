@@ -5,8 +5,8 @@ target, manifest ``"shared": true``) is one buffer bound as both past and presen
 writes the new tokens into it in place. A growing KV cache (the portable target's softmax) is fed back
 from the outputs ONNX Runtime allocated.
 
-Weights: when the manifest names one graph file for both step and prefill (the ``onnxruntime`` target's
-fused recurrent models: a dynamic token axis), that file is loaded once, in one InferenceSession with
+Weights: when the manifest names one graph file for both step and prefill (the ``onnxruntime``
+target, fp32 or int4, models of fused recurrences and KV-buffer softmax layers: a dynamic token axis), that file is loaded once, in one InferenceSession with
 prepacking on (one packed copy of the weights); both graph names use it, each with its own bindings.
 In an fp32 artifact with two graphs that keep their initializers in one shared file (the manifest's
 ``"weights"``), each tensor is mapped from that file once (numpy memmap, no copy) and handed to both
@@ -14,8 +14,8 @@ sessions as the same OrtValue (``SessionOptions.add_initializer``), with prepack
 would otherwise keep a packed copy of every matrix of its own (ONNX Runtime's Python API has no shared
 prepacked-weights container). Unpacked decode measured 9-50% slower than prepacked on a loaded 2-core
 CPU (benchmarks/RESULTS.md): ``share_weights=False`` trades the memory back for that speed (each
-session loads and prepacks its own copy). Quantized graphs (int8, int4) always prepack, each session
-its own copy: MatMulNBits without its packed form ran 35x slower (92.5M GLA, 1 thread).
+session loads and prepacks its own copy). Quantized graphs (int8, int4) always prepack; with two graphs
+each session keeps its own copy: MatMulNBits without its packed form ran 35x slower (92.5M GLA, 1 thread).
 """
 
 from __future__ import annotations

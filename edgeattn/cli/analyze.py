@@ -42,15 +42,23 @@ def _error_table(columns: list[str], rows: dict[tuple, dict[str, float]]) -> lis
     return lines
 
 
-def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:
+def _save_png(fig, path) -> str:
+    """``fig`` laid out and written to ``path`` as PNG in one atomic write; returns the path."""
     import io
 
+    from edgeattn.bench.report import atomic_write
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return str(atomic_write(path, buf.getvalue()))
+
+
+def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from edgeattn.bench.report import atomic_write
 
     written = []
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110)
@@ -70,10 +78,7 @@ def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:
             ax.set_ylabel("relative Frobenius error vs softmax")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize="x-small")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        written.append(str(atomic_write(out / "error_vs_features.png", buf.getvalue())))
+        written.append(_save_png(fig, out / "error_vs_features.png"))
     finally:
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
@@ -88,10 +93,7 @@ def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:
         ax.set_title("attention forward time vs T on this machine")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        written.append(str(atomic_write(out / "time_vs_length.png", buf.getvalue())))
+        written.append(_save_png(fig, out / "time_vs_length.png"))
     finally:
         plt.close(fig)
     return written

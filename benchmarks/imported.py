@@ -211,7 +211,9 @@ def main() -> None:
     steps = 4 if args.quick else args.steps
     prefill = 64 if args.quick else 1024
     chunk = 16 if args.quick else args.prefill_chunk
-    max_len = max(contexts) + steps + 8  # genai's worker asks for this; edgeattn's KV buffer the same
+    max_len = (
+        max(*contexts, prefill) + steps + 8
+    )  # genai's worker asks for this; edgeattn's KV buffer the same
 
     tmp = tempfile.TemporaryDirectory(prefix="edgeattn-imported-") if args.workdir is None else None
     root = Path(tmp.name) if tmp else args.workdir

@@ -289,6 +289,7 @@ def worker_edgeattn(cfg: dict) -> dict:
     t = time.perf_counter()
     sess.prefill(ids)
     out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
+    out["rss_prefill"] = _rss()  # its activations for the prefill call stay in ONNX Runtime's arena
     return out
 
 
@@ -327,6 +328,7 @@ def worker_genai(cfg: dict) -> dict:
     t = time.perf_counter()
     gen.append_tokens(ids)
     out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
+    out["rss_prefill"] = _rss()
     return out
 
 
@@ -407,6 +409,8 @@ def summarize(runs: list[dict]) -> dict:
         }
     out["prefill_tps"] = statistics.median(r["prefill_tps"] for r in ok)
     out["rss_load_mib"] = statistics.median(r["rss_load"] for r in ok) / MiB
+    if all("rss_prefill" in r for r in ok):  # runs logged before this field have none
+        out["rss_prefill_mib"] = statistics.median(r["rss_prefill"] for r in ok) / MiB
     return out
 
 
@@ -426,8 +430,10 @@ def print_table(
     for th in threads:
         print(f"\n{th} thread(s), batch 1, median of fresh processes [min-max]\n")
         head = " | ".join(f"decode ms @{c}" for c in contexts)
-        print(f"| model | params | {head} | RSS MiB @{lo} | @{hi} | prefill tok/s (1024) |")
-        print("|---|---|" + "---|" * len(contexts) + "---|---|---|")
+        print(
+            f"| model | params | {head} | RSS MiB @{lo} | @{hi} | prefill tok/s (1024) | RSS after prefill |"
+        )
+        print("|---|---|" + "---|" * len(contexts) + "---|---|---|---|")
         for name, info in built.items():
             s = results.get(f"{name}@{th}", {"error": info.get("error", "not run")})
             if "error" in s:
@@ -440,7 +446,7 @@ def print_table(
             rss = [f"{s['contexts'][c]['rss_mib']:.0f}" if c in s["contexts"] else "-" for c in (lo, hi)]
             print(
                 f"| {labels[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {rss[0]} | {rss[1]} "
-                f"| {s['prefill_tps']:,.0f} |"
+                f"| {s['prefill_tps']:,.0f} | {s.get('rss_prefill_mib', float('nan')):.0f} |"
             )
         printed = False
         for name in built:
@@ -468,6 +474,8 @@ def print_table(
                 }
             )
             r["prefill"] = base["prefill_tps"] / s["prefill_tps"]
+            if "rss_prefill_mib" in s and "rss_prefill_mib" in base:
+                r["rss_prefill"] = s["rss_prefill_mib"] / base["rss_prefill_mib"]
             ratios[f"{name}@{th}"] = r
             print(f"  {name} / {base_name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     return ratios

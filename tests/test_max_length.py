@@ -114,7 +114,11 @@ def test_cli_notes_large_buffers_without_max_length(softmax, tmp_path, monkeypat
     assert res.exit_code == 0, res.output
     notes = [ln for ln in res.output.splitlines() if ln.startswith("note:")]
     gib = kv_buffer_bytes(ckpt, "onnxruntime") / 2**30
-    assert len(notes) == 1 and f"{gib:.1f} GiB" in notes[0] and "--max-length N" in notes[0]
+    assert (
+        len(notes) == 1
+        and f"{gib:.1f} GiB ({MAX_SEQ_LEN} tokens" in notes[0]
+        and "--max-length N" in notes[0]
+    )
     res = invoke("export", ckpt, "--out", tmp_path / "b", "--prefill-chunk", PREFILL, "--max-length", N)
     assert res.exit_code == 0 and "note:" not in res.output, res.output
     res = invoke("export", ckpt, "--out", tmp_path / "c", "--target", "portable")  # no buffers: no note

@@ -164,14 +164,19 @@ def _note_kv_buffers(checkpoint: Path, options: dict) -> None:
 
     if options["max_length"] is not None:
         return
+    import json
+
+    from edgeattn.models import EdgeConfig
+
     try:
         size = kv_buffer_bytes(checkpoint, options["target"], options["batch_size"])
+        tokens = EdgeConfig.from_dict(json.loads((checkpoint / "config.json").read_text())).max_seq_len
     except (ValueError, TypeError, OSError):  # not a valid checkpoint: export_model says what is wrong
         return
     if size > LARGE_KV_BUFFERS:
         typer.echo(
-            f"note: the softmax layers' preallocated KV buffers will take {size / 2**30:.1f} GiB (the model's "
-            "max_seq_len tokens); --max-length N reduces them to the N tokens a stream needs"
+            f"note: the softmax layers' preallocated KV buffers will take {size / 2**30:.1f} GiB ({tokens} "
+            "tokens, the model's max_seq_len); --max-length N reduces them to the N tokens a stream needs"
         )
 
 

@@ -385,7 +385,7 @@ def export_model(
             f"{precision!r}, mixers {cfg.mixers})"
         )
     one = one_graph_ok(model, target, precision) if one_graph is None else one_graph
-    length = cfg.max_seq_len if max_length is None else max_length  # the export's only use of it
+    length = cfg.max_seq_len if max_length is None else max_length  # cfg itself keeps max_seq_len
     kv_buffers = use_kv_buffers(model, target, length)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
     if reason:

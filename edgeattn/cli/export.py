@@ -63,6 +63,16 @@ def export(
         ),
     ] = False,
     prefill_chunk: Annotated[int, typer.Option(min=2, help="Tokens per call of prefill.onnx.")] = 64,
+    max_length: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens a stream may hold (prompt + generated) where the model has a limit: the length of "
+            "the softmax layers' preallocated KV buffers (onnxruntime target) and the manifest's max_length; "
+            "with --genai also genai_config's context length. Default: the model's max_seq_len. Models whose "
+            "every layer keeps a fixed-size state have no limit: there it only sets --genai's length.",
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     genai: Annotated[
         bool,
@@ -93,10 +103,12 @@ def export(
         if precision == Precision.int4
         else None,
         genai=genai,
+        max_length=max_length,
     )
     from edgeattn.convert.hf import model_type
 
     if model_type(checkpoint) is None:
+        _note_kv_buffers(checkpoint, options)
         path = export_model(checkpoint, out, **options)
     else:  # a Hugging Face model directory: import into a temporary checkpoint, export that
         import shutil
@@ -111,9 +123,18 @@ def export(
             _, notes = import_model(checkpoint, tmp / "checkpoint")
             for note in notes:
                 typer.echo(f"note: {note}")
+            _note_kv_buffers(tmp / "checkpoint", options)
             path = export_model(tmp / "checkpoint", out, **options)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if max_length is not None and not genai:
+        from edgeattn.export.exporter import read_manifest_json
+
+        if read_manifest_json(path)["max_length"] is None:
+            typer.echo(
+                f"note: --max-length {max_length} ignored: every layer of this model keeps a fixed-size state, "
+                "so its artifact has no length limit"
+            )
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"
@@ -131,6 +152,31 @@ def export(
         )
         typer.echo(
             f"  build/cpp/generate {shlex.quote(str(path.resolve()))} --prompt 'def ' -n 200 --threads 1"
+        )
+
+
+LARGE_KV_BUFFERS = 2**30  # bytes of preallocated KV buffers above which export prints a note
+
+
+def _note_kv_buffers(checkpoint: Path, options: dict) -> None:
+    """Without --max-length, say how large the softmax layers' preallocated KV buffers will be when large."""
+    from edgeattn.export.exporter import kv_buffer_bytes
+
+    if options["max_length"] is not None:
+        return
+    import json
+
+    from edgeattn.models import EdgeConfig
+
+    try:
+        size = kv_buffer_bytes(checkpoint, options["target"], options["batch_size"])
+        tokens = EdgeConfig.from_dict(json.loads((checkpoint / "config.json").read_text())).max_seq_len
+    except (ValueError, TypeError, OSError):  # not a valid checkpoint: export_model says what is wrong
+        return
+    if size > LARGE_KV_BUFFERS:
+        typer.echo(
+            f"note: the softmax layers' preallocated KV buffers will take {size / 2**30:.1f} GiB ({tokens} "
+            "tokens, the model's max_seq_len); --max-length N reduces them to the N tokens a stream needs"
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -81,19 +82,49 @@ def state_entries(model, batch_size: int) -> list[dict]:
     return out
 
 
-def use_kv_buffers(model, target: str) -> bool:
-    """On the onnxruntime target, softmax layers keep a preallocated KV buffer of ``max_seq_len`` tokens
-    (ONNX Runtime's GroupQueryAttention, past and present in one buffer); the portable target keeps the
-    growing cache. Returns whether any layer does."""
+def use_kv_buffers(model, target: str, max_length: int | None = None) -> bool:
+    """On the onnxruntime target, softmax layers keep a preallocated KV buffer of ``max_length`` tokens
+    (default ``cfg.max_seq_len``; ONNX Runtime's GroupQueryAttention, past and present in one buffer); the
+    portable target keeps the growing cache. Returns whether any layer does."""
     from edgeattn.layers.softmax import SoftmaxAttention
 
+    length = model.cfg.max_seq_len if max_length is None else max_length
     used = False
     for block in model.blocks:
         if isinstance(block.mixer, SoftmaxAttention):
             buffered = target == "onnxruntime" and block.mixer.supports_kv_buffer
-            block.mixer.kv_buffer = model.cfg.max_seq_len if buffered else None
+            block.mixer.kv_buffer = length if buffered else None
             used |= buffered
     return used
+
+
+def check_max_length(max_length) -> None:
+    """ValueError unless ``max_length`` is None or a positive int. No upper bound: edgeattn's models have
+    no learned absolute position embeddings (softmax layers are NoPE or rotary)."""
+    if max_length is not None and (
+        not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1
+    ):
+        raise ValueError(f"max_length must be a positive integer (tokens), got {max_length!r}")
+
+
+def kv_buffer_bytes(
+    checkpoint: str | os.PathLike, target: str, batch_size: int = 1, max_length: int | None = None
+) -> int:
+    """Bytes of the preallocated KV buffers (the manifest's ``"shared"`` state) that exporting
+    ``checkpoint`` for ``target`` would give the artifact; 0 when it has none. Reads only the config (the
+    model is built on the meta device, no weights)."""
+    from edgeattn.models import EdgeConfig, EdgeLM
+
+    check_max_length(max_length)
+    cfg = EdgeConfig.from_dict(json.loads((Path(checkpoint) / "config.json").read_text()))
+    with torch.device("meta"):
+        model = EdgeLM(cfg)
+    if not use_kv_buffers(model, target, max_length):
+        return 0
+    entries = state_entries(model, batch_size)
+    return sum(
+        math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in entries if e.get("shared")
+    )
 
 
 def check_exportable(model) -> None:
@@ -283,6 +314,7 @@ def export_model(
     genai: bool = False,
     optimize: bool = True,
     one_graph: bool | None = None,
+    max_length: int | None = None,
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
@@ -300,6 +332,12 @@ def export_model(
     ``one_graph``: write one ``step.onnx`` with a dynamic token axis that the manifest names for both
     step and prefill (ONNX Runtime then holds one session, one prepacked copy of the weights); None
     (default): wherever ``one_graph_ok`` allows, False: a step and a prefill graph as on other targets.
+    ``max_length``: the tokens a stream may hold where the model has a limit: the length L of the
+    preallocated KV buffers ([B, Hkv, L, Dh], onnxruntime target), the manifest's ``max_length`` (the
+    sessions refuse tokens past it; the portable target's growing cache too) and, with ``genai``,
+    genai_config's ``context_length`` and ``max_length``. None (default): ``cfg.max_seq_len``. A model
+    whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
+    checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -318,6 +356,7 @@ def export_model(
         raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+    check_max_length(max_length)
     if dynamic_batch and precision == "int8":
         raise ValueError(
             "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
@@ -346,7 +385,8 @@ def export_model(
             f"{precision!r}, mixers {cfg.mixers})"
         )
     one = one_graph_ok(model, target, precision) if one_graph is None else one_graph
-    kv_buffers = use_kv_buffers(model, target)
+    length = cfg.max_seq_len if max_length is None else max_length  # cfg itself keeps max_seq_len
+    kv_buffers = use_kv_buffers(model, target, length)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
     if reason:
         raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
@@ -373,7 +413,7 @@ def export_model(
         if genai:
             from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
 
-            extra = write_genai_files(tmp, model, batch_size, max_length=cfg.max_seq_len, optimize=optimize)
+            extra = write_genai_files(tmp, model, batch_size, max_length=length, optimize=optimize)
             graphs.append(GENAI_GRAPH)
         files = [*graphs, *[f for f in extra if f not in graphs]]
         weights = None
@@ -406,7 +446,7 @@ def export_model(
             "opset": 21 if precision == "int4" else OPSET,
             "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
             "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
-            "max_length": cfg.max_seq_len if softmax_like else None,
+            "max_length": length if softmax_like else None,
             "inputs": {"input_ids": "input_ids"},
             "outputs": {"logits": "logits"},
             "graphs": {

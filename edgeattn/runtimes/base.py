@@ -102,8 +102,8 @@ class Session(ABC):
         limit = self.manifest.max_length
         if limit is not None and self.position + ids.shape[1] > limit:
             raise ValueError(
-                f"{self.position + ids.shape[1]} tokens exceed this softmax baseline's maximum of {limit} "
-                "(its KV cache grows with every token); use a linear-attention model for longer contexts"
+                f"{self.position + ids.shape[1]} tokens exceed this artifact's maximum of {limit} (the KV cache "
+                "of its softmax layers); export again with a larger --max-length, or use a linear-attention model"
             )
         return ids.astype(np.int64, copy=False)
 
@@ -214,9 +214,9 @@ class Session(ABC):
         if limit is not None and self.position + ids.shape[1] + max_new_tokens > limit:
             held = f"{self.position} tokens in the state + " if self.position else ""
             raise ValueError(
-                f"{held}{ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed this softmax "
-                f"baseline's maximum of {limit} (its KV cache grows with every token); generate at most "
-                f"{max(limit - self.position - ids.shape[1], 0)}, or use a linear-attention model"
+                f"{held}{ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed this artifact's "
+                f"maximum of {limit} (the KV cache of its softmax layers); generate at most "
+                f"{max(limit - self.position - ids.shape[1], 0)}, or export again with a larger --max-length"
             )
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:

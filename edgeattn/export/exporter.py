@@ -12,6 +12,7 @@ Targets:
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -173,16 +174,12 @@ def _export_graph(
     entries: list[dict],
     path: Path,
     target: str,
-    optimize: bool = True,
     dynamic_batch: bool = False,
-    tie: bool = False,
 ) -> None:
-    """Trace ``module`` over ``tokens`` tokens into ``path``; ``tokens=None``: a dynamic token axis
-    (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length). ``tie``: store a tied
-    embedding once (``edgeattn.export.optimize.share_tied_embedding``, standard ONNX, any target)."""
+    """Trace ``module`` over ``tokens`` tokens into ``path`` (``_finish_graph`` does the rest); ``tokens=None``:
+    a dynamic token axis (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
-    model = module.model
     # A dynamic batch is traced at 2 so that nothing specializes on a batch of 1.
     trace_batch = 2 if dynamic_batch else batch_size
     ids = torch.zeros(trace_batch, tokens or 3, dtype=torch.long)
@@ -220,6 +217,12 @@ def _export_graph(
             custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
+
+
+def _finish_graph(path: Path, target: str, optimize: bool = True, tie: bool = False) -> None:
+    """The ONNX side of an export traced by ``_export_graph``: torch's spilled weight files gathered into
+    one ``PATH.data`` (over 2 GB), the fused ops' optional inputs, the graph optimizer, a tied embedding
+    stored once. Runs without the torch model, so that a large model's weights are not held twice."""
     if target == "onnxruntime" or tie:
         import onnx
 
@@ -252,7 +255,6 @@ def _export_graph(
         if changed:
             big = sum(len(i.raw_data) for i in graph.graph.initializer) > 2**31 - 2**26
             onnx.save(graph, str(path), save_as_external_data=big, location=f"{path.name}.data")
-    del model
 
 
 def _carry_tokenizer(checkpoint: Path, cfg, tmp: Path) -> dict | None:
@@ -397,12 +399,14 @@ def export_model(
     try:
         module = GraphModule(model, batch_size).eval()
         shapes = [("step.onnx", None)] if one else [("step.onnx", 1), ("prefill.onnx", prefill_chunk)]
-        for name, tokens in shapes:
-            # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart
-            tie = optimize and precision != "int4" and model.cfg.tie_embeddings
-            _export_graph(
-                module, tokens, batch_size, entries, tmp / name, target, optimize, dynamic_batch, tie
-            )
+        # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart
+        tie = optimize and precision != "int4" and cfg.tie_embeddings
+        for i, (name, tokens) in enumerate(shapes):
+            _export_graph(module, tokens, batch_size, entries, tmp / name, target, dynamic_batch)
+            if i == len(shapes) - 1 and not genai:  # genai's graph is traced from the model later
+                del module, model  # its weights, before the ONNX side holds its own copy
+                gc.collect()
+            _finish_graph(tmp / name, target, optimize, tie)
         graphs = [name for name, _ in shapes]
         if precision != "fp32":
             from edgeattn.export.precision import convert_precision

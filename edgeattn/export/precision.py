@@ -176,21 +176,25 @@ INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 
 
 def _convert_version(model, opset: int):
     """ONNX's version converter on a copy without the large weights' bytes (it serializes its model, which
-    protobuf refuses over 2 GB; it rewrites nodes only), the weights put back afterwards."""
-    import onnx
+    protobuf refuses over 2 GB; it rewrites nodes only); ``model`` takes the result, its large weights untouched."""
     from onnx import version_converter
 
-    from edgeattn.export.optimize import without_large_weights
+    from edgeattn.export.optimize import remove_initializers, without_large_weights
 
     g = model.graph
     light, big = without_large_weights(model)
     out = version_converter.convert_version(light, opset)
-    small = [onnx.TensorProto() for i in out.graph.initializer if i.name not in big]
-    for t, i in zip(small, [i for i in out.graph.initializer if i.name not in big]):
-        t.CopyFrom(i)
-    del out.graph.initializer[:]
-    out.graph.initializer.extend([i for i in g.initializer if i.name in big] + small)
-    return out
+    # The converted nodes, small initializers and opsets go into ``model``; its large weights stay where
+    # they are (moving them into ``out`` would copy them: protobuf copies the messages it adds).
+    remove_initializers(g, {i.name for i in g.initializer if i.name not in big})
+    g.initializer.extend(i for i in out.graph.initializer if i.name not in big)
+    for field in ("node", "input", "output", "value_info"):
+        del getattr(g, field)[:]
+        getattr(g, field).extend(getattr(out.graph, field))
+    del model.opset_import[:]
+    model.opset_import.extend(out.opset_import)
+    model.ir_version = out.ir_version
+    return model
 
 
 def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):

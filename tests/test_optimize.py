@@ -61,8 +61,10 @@ def test_fused_ops_and_matmul_count(tmp_path, mixer, per_layer):
     assert after["MatMul"] == per_layer * L + 1 < before["MatMul"]  # + the lm head
     assert after["SkipSimplifiedLayerNormalization"] == 2 * L  # every residual add, the final norm's too
     assert after["SimplifiedLayerNormalization"] >= 1  # the first block's norm (and the head norms)
-    # every RMSNorm fused (gated_deltanet's L2 norms of q and k stay: Pow, ReduceSum, Sqrt), no no-op casts
+    # every RMSNorm fused, no no-op casts
     assert not {"Identity", "Cast", "ReduceMean"} & set(after), after
+    # gated_deltanet's L2 norms of q and k too: no Pow, ReduceSum or Sqrt left
+    assert not {"Pow", "ReduceSum", "Sqrt"} & set(after), after
     if mixer == "gated_deltanet":  # q|k|v reach the short convolution as one output of the projections' Split
         assert before["Concat"] == L and "Concat" not in after
 
@@ -203,6 +205,44 @@ def test_pass_on_a_hand_built_rms_norm_and_projections():
         assert np.abs(r - o).max() < 1e-5
     expect = _rms(x, w, 1e-3) @ mats[1]  # and both against numpy
     assert np.abs(got[1] - expect).max() < 1e-4
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-5])  # ordinary vectors, and ones whose sum of squares is near eps
+def test_pass_on_a_hand_built_l2_norm(scale):
+    """x * 1/sqrt(sum(x^2) + eps) over the last axis (the delta rule's q and k) becomes one
+    SimplifiedLayerNormalization (weight 1/sqrt(D), epsilon eps/D) equal to numpy's L2 norm."""
+    rng = np.random.default_rng(3)
+    D, eps = 16, 1e-6
+
+    def c(name, v, dtype=np.float32):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(v, dtype)))
+
+    nodes = [
+        c("two", 2.0),
+        c("eps", eps),
+        c("one", 1.0),
+        c("axes", [-1], np.int64),
+        helper.make_node("Pow", ["x", "two"], ["p"]),
+        helper.make_node("ReduceSum", ["p", "axes"], ["s"], keepdims=1),
+        helper.make_node("Add", ["s", "eps"], ["a"]),
+        helper.make_node("Sqrt", ["a"], ["r"]),
+        helper.make_node("Div", ["one", "r"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["y"]),
+    ]
+    vi = helper.make_tensor_value_info
+    shape = [1, 3, 2, D]
+    g = helper.make_graph(
+        nodes, "g", [vi("x", TensorProto.FLOAT, shape)], [vi("y", TensorProto.FLOAT, shape)]
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = (rng.normal(size=shape) * scale).astype(np.float32)
+    done = optimize_graph(model)
+    assert done["rms_norm"] == 1
+    assert Counter(n.op_type for n in model.graph.node) == {"SimplifiedLayerNormalization": 1}
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    x64 = x.astype(np.float64)
+    expect = x64 / np.sqrt((x64**2).sum(-1, keepdims=True) + eps)
+    assert np.abs(got - expect).max() < 1e-5 * max(1.0, np.abs(expect).max())
 
 
 def test_probe_of_large_weights_gives_the_same_graph(tmp_path, monkeypatch):

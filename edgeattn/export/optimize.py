@@ -214,8 +214,24 @@ def _scalar(G: _Graph, name: str):
     return None if v is None or v.size != 1 else float(v.reshape(-1)[0])
 
 
+def _reduce_last(G: _Graph, name: str):
+    """The ReduceMean or ReduceSum over the last axis (keepdims) that alone reads ``name``, else None."""
+    for op in ("ReduceMean", "ReduceSum"):
+        node = G.only_consumer(name, op)
+        if node is None or _attr(node, "keepdims", 1) != 1:
+            continue
+        axes = _attr(node, "axes", None)
+        if axes is None and len(node.input) > 1:  # opset 13+ ReduceSum (18+ ReduceMean): an input
+            axes = G.const(node.input[1])
+        if axes is not None and [int(a) for a in np.ravel(axes)] == [-1]:
+            return node
+    return None
+
+
 def fuse_rms_norm(model) -> int:
-    """x * (1 / sqrt(mean(x^2, -1) + eps)) [* w] -> SimplifiedLayerNormalization(x, w)."""
+    """x * (1 / sqrt(mean(x^2, -1) + eps)) [* w] -> SimplifiedLayerNormalization(x, w). The L2 norm
+    x * (1 / sqrt(sum(x^2, -1) + eps)) (the delta rule's q and k) is the same op with D the last dimension:
+    sum = D * mean, so it is SimplifiedLayerNormalization(x, w / sqrt(D)) with epsilon eps / D."""
     from onnx import TensorProto, helper, numpy_helper
 
     _, shapes = _infer(model)
@@ -225,8 +241,12 @@ def fuse_rms_norm(model) -> int:
         if _scalar(G, pow_.input[1]) != 2.0:
             continue
         x = pow_.input[0]
-        mean = G.only_consumer(pow_.output[0], "ReduceMean")
-        if mean is None or list(_attr(mean, "axes", [])) != [-1] or _attr(mean, "keepdims", 1) != 1:
+        mean = _reduce_last(G, pow_.output[0])
+        if mean is None:
+            continue
+        dim = (shapes.get(x) or [None])[-1]
+        summed = mean.op_type == "ReduceSum"
+        if summed and (not isinstance(dim, int) or not dim):
             continue
         add = G.only_consumer(mean.output[0], "Add")
         if add is None:
@@ -240,27 +260,29 @@ def fuse_rms_norm(model) -> int:
         if mul is None or x not in mul.input:
             continue
         chain = [pow_, mean, add, sqrt, div, mul]
-        out, scale = mul.output[0], None
+        out, scale, weight = mul.output[0], None, None
         wmul = G.only_consumer(out, "Mul")
         if wmul is not None:
             other = wmul.input[1] if wmul.input[0] == out else wmul.input[0]
             w = G.const(other)
             if w is not None and w.ndim == 1 and w.dtype == np.float32:
-                scale, out = other, wmul.output[0]
+                scale, weight, out = other, w, wmul.output[0]
                 chain.append(wmul)
-        if scale is None:
-            dim = (shapes.get(x) or [None])[-1]
+        if scale is None or summed:
             if not isinstance(dim, int) or not dim:
                 continue
-            scale = f"{mul.output[0]}.ones"
-            G.g.initializer.append(numpy_helper.from_array(np.ones(dim, np.float32), scale))
+            values = np.ones(dim, np.float32) if weight is None else weight
+            if summed:
+                values = (values / np.sqrt(np.float32(dim))).astype(np.float32)
+            scale = f"{mul.output[0]}.{'l2' if summed else 'ones'}"
+            G.g.initializer.append(numpy_helper.from_array(values, scale))
         node = helper.make_node(
             "SimplifiedLayerNormalization",
             [x, scale],
             [out],
             name=f"{mul.name or out}/SimplifiedLayerNormalization",
             axis=-1,
-            epsilon=eps,
+            epsilon=eps / dim if summed else eps,
             stash_type=TensorProto.FLOAT,
         )
         _drop_nodes(G, chain)

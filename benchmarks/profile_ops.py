@@ -1,11 +1,18 @@
 """Where one-token decode spends its time: ONNX Runtime's profiler, kernel time summed by op type.
 
     python benchmarks/profile_ops.py GRAPH.onnx [GRAPH.onnx ...] [--threads 1] [--steps 30]
+        [--context C --kv-length L]
 
 Each graph (an edgeattn artifact's step.onnx, or an onnxruntime-genai model.onnx) is run at one token
 from a zero state (genai's attention_mask [1, 1] and position_ids ones; dynamic dimensions 1) with
 ``ORT_ENABLE_ALL``, profiling on; prints, per graph, the wall time per run, the profiled model_run time,
 the kernel total, the nodes run, and the top op types by time; then one JSON line.
+
+``--context C``: the step runs as the C+1-th token of a KV-buffer model (GroupQueryAttention layers):
+every ``past_key_values.*.key`` / ``.value`` is a zero buffer of ``--kv-length`` slots bound as both the
+past input and the present output (as edgeattn's session and onnxruntime-genai's share one buffer), the
+positions (edgeattn's ``position`` state, genai's ``position_ids``) are C and genai's attention_mask
+covers C+1 tokens. genai's symbolic head size is read from the genai_config.json beside its graph.
 """
 
 from __future__ import annotations
@@ -18,7 +25,41 @@ import tempfile
 import time
 
 
-def profile(path: str, threads: int, steps: int) -> dict:
+def _context_binding(sess, path: str, context: int, kv_length: int):
+    """An IOBinding for one step at ``context`` tokens with shared KV buffers (see the module docstring),
+    and the arrays behind it (they must outlive the binding)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    conf = os.path.join(os.path.dirname(path), "genai_config.json")
+    head = json.load(open(conf))["model"]["decoder"]["head_size"] if os.path.isfile(conf) else None
+    io, keep, values = sess.io_binding(), [], {}
+    for i in sess.get_inputs():
+        n, shape = i.name, [d if isinstance(d, int) else 1 for d in i.shape]
+        if n.endswith((".key", ".value")):  # [B, Hkv, L, D]
+            shape = [1, i.shape[1], kv_length, i.shape[3] if isinstance(i.shape[3], int) else head]
+            a = np.zeros(shape, np.float32)
+        elif n == "attention_mask":
+            a = np.ones([1, context + 1], np.int64)
+        elif n == "position_ids":
+            a = np.full([3, 1, 1] if len(i.shape) == 3 else [1, 1], context, np.int64)
+        elif n.endswith(".position"):
+            a = np.full(shape, context, np.float32)
+        else:
+            a = np.ones(shape, np.int64) if "int64" in i.type else np.zeros(shape, np.float32)
+        values[n] = ort.OrtValue.ortvalue_from_numpy(a)
+        keep.append(a)
+        io.bind_ortvalue_input(n, values[n])
+    for o in sess.get_outputs():
+        past = o.name.replace("present.", "past_key_values.", 1)
+        if o.name.endswith((".key", ".value")) and past in values:
+            io.bind_ortvalue_output(o.name, values[past])  # one buffer: written in place
+        else:
+            io.bind_output(o.name)
+    return io, keep
+
+
+def profile(path: str, threads: int, steps: int, context: int = 0, kv_length: int = 0) -> dict:
     import numpy as np
     import onnxruntime as ort
 
@@ -39,12 +80,22 @@ def profile(path: str, threads: int, steps: int) -> dict:
             feeds[i.name] = np.ones(shape, np.int64)
         else:
             feeds[i.name] = np.zeros(shape, np.float32)
+    if context:
+        io, _keep = _context_binding(sess, path, context, kv_length)
+
+        def run():
+            sess.run_with_iobinding(io)
+    else:
+
+        def run():
+            sess.run(None, feeds)
+
     warm = 5
     for _ in range(warm):
-        sess.run(None, feeds)
+        run()
     t = time.perf_counter()
     for _ in range(steps):
-        sess.run(None, feeds)
+        run()
     wall = (time.perf_counter() - t) / steps * 1e3
     prof = sess.end_profiling()
     with open(prof) as f:
@@ -75,8 +126,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--context", type=int, default=0, help="tokens already in the KV buffers (0: none)")
+    ap.add_argument("--kv-length", type=int, default=0, help="slots of each KV buffer (with --context)")
     args = ap.parse_args()
-    results = [profile(g, args.threads, args.steps) for g in args.graphs]
+    if args.context and args.kv_length <= args.context:
+        ap.error("--context needs --kv-length above it (the KV buffers' slots)")
+    results = [profile(g, args.threads, args.steps, args.context, args.kv_length) for g in args.graphs]
     for r in results:
         print(
             f"\n{r['graph']}: {r['wall_ms']:.2f} ms/run, model_run {r['model_run_ms']:.2f} ms, "
@@ -85,7 +140,11 @@ def main() -> None:
         print("| op | ms/run | nodes | share of kernel time |\n|---|---|---|---|")
         for op, v in list(r["ops"].items())[: args.top]:
             print(f"| {op} | {v['ms']:.3f} | {v['count']} | {100 * v['ms'] / r['kernel_ms']:.1f}% |")
-    print(json.dumps({"benchmark": "profile_ops", "threads": args.threads, "results": results}))
+    print(
+        json.dumps(
+            {"benchmark": "profile_ops", "threads": args.threads, "context": args.context, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

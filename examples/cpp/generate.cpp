@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "edgeattn/session.hpp"
+#include "example_util.hpp"
 
 namespace {
 
@@ -40,9 +41,10 @@ const char* kUsage =
 
 bool g_printed = false;  // stdout has text without a final newline
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using example::one_line;
+using example::parse_number;
+using example::resident_bytes;
+using example::UsageError;
 
 struct Args {
   std::string artifact, prompt, state_in, state_out, dump_logits;
@@ -53,23 +55,6 @@ struct Args {
   bool share_weights = true;
   edgeattn::SamplingOptions sampling;
 };
-
-template <typename T>
-T parse_number(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    T out;
-    if constexpr (std::is_floating_point_v<T>)
-      out = static_cast<T>(std::stod(value, &used));
-    else if constexpr (std::is_unsigned_v<T>)
-      out = static_cast<T>(std::stoull(value, &used));
-    else
-      out = static_cast<T>(std::stoll(value, &used));
-    if (used == value.size()) return out;
-  } catch (const std::exception&) {
-  }
-  throw UsageError("bad value for " + flag + ": '" + value + "'");
-}
 
 // "12,7,99" or "12 7 99" -> {12, 7, 99}
 std::vector<int64_t> parse_ids(const std::string& flag, const std::string& value) {
@@ -183,21 +168,6 @@ class NpyWriter {
   FILE* f_;
 };
 
-// Resident memory of this process in bytes (VmRSS), or -1 where /proc/self/status is not available.
-int64_t resident_bytes() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) {  // "VmRSS:   1234 kB"
-      try {
-        return std::stoll(line.substr(6)) * 1024;
-      } catch (const std::exception&) {
-        return -1;
-      }
-    }
-  return -1;
-}
-
 std::string peak_str(int64_t bytes) { return bytes < 0 ? "unavailable" : std::to_string(bytes) + " bytes"; }
 std::string json_int(int64_t v) { return v < 0 ? "null" : std::to_string(v); }
 
@@ -291,12 +261,6 @@ int run(const Args& a) {
                json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), json_int(rss_start).c_str(),
                json_int(rss_last).c_str(), static_cast<long long>(sess.position()), stopped_at_eos ? "true" : "false");
   return 0;
-}
-
-std::string one_line(std::string s) {
-  for (char& c : s)
-    if (c == '\n' || c == '\r') c = ' ';
-  return s;
 }
 
 }  // namespace

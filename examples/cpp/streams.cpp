@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "edgeattn/session.hpp"
+#include "example_util.hpp"
 
 namespace {
 
@@ -36,9 +37,10 @@ const char* kUsage =
     "[--top-p P] [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX] "
     "[--state-out PREFIX]";
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using example::one_line;
+using example::parse_number;
+using example::resident_bytes;
+using example::UsageError;
 
 struct Args {
   std::string artifact, dump_logits, state_out;
@@ -53,23 +55,6 @@ struct Args {
   std::map<int64_t, int64_t> drops;  // stream -> batch step after which it is dropped
   bool separate = false;
 };
-
-template <typename T>
-T parse_number(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    T out;
-    if constexpr (std::is_floating_point_v<T>)
-      out = static_cast<T>(std::stod(value, &used));
-    else if constexpr (std::is_unsigned_v<T>)
-      out = static_cast<T>(std::stoull(value, &used));
-    else
-      out = static_cast<T>(std::stoll(value, &used));
-    if (used == value.size()) return out;
-  } catch (const std::exception&) {
-  }
-  throw UsageError("bad value for " + flag + ": '" + value + "'");
-}
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -132,14 +117,6 @@ Args parse_args(int argc, char** argv) {
     if (stream < 0 || stream >= static_cast<int64_t>(a.prompts.size()) || step < 0)
       throw UsageError("--drop " + std::to_string(stream) + ":" + std::to_string(step) + " names no stream");
   return a;
-}
-
-int64_t resident_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return -1;
 }
 
 std::vector<int64_t> bytes(const std::string& text) {
@@ -230,12 +207,6 @@ Output run_streams(const Args& a, const edgeattn::SessionOptions& options, doubl
     for (const auto& [id, i] : index)
       if (!out.dropped[i]) streams.save_state(id, a.state_out + "." + std::to_string(i) + ".state");
   return out;
-}
-
-std::string one_line(std::string s) {
-  for (char& c : s)
-    if (c == '\n' || c == '\r') c = ' ';
-  return s;
 }
 
 int run(const Args& a) {

@@ -103,31 +103,39 @@ def _check_text(path: Path) -> int:
     return size
 
 
-def build_cache(files: list[Path], directory: Path | None = None) -> Path:
-    """Concatenate ``files`` into one cache file (once) and return its path."""
+def _cached(files: list[Path], directory: Path | None, prefix: str, extra: list, write) -> Path:
+    """The cache file for ``files`` (keyed by their paths, sizes and times, plus ``extra``), made once by
+    ``write(f)``. Every file is checked before anything is written: a bad file leaves no cache behind."""
     directory = cache_dir() if directory is None else Path(directory)
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, stats]).encode()).hexdigest()[:20]
-    out = directory / f"corpus-{key}.bin"
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, stats, *extra]).encode()).hexdigest()[:20]
+    out = directory / f"{prefix}-{key}.bin"
     if out.is_file():
         return out
-    # Check every file before writing anything: a bad file leaves no cache behind.
-    total = sum(_check_text(p) for p in files)
-    if total == 0:
+    if sum(_check_text(p) for p in files) == 0:
         raise ValueError("the data is empty (0 bytes of text)")
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = make_temp_file(out)  # with the usual mode (see edgeattn._atomic)
     try:
         with os.fdopen(fd, "wb") as f:
-            for p in files:
-                with open(p, "rb") as src:
-                    while block := src.read(_BLOCK):
-                        f.write(block)
+            write(f)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def build_cache(files: list[Path], directory: Path | None = None) -> Path:
+    """Concatenate ``files`` into one cache file (once) and return its path."""
+
+    def write(f):
+        for p in files:
+            with open(p, "rb") as src:
+                while block := src.read(_BLOCK):
+                    f.write(block)
+
+    return _cached(files, directory, "corpus", [], write)
 
 
 def build_token_cache(files: list[Path], tokenizer: Path, directory: Path | None = None) -> Path:
@@ -135,29 +143,14 @@ def build_token_cache(files: list[Path], tokenizer: Path, directory: Path | None
     file of uint32 ids (once) and return its path."""
     from edgeattn.artifact.tokenizer import load_hf_tokenizer
 
-    directory = cache_dir() if directory is None else Path(directory)
-    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    def write(f):
+        tok = load_hf_tokenizer(tokenizer)
+        for p in files:
+            ids = tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids
+            f.write(np.asarray(ids, dtype=np.uint32).tobytes())
+
     tok_hash = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, stats, tok_hash]).encode()).hexdigest()[:20]
-    out = directory / f"tokens-{key}.bin"
-    if out.is_file():
-        return out
-    total = sum(_check_text(p) for p in files)
-    if total == 0:
-        raise ValueError("the data is empty (0 bytes of text)")
-    tok = load_hf_tokenizer(tokenizer)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = make_temp_file(out)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for p in files:
-                ids = tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids
-                f.write(np.asarray(ids, dtype=np.uint32).tobytes())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    return _cached(files, directory, "tokens", [tok_hash], write)
 
 
 @dataclass

@@ -32,7 +32,10 @@ def _context_binding(sess, path: str, context: int, kv_length: int):
     import onnxruntime as ort
 
     conf = os.path.join(os.path.dirname(path), "genai_config.json")
-    head = json.load(open(conf))["model"]["decoder"]["head_size"] if os.path.isfile(conf) else None
+    head = None
+    if os.path.isfile(conf):  # genai's graph: its head size is symbolic, genai_config.json names it
+        with open(conf) as f:
+            head = json.load(f)["model"]["decoder"]["head_size"]
     io, keep, values = sess.io_binding(), [], {}
     for i in sess.get_inputs():
         n, shape = i.name, [d if isinstance(d, int) else 1 for d in i.shape]

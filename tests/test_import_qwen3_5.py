@@ -150,13 +150,28 @@ def test_bf16_checkpoint_exports_at_lower_precision_and_check_passes(hf, tmp_pat
 
 
 def test_published_rope_layout_interleaved_mrope_exports_with_the_kv_buffer(ids, tmp_path):
-    """The published configs carry M-RoPE sections (interleaved); text positions make it plain RoPE."""
+    """The published configs carry M-RoPE sections (interleaved); text positions make it plain RoPE. With
+    64-wide heads (16 rotary dims, as the published 256 x 0.25) GroupQueryAttention rotates q and k itself:
+    no rotary ops around it, one cos/sin table pair for both attention layers."""
+    from onnx import helper
+
     rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-    rope |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    model = qwen3_5_text(seed=2, head_dim=32, rope_parameters=rope)
+    rope |= {"mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    model = qwen3_5_text(seed=2, head_dim=64, num_hidden_layers=8, rope_parameters=rope)
     model.save_pretrained(tmp_path / "hf")
-    sess = open_session(export_hf(tmp_path / "hf", tmp_path / "art"))
-    assert any(e.shared for e in sess.manifest.state)
-    got = run_logits(sess, ids[:, :70])
-    full = np.concatenate([got["prefill"], got["step"]], axis=1)
-    assert rel_err(full, hf_logits(model, ids[:, :70])) <= 1e-4
+    art = export_hf(tmp_path / "hf", tmp_path / "art")
+    graph = onnx.load(str(art / "step.onnx")).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2
+    assert all(
+        {a.name: helper.get_attribute_value(a) for a in n.attribute}.get("do_rotary") == 1 for n in gqa
+    )
+    assert len({n.input[7] for n in gqa} | {n.input[8] for n in gqa}) == 2  # one shared cos/sin pair
+    assert not {"Cos", "Sin"} & {n.op_type for n in graph.node}
+    want = hf_logits(model, ids[:, :70])
+    for backend in ("onnxruntime", "torch"):  # the torch backend rotates from the same tables
+        sess = open_session(art, backend)
+        assert any(e.shared for e in sess.manifest.state)
+        got = run_logits(sess, ids[:, :70])
+        full = np.concatenate([got["prefill"], got["step"]], axis=1)
+        assert rel_err(full, want) <= 1e-4, backend

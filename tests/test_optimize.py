@@ -264,3 +264,41 @@ def test_probe_of_large_weights_gives_the_same_graph(tmp_path, monkeypatch):
     assert [(n.op_type, list(n.input)) for n in got.graph.node] == [
         (n.op_type, list(n.input)) for n in ref.graph.node
     ]
+
+
+def test_equal_constants_are_shared_and_weights_are_not():
+    """Two Adds reading equal tables read one afterwards; equal MatMul weights and a different table stay."""
+    from edgeattn.export.optimize import share_constants
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((4, 8)).astype(np.float32)
+    weight = rng.standard_normal((8, 8)).astype(np.float32)
+    inits = {
+        "t1": table,
+        "t2": table.copy(),
+        "t3": table + 1,
+        "w1": weight,
+        "w2": weight.copy(),
+    }
+    nodes = [
+        helper.make_node("Add", ["x", "t1"], ["a1"]),
+        helper.make_node("Add", ["a1", "t2"], ["a2"]),
+        helper.make_node("Add", ["a2", "t3"], ["a3"]),
+        helper.make_node("MatMul", ["a3", "w1"], ["m1"]),
+        helper.make_node("MatMul", ["m1", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert share_constants(model) == 1
+    assert sorted(i.name for i in model.graph.initializer) == ["t1", "t3", "w1", "w2"]
+    assert [n.input[1] for n in model.graph.node] == ["t1", "t1", "t3", "w1", "w2"]
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)

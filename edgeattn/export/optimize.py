@@ -538,6 +538,47 @@ def merge_split_concat(model) -> int:
     return count
 
 
+WEIGHT_OPS = frozenset({"MatMul", "Gemm", "Gather", "MatMulNBits", "GatherBlockQuantized", "Conv"})
+
+
+def share_constants(model, max_bytes: int = 2**27) -> int:
+    """Let nodes that read equal initializers read one (the first by name): every GroupQueryAttention of a
+    model with rotary embeddings traces its own copy of the same cos/sin tables. Weights of projections,
+    embeddings and convolutions (``WEIGHT_OPS``) are left alone, as are tensors over ``max_bytes``.
+    Returns the number of initializers removed."""
+    import hashlib
+
+    g = model.graph
+    readers: dict[str, set] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, set()).add(n.op_type)
+    io = {v.name for v in [*g.input, *g.output]}
+    groups: dict[tuple, list] = {}
+    for init in g.initializer:
+        if (
+            not init.raw_data
+            or len(init.raw_data) > max_bytes
+            or init.name in io
+            or readers.get(init.name, set()) & WEIGHT_OPS
+        ):
+            continue
+        key = (init.data_type, tuple(init.dims), hashlib.blake2b(init.raw_data, digest_size=16).digest())
+        groups.setdefault(key, []).append(init)
+    rename = {}
+    for inits in groups.values():
+        keep = min(inits, key=lambda i: i.name)
+        rename.update({i.name: keep.name for i in inits if i is not keep and i.raw_data == keep.raw_data})
+    if not rename:
+        return 0
+    for n in g.node:
+        for j, x in enumerate(n.input):
+            if x in rename:
+                n.input[j] = rename[x]
+    remove_initializers(g, set(rename))
+    return len(rename)
+
+
 def optimize_graph(model) -> dict[str, int]:
     """Run the passes on ``model`` (an onnx.ModelProto, changed in place); returns what each did."""
     from onnx import helper
@@ -553,6 +594,7 @@ def optimize_graph(model) -> dict[str, int]:
         ("matmuls_removed", fuse_matmuls),
         ("concats", merge_split_concat),
         ("reshapes", fuse_reshapes),
+        ("shared_constants", share_constants),
     ):
         done[name] = apply(model)
         _drop_dead(model)

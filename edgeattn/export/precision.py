@@ -38,6 +38,8 @@ FP32_OPS = [
     "Softplus",
     "Log",
     "LinearAttention",
+    "LinearAttentionGate",
+    "GatedRMSNorm",
     "GroupQueryAttention",
     "Softmax",
     "ReduceMean",

@@ -18,7 +18,12 @@ import math
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.common.fused import fused_enabled
-from edgeattn.ops.common.fused_delta import fused_delta_rule, fused_short_conv
+from edgeattn.ops.common.fused_delta import (
+    fused_delta_rule,
+    fused_gate,
+    fused_gated_rms_norm,
+    fused_short_conv,
+)
 from edgeattn.ops.conv import short_conv, short_conv_step
 from edgeattn.ops.delta import delta_rule, delta_rule_step
 
@@ -61,6 +66,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o, gate=None):
+        if gate is not None and fused_enabled():  # one GatedRMSNorm node on the onnxruntime target
+            return fused_gated_rms_norm(o, self.weight, gate, eps=self.eps, activation=self.activation)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         if gate is not None:
@@ -109,6 +116,13 @@ class DeltaRuleMixer(Mixer):
         """Log-space gate: None, [B, T, HV] or [B, T, HV, K]."""
         return None
 
+    def gates(self, x):
+        """(beta [B, T, HV] float32, the log-space gate ``gate(x)``)."""
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, HV]
+        if self.cfg.allow_neg_eigval:
+            beta = beta * 2
+        return beta, self.gate(x)
+
     def output_gate(self, x):
         """[B, T, HV, V] or None."""
         return None
@@ -126,10 +140,7 @@ class DeltaRuleMixer(Mixer):
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, HV, V)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, HV]
-        if self.cfg.allow_neg_eigval:
-            beta = beta * 2
-        g = self.gate(x)
+        beta, g = self.gates(x)
         S0, scale = state["recurrent_state"], K**-0.5
         if fused_enabled():
             o, S = fused_delta_rule(q, k, v, beta, g, S0, scale=scale)
@@ -176,6 +187,13 @@ class GatedDeltaNet(DeltaRuleMixer):
     def gate(self, x):
         # -exp(A_log) * softplus(.): no log-sigmoid, so no Log(Sigmoid) underflow in exported graphs.
         return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+    def gates(self, x):
+        if fused_enabled() and not self.cfg.allow_neg_eigval:  # one LinearAttentionGate node
+            decay_scale = -torch.exp(self.A_log.float())
+            g, beta = fused_gate(self.a_proj(x), self.dt_bias, decay_scale, self.b_proj(x))
+            return beta, g
+        return super().gates(x)
 
     def output_gate(self, x):
         return self.g_proj(x).view(*x.shape[:2], self.n_v_heads, self.value_dim)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
 from edgeattn.ops.softmax import softmax_attention, softmax_step, window_step
-from edgeattn.ops.softmax.kv_buffer import buffer_attention
+from edgeattn.ops.softmax.kv_buffer import buffer_attention, gqa_rotary_ok, rope_tables
 
 torch = require("torch")
 nn = torch.nn
@@ -61,6 +61,20 @@ def _rotate(x, pos, rotary_dim: int, theta: float):
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
+_TABLES: dict = {}
+
+
+def _tables(length: int, rotary_dim: int, theta: float, device):
+    """``rope_tables``, one pair per (length, dims, theta, device) for all layers of a model (the last
+    few kept: a 262144-token table pair is 64 MiB)."""
+    key = (length, rotary_dim, theta, str(device))
+    if key not in _TABLES:
+        while len(_TABLES) >= 4:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = rope_tables(length, rotary_dim, theta, device)
+    return _TABLES[key]
+
+
 @register_mixer("softmax")
 class SoftmaxAttention(_Attention):
     """Full causal attention; the state is a KV cache that grows by one entry per token.
@@ -109,19 +123,23 @@ class SoftmaxAttention(_Attention):
         q = self.q_proj(x)
         gate = None
         if c.attn_output_gate:
-            q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)  # [B, T, H, Dh] each
+            q, gate = q.view(B, T, H, 2 * Dh).split([Dh, Dh], dim=-1)  # [B, T, H, Dh] each (a static Split)
         q = q.reshape(B, T, H, Dh).float()
         k = self.k_proj(x).view(B, T, Hkv, Dh).float()
         v = self.v_proj(x).view(B, T, Hkv, Dh).float()
         if c.qk_norm:
             q, k = _rms(q, self.q_norm, c.norm_eps), _rms(k, self.k_norm, c.norm_eps)
         if self.kv_buffer:
+            rotary = None
             if c.rope_theta:
                 rd = c.rotary_dim or Dh
-                pos = state["position"][:1] + torch.ones_like(q[0, :, 0, 0]).cumsum(0) - 1  # [T]
-                q, k = _rotate(q, pos, rd, c.rope_theta), _rotate(k, pos, rd, c.rope_theta)
+                if gqa_rotary_ok(rd, Dh):  # GroupQueryAttention rotates q and k from cos/sin tables
+                    rotary = _tables(self.kv_buffer, rd, c.rope_theta, x.device)
+                else:
+                    pos = state["position"][:1] + torch.ones_like(q[0, :, 0, 0]).cumsum(0) - 1  # [T]
+                    q, k = _rotate(q, pos, rd, c.rope_theta), _rotate(k, pos, rd, c.rope_theta)
             o, key, value, position = buffer_attention(
-                q, k, v, state["key"], state["value"], state["position"], scale=Dh**-0.5
+                q, k, v, state["key"], state["value"], state["position"], scale=Dh**-0.5, rotary=rotary
             )
             if gate is not None:
                 o = o * torch.sigmoid(gate.float())

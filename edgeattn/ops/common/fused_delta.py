@@ -9,6 +9,10 @@ Like ``fused.py``: in PyTorch these compute with edgeattn's own ops; traced for 
         query head h serves KV heads h*HV/HQ ... (h+1)*HV/HQ - 1, the key is given per value head.
     com.microsoft.CausalConvWithState(input [B,D,T], weight [D,1,W], bias [D]?, past_state [B,D,W-1])
         -> output [B,D,T], present_state [B,D,W-1]; activation "silu" or "none".
+    com.microsoft.LinearAttentionGate(a [B,T,HV], dt_bias [HV], decay_scale [HV], b [B,T,HV])
+        -> decay = decay_scale * softplus(a + dt_bias), beta = sigmoid(b): Gated DeltaNet's two gates.
+    com.microsoft.GatedRMSNorm(X [B,T,HV*V], scale [V], gate [B,T,HV*V]) -> Y [B,T,HV*V]: a per-head RMSNorm
+        over each group of V values, times silu(gate) or sigmoid(gate); epsilon, activation.
 
 The TorchScript exporter cannot write an empty optional input, so the decay-less "delta" node is traced
 with its beta in the decay slot and ``fix_optional_inputs`` moves it to the beta slot after export.
@@ -120,6 +124,58 @@ def fused_short_conv(x, weight, bias, state, *, activation: str | None):
         "none" if activation is None else activation,
     )
     return y.transpose(1, 2), S
+
+
+class _GateOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, dt_bias, decay_scale, b):
+        return decay_scale * torch.nn.functional.softplus(a + dt_bias), torch.sigmoid(b)
+
+    @staticmethod
+    def symbolic(g, a, dt_bias, decay_scale, b):
+        decay, beta = g.op("com.microsoft::LinearAttentionGate", a, dt_bias, decay_scale, b, outputs=2)
+        decay.setType(a.type())
+        beta.setType(b.type())
+        return decay, beta
+
+
+def fused_gate(a, dt_bias, decay_scale, b):
+    """a, b [B, T, HV]; dt_bias, decay_scale [HV] (decay_scale = -exp(A_log)) -> (log-space decay
+    decay_scale * softplus(a + dt_bias), beta = sigmoid(b)), both [B, T, HV] float32."""
+    return _GateOp.apply(a.float(), dt_bias.float(), decay_scale.float(), b.float())
+
+
+class _GatedNormOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps: float, activation: str, width: int):
+        V = weight.shape[0]
+        xs = x.view(*x.shape[:-1], -1, V)  # [B, T, HV, V]
+        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * weight
+        act = torch.nn.functional.silu(gate) if activation == "silu" else torch.sigmoid(gate)
+        return y.reshape(x.shape) * act
+
+    @staticmethod
+    def symbolic(g, x, weight, gate, eps: float, activation: str, width: int):
+        y = g.op("com.microsoft::GatedRMSNorm", x, weight, gate, epsilon_f=eps, activation_s=activation)
+        # x's traced type has lost its sizes here; without the known width the exporter's shape inference
+        # loses every later state output's shape too
+        y.setType(x.type().with_sizes([None, None, width]))
+        return y
+
+
+def fused_gated_rms_norm(x, weight, gate, *, eps: float, activation: str):
+    """x, gate [B, T, HV, V], weight [V] -> rmsnorm(x) * weight * act(gate) [B, T, HV, V] float32, the norm
+    over each head's V values; ``activation`` "silu" or "sigmoid"."""
+    B, T, HV, V = x.shape
+    y = _GatedNormOp.apply(
+        x.reshape(B, T, HV * V).float(),
+        weight.float(),
+        gate.reshape(B, T, HV * V).float(),
+        float(eps),
+        activation,
+        int(HV * V),
+    )
+    return y.view(B, T, HV, V)
 
 
 def fix_optional_inputs(model) -> bool:

@@ -26,13 +26,29 @@ For text the three sections see the same position, so edgeattn's import is plain
 longest context measured, so that both runtimes preallocate KV buffers of the same length.
 ``--quick`` is a tiny model and short contexts (tests/test_imported_bench.py).
 
+``--paired``: on a shared 2-core machine the speed drifts by tens of percent within minutes (genai's fp32
+decode at 4096 tokens measured 86 ms in one process and 106 ms in another in the same hour), so a ratio of
+two processes run minutes apart is unreliable. Paired mode starts both models of a precision at once, each
+in a long-lived process (``peers.serve``) that loads its model and then answers line commands, and
+measures them alternately in small blocks (``peers.measure_pair``): per context both reach it (one after
+the other), one untimed step each, then ``--rounds`` rounds of ``--block`` steps on one and then the
+other, the first alternating by round, ``--gap`` s of pause before each block (ONNX Runtime's threads spin
+for some ms after a run). Only one process runs at a time; the other waits on its stdin. Per model: the
+median of its steps and the RSS after them; per context the paired ratio genai / edgeattn, the median
+over rounds of (genai block median / edgeattn block median), with its min-max over rounds; prefill: three
+each, alternating. ``--repeats N``: N fresh pairs per precision, the median over them. Logged to
+DIR/paired.jsonl (``--paired --report`` prints it).
+
     python benchmarks/imported.py [--threads 2] [--precisions fp32,int4] [--repeats 1]
         [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/imported.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
     python benchmarks/imported.py --workdir DIR --models edgeattn-qwen35   # build/run only these, table of all
-    python benchmarks/imported.py --quick
+    python benchmarks/imported.py --paired [--rounds 8] [--block 4] [--gap 0.1] [--repeats 1] [--workdir DIR]
+    python benchmarks/imported.py --paired --workdir DIR --report   # the pairs logged in DIR/paired.jsonl
+    python benchmarks/imported.py --quick [--paired]
 
-Prints a markdown table and ratios genai / edgeattn, then ONE JSON line.
+Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios), then
+ONE JSON line.
 """
 
 from __future__ import annotations
@@ -372,6 +388,8 @@ def main() -> None:
                     for n in (name_of("edgeattn", p), name_of("genai", p))
                 )
             ]
+            for p in sorted(set(precisions) - {p for _, p in pairs}):
+                print(f"--paired: {p} skipped (needs both models built and selected)", file=sys.stderr)
             run_paired(models, pairs, repeats, paired, args.timeout, log)
         elif not args.report:
             configs = [

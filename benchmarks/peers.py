@@ -24,6 +24,9 @@ runs every configuration once, in an order rotated by r), median over ``--repeat
   ``append_tokens`` call).
 The growing cache at 16384 tokens needs ~10 GB: it is measured only up to ``--softmax-max-context``
 (default 4096) unless asked.
+The same per-runtime pieces (``EdgeattnRunner``, ``GenaiRunner``) also run in long-lived processes driven
+by line commands (``serve``, ``ServedWorker``); ``measure_pair`` measures two of them alternately in small
+blocks (benchmarks/imported.py ``--paired``).
 
     python benchmarks/peers.py [--threads 1,2] [--repeats 3] [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)

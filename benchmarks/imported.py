@@ -26,13 +26,29 @@ For text the three sections see the same position, so edgeattn's import is plain
 longest context measured, so that both runtimes preallocate KV buffers of the same length.
 ``--quick`` is a tiny model and short contexts (tests/test_imported_bench.py).
 
+``--paired``: on a shared 2-core machine the speed drifts by tens of percent within minutes (genai's fp32
+decode at 4096 tokens measured 86 ms in one process and 106 ms in another in the same hour), so a ratio of
+two processes run minutes apart is unreliable. Paired mode starts both models of a precision at once, each
+in a long-lived process (``peers.serve``) that loads its model and then answers line commands, and
+measures them alternately in small blocks (``peers.measure_pair``): per context both reach it (one after
+the other), one untimed step each, then ``--rounds`` rounds of ``--block`` steps on one and then the
+other, the first alternating by round, ``--gap`` s of pause before each block (ONNX Runtime's threads spin
+for some ms after a run). Only one process runs at a time; the other waits on its stdin. Per model: the
+median of its steps and the RSS after them; per context the paired ratio genai / edgeattn, the median
+over rounds of (genai block median / edgeattn block median), with its min-max over rounds; prefill: three
+each, alternating. ``--repeats N``: N fresh pairs per precision, the median over them. Logged to
+DIR/paired.jsonl (``--paired --report`` prints it).
+
     python benchmarks/imported.py [--threads 2] [--precisions fp32,int4] [--repeats 1]
         [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/imported.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
     python benchmarks/imported.py --workdir DIR --models edgeattn-qwen35   # build/run only these, table of all
-    python benchmarks/imported.py --quick
+    python benchmarks/imported.py --paired [--rounds 8] [--block 4] [--gap 0.1] [--repeats 1] [--workdir DIR]
+    python benchmarks/imported.py --paired --workdir DIR --report   # the pairs logged in DIR/paired.jsonl
+    python benchmarks/imported.py --quick [--paired]
 
-Prints a markdown table and ratios genai / edgeattn, then ONE JSON line.
+Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios), then
+ONE JSON line.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import argparse
 import gc
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -185,6 +202,101 @@ def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int, opt
     return out
 
 
+def run_paired(
+    models: dict, pairs: list[tuple[int, str]], repeats: int, opts: dict, timeout: float, log: Path
+) -> None:
+    """``repeats`` fresh pairs of processes per (threads, precision) in ``pairs``, each measured by
+    ``peers.measure_pair`` (edgeattn the base, genai the peer); each result appended to ``log`` as it comes.
+    ``opts``: contexts, rounds, block, prefill, gap, max_len (genai's Generator length)."""
+    for r in range(repeats):
+        for th, p in pairs:
+            names = [name_of("edgeattn", p), name_of("genai", p)]
+            cfgs = [
+                {"model": n, "path": models[n]["path"], "threads": th, "max_len": opts["max_len"]}
+                for n in names
+            ]
+            o = {k: opts[k] for k in ("contexts", "rounds", "block", "prefill")}
+            res = peers.measure_pair(cfgs, **o, timeout=timeout, first=r % 2, gap=opts["gap"])
+            key = f"{names[1]}@{th}"
+            with open(log, "a") as f:
+                f.write(
+                    json.dumps({"key": key, "models": names, "threads": th, "opts": opts, "result": res})
+                    + "\n"
+                )
+            status = res.get("error") or " ".join(
+                f"@{c} {res[names[0]]['contexts'][c]['ms']:.2f}/{res[names[1]]['contexts'][c]['ms']:.2f} ms "
+                f"ratio {v['ratio']:.2f}"
+                for c, v in res["ratios"].items()
+            )
+            print(f"[pair {r + 1}/{repeats}] {key} (edgeattn/genai): {status}", file=sys.stderr, flush=True)
+
+
+def summarize_paired(log: Path) -> tuple[dict, dict, int]:
+    """The pairs logged by ``run_paired``: each model's figures as ``peers.summarize`` gives them (medians
+    over pairs), and per pair of models the paired ratios: genai / edgeattn decode ms (median over pairs of
+    each pair's median over rounds; the range: min and max over all rounds), edgeattn / genai prefill
+    tokens/s, genai / edgeattn RSS. Also the most pairs of any key."""
+    entries: dict[str, list[dict]] = {}
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        e = json.loads(line)
+        entries.setdefault(e["key"], []).append(e)
+    results, ratios = {}, {}
+    for key, es in entries.items():
+        base, peer = es[0]["models"]
+        th = es[0]["threads"]
+        ok = [e["result"] for e in es if "error" not in e["result"]]
+        if not ok:
+            for n in (base, peer):
+                results[f"{n}@{th}"] = {"error": es[0]["result"]["error"]}
+            continue
+        b = results[f"{base}@{th}"] = peers.summarize([x[base] for x in ok])
+        q = results[f"{peer}@{th}"] = peers.summarize([x[peer] for x in ok])
+        r: dict = {}
+        for c in sorted({int(c) for x in ok for c in x["ratios"]}):
+            per = [x["ratios"][str(c)] for x in ok if str(c) in x["ratios"]]
+            r[f"decode@{c}"] = statistics.median(v["ratio"] for v in per)
+            r[f"decode@{c}_range"] = [min(v["min"] for v in per), max(v["max"] for v in per)]
+        for c, v in b["contexts"].items():
+            if c in q["contexts"]:
+                r[f"rss@{c}"] = q["contexts"][c]["rss_mib"] / v["rss_mib"]
+        r["prefill"] = statistics.median(x["prefill_ratio"] for x in ok)
+        r["rss_prefill"] = q["rss_prefill_mib"] / b["rss_prefill_mib"]
+        ratios[key] = r
+    return results, ratios, max((len(v) for v in entries.values()), default=0)
+
+
+def print_paired(
+    ratios: dict, precisions: list[str], contexts: list[int], threads: list[int], opts: dict
+) -> None:
+    """The paired ratios, one row per precision."""
+    lo, hi = contexts[0], contexts[-1]
+    for th in threads:
+        print(
+            f"\npaired ratios, {th} thread(s): decode genai / edgeattn ms, per pair of processes the median "
+            f"over {opts['rounds']} rounds of the ratio of the block medians ({opts['block']} steps each, the "
+            "two alternating), the median over pairs [min-max over all rounds]; prefill edgeattn / genai "
+            "tok/s; RSS genai / edgeattn (> 1: edgeattn faster or smaller)\n"
+        )
+        head = " | ".join(f"decode @{c}" for c in contexts)
+        print(f"| precision | {head} | prefill | RSS @{lo} | RSS @{hi} | RSS after prefill |")
+        print("|---|" + "---|" * len(contexts) + "---|---|---|---|")
+        for p in precisions:
+            r = ratios.get(f"{name_of('genai', p)}@{th}")
+            if r is None:
+                print(f"| {p} | not run |")
+                continue
+            cells = [
+                f"{r[f'decode@{c}']:.2f} [{r[f'decode@{c}_range'][0]:.2f}-{r[f'decode@{c}_range'][1]:.2f}]"
+                if f"decode@{c}" in r
+                else "-"
+                for c in contexts
+            ]
+            rss = [f"{r[f'rss@{c}']:.2f}" if f"rss@{c}" in r else "-" for c in (lo, hi)]
+            print(
+                f"| {p} | {' | '.join(cells)} | {r['prefill']:.2f} | {rss[0]} | {rss[1]} | {r['rss_prefill']:.2f} |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model and short contexts (seconds)")
@@ -195,11 +307,15 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,4096,16384")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="edgeattn's prefill graph's tokens")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker (--paired: per answer)")
     ap.add_argument("--report", action="store_true", help="only the table of the runs in --workdir")
     ap.add_argument("--models", default="", help="only these (e.g. edgeattn-qwen35,genai-qwen35-int4)")
     ap.add_argument("--no-optimize", action="store_true", help="edgeattn: export without the graph optimizer")
     ap.add_argument("--build-memory", type=float, default=9.0, help="GiB to wait for before each build")
+    ap.add_argument("--paired", action="store_true", help="both runtimes of a precision at once, alternating")
+    ap.add_argument("--rounds", type=int, default=8, help="--paired: rounds of one block on each per context")
+    ap.add_argument("--block", type=int, default=4, help="--paired: decode steps per block")
+    ap.add_argument("--gap", type=float, default=0.1, help="--paired: seconds of pause before each block")
     args = ap.parse_args()
     shape = QUICK if args.quick else FULL
     contexts = [16, 64] if args.quick else sorted(int(c) for c in args.contexts.split(","))
@@ -214,11 +330,16 @@ def main() -> None:
     max_len = (
         max(*contexts, prefill) + steps + 8
     )  # genai's worker asks for this; edgeattn's KV buffer the same
+    rounds, block = (2, 2) if args.quick else (args.rounds, args.block)
+    if args.paired and (rounds < 1 or block < 1 or rounds * block > steps + 7):
+        ap.error(f"--rounds x --block must be 1 to --steps + 7 = {steps + 7} (the KV buffers' room)")
+    paired = {"contexts": contexts, "rounds": rounds, "block": block, "prefill": prefill}
+    paired |= {"gap": 0.0 if args.quick else args.gap, "max_len": max(contexts) + steps + 8}
 
     tmp = tempfile.TemporaryDirectory(prefix="edgeattn-imported-") if args.workdir is None else None
     root = Path(tmp.name) if tmp else args.workdir
     root.mkdir(parents=True, exist_ok=True)
-    log = root / "runs.jsonl"
+    log = root / ("paired.jsonl" if args.paired else "runs.jsonl")
     try:
         cache = root / "built.json"
         key = {"shape": shape, "max_len": max_len, "chunk": chunk}
@@ -257,7 +378,20 @@ def main() -> None:
             shutil.rmtree(root / "cache", ignore_errors=True)
         order = [name_of(r, p) for p in precisions for r in ("edgeattn", "genai")]
         models = {n: models.get(n, {"error": "not built", "params": 0}) for n in order}
-        if not args.report:
+        if not args.report and args.paired:
+            pairs = [
+                (th, p)
+                for th in threads
+                for p in precisions
+                if all(
+                    n in wanted and "error" not in models[n]
+                    for n in (name_of("edgeattn", p), name_of("genai", p))
+                )
+            ]
+            for p in sorted(set(precisions) - {p for _, p in pairs}):
+                print(f"--paired: {p} skipped (needs both models built and selected)", file=sys.stderr)
+            run_paired(models, pairs, repeats, paired, args.timeout, log)
+        elif not args.report:
             configs = [
                 {"model": n, "path": m["path"], "threads": th, "contexts": contexts, "steps": steps}
                 | {"prefill": prefill}
@@ -266,21 +400,34 @@ def main() -> None:
                 if "error" not in m and n in wanted
             ]
             peers.run_interleaved(configs, repeats, args.timeout, log, {})
-        runs = peers.read_log(log)  # this invocation's runs and earlier ones in the same --workdir
-        repeats = max((len(v) for v in runs.values()), default=0)
+        # this invocation's runs and earlier ones in the same --workdir
+        if args.paired:
+            results, ratios, repeats = summarize_paired(log)
+        else:
+            runs = peers.read_log(log)
+            repeats = max((len(v) for v in runs.values()), default=0)
+            results = {k: peers.summarize(v) for k, v in runs.items()}
     finally:
         if tmp is not None:
             tmp.cleanup()
 
-    results = {k: peers.summarize(v) for k, v in runs.items()}
     print(
-        f"\nQwen3.5 text model {shape['hidden_size']}x{shape['num_hidden_layers']}, median of {repeats} run(s)"
+        f"\nQwen3.5 text model {shape['hidden_size']}x{shape['num_hidden_layers']}, median of {repeats} "
+        + ("pair(s) of processes" if args.paired else "run(s)")
     )
 
     def counterpart(name: str) -> str | None:
         return name.replace("genai-", "edgeattn-") if name.startswith("genai-") else None
 
-    ratios = peers.print_table(results, models, contexts, threads, labels(precisions), counterpart)
+    if args.paired:
+        title = (
+            f"paired: per process the median of its {rounds}x{block} steps per context, the median over "
+            "pairs [min-max]"
+        )
+        peers.print_table(results, models, contexts, threads, labels(precisions), lambda n: None, title)
+        print_paired(ratios, precisions, contexts, threads, paired)
+    else:
+        ratios = peers.print_table(results, models, contexts, threads, labels(precisions), counterpart)
     params = next((m["params"] for m in models.values() if m.get("params")), 0)
     print(
         json.dumps(
@@ -292,6 +439,11 @@ def main() -> None:
                 "precisions": precisions,
                 "repeats": repeats,
                 "steps": steps,
+                **(
+                    {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
+                    if args.paired
+                    else {}
+                ),
                 "errors": {k: v["error"] for k, v in models.items() if "error" in v},
                 "results": {
                     k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}

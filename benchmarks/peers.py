@@ -24,6 +24,9 @@ runs every configuration once, in an order rotated by r), median over ``--repeat
   ``append_tokens`` call).
 The growing cache at 16384 tokens needs ~10 GB: it is measured only up to ``--softmax-max-context``
 (default 4096) unless asked.
+The same per-runtime pieces (``EdgeattnRunner``, ``GenaiRunner``) also run in long-lived processes driven
+by line commands (``serve``, ``ServedWorker``); ``measure_pair`` measures two of them alternately in small
+blocks (benchmarks/imported.py ``--paired``).
 
     python benchmarks/peers.py [--threads 1,2] [--repeats 3] [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/peers.py --quick          # tiny models: proves the harness (tests/test_peers.py)
@@ -41,10 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -255,18 +260,23 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def worker_edgeattn(cfg: dict) -> dict:
-    import numpy as np
+class EdgeattnRunner:
+    """One edgeattn model in this process: reach a context, time single steps, time a prefill."""
 
-    from edgeattn.runtimes import open_session
+    def __init__(self, path: str, threads: int):
+        import numpy as np
 
-    sess = open_session(cfg["path"], threads=cfg["threads"])
-    m = sess.manifest
-    rng = np.random.default_rng(0)
-    out = {"rss_load": _rss(), "contexts": {}}
-    for c in cfg["contexts"]:
+        from edgeattn.runtimes import open_session
+
+        self.np = np
+        self.sess = open_session(path, threads=threads)
+        self.rng = np.random.default_rng(0)
+
+    def context(self, c: int) -> None:
+        """A state of c tokens set directly: the KV cache's dynamic length, or the fixed recurrent size."""
+        np, rng = self.np, self.rng
         state = {}
-        for e in m.state:  # a state of c tokens: the KV cache's dynamic length, or the fixed recurrent size
+        for e in self.sess.manifest.state:
             shape = [c if isinstance(d, str) else d for d in e.shape]
             if e.name == "position":  # a preallocated KV buffer's fill level
                 state[e.input] = np.full(shape, c, np.float32)
@@ -275,78 +285,304 @@ def worker_edgeattn(cfg: dict) -> dict:
                 state[e.input][:, :, :c] = rng.standard_normal((*shape[:2], c, shape[3])) * 0.1
             else:
                 state[e.input] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        sess.set_state(state, position=c)
-        del state
-        sess.step(np.array([[3]], dtype=np.int64))  # untimed: first touch after the load
-        times = []
-        for i in range(cfg["steps"]):
-            t = time.perf_counter()
-            sess.step(np.array([[i % VOCAB]], dtype=np.int64))
-            times.append(time.perf_counter() - t)
-        out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss()}
-    ids = rng.integers(0, VOCAB, (1, cfg["prefill"]), dtype=np.int64)
-    sess.reset()
-    t = time.perf_counter()
-    sess.prefill(ids)
-    out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
-    out["rss_prefill"] = _rss()  # its activations for the prefill call stay in ONNX Runtime's arena
-    return out
+        self.sess.set_state(state, position=c)
+
+    def step(self, token: int) -> float:
+        """One decode step of ``token``; its seconds."""
+        ids = self.np.array([[token]], dtype=self.np.int64)
+        t = time.perf_counter()
+        self.sess.step(ids)
+        return time.perf_counter() - t
+
+    def prefill(self, n: int) -> float:
+        """Tokens/s of one prefill of n random tokens from an empty state."""
+        ids = self.rng.integers(0, VOCAB, (1, n), dtype=self.np.int64)
+        self.sess.reset()
+        t = time.perf_counter()
+        self.sess.prefill(ids)
+        return n / (time.perf_counter() - t)
 
 
-def worker_genai(cfg: dict) -> dict:
-    import numpy as np
-    import onnxruntime_genai as og
+class GenaiRunner:
+    """One onnxruntime-genai model in this process: its Generator has no API to set its cache, so a context
+    is reached by prefilling random tokens through ``append_tokens`` in chunks of 1024."""
 
-    model = og.Model(cfg["path"])  # CPU: the provider the builder wrote into genai_config.json
-    rng = np.random.default_rng(0)
-    out = {"rss_load": _rss(), "contexts": {}}
-    max_len = max(cfg["contexts"]) + cfg["steps"] + 8
+    def __init__(self, path: str, max_len: int):
+        import numpy as np
+        import onnxruntime_genai as og
 
-    def generator(length: int):
-        params = og.GeneratorParams(model)
+        self.np, self.og = np, og
+        self.model = og.Model(path)  # CPU: the provider the builder wrote into genai_config.json
+        self.rng = np.random.default_rng(0)
+        self.max_len = max_len
+        self.gen, self.pos = None, 0
+
+    def _generator(self, length: int):
+        params = self.og.GeneratorParams(self.model)
         params.set_search_options(max_length=length, do_sample=False)
-        return og.Generator(model, params)
+        return self.og.Generator(self.model, params)
 
-    gen = generator(max_len)
-    pos = 0
+    def context(self, c: int) -> None:
+        """Prefill random tokens up to c (a fresh Generator when already past c)."""
+        if self.gen is None or self.pos > c:
+            self.gen = None  # its KV buffer freed before the next one is allocated
+            self.gen, self.pos = self._generator(self.max_len), 0
+        while self.pos < c:
+            n = min(1024, c - self.pos)
+            self.gen.append_tokens(self.rng.integers(2, VOCAB, n, dtype=self.np.int32))
+            self.pos += n
+
+    def step(self, token: int = 0) -> float:
+        """One decode step (the Generator picks its token); its seconds."""
+        t = time.perf_counter()
+        self.gen.generate_next_token()
+        self.pos += 1
+        return time.perf_counter() - t
+
+    def prefill(self, n: int) -> float:
+        """Tokens/s of one prefill of n random tokens by a fresh Generator (the context's one dropped)."""
+        self.gen = None
+        gen = self._generator(n + 8)
+        ids = self.rng.integers(2, VOCAB, n, dtype=self.np.int32)
+        t = time.perf_counter()
+        gen.append_tokens(ids)
+        return n / (time.perf_counter() - t)
+
+
+def _measure(runner, cfg: dict) -> dict:
+    """The one-shot worker's measurement: each context, one untimed step, the median of ``steps``, RSS; then
+    one prefill and the RSS after it (its activations stay in ONNX Runtime's arena)."""
+    out = {"rss_load": _rss(), "contexts": {}}
     for c in cfg["contexts"]:
-        while pos < c:  # reach the context: prefill random tokens in chunks
-            n = min(1024, c - pos)
-            gen.append_tokens(rng.integers(2, VOCAB, n, dtype=np.int32))
-            pos += n
-        gen.generate_next_token()  # untimed
-        times = []
-        for _ in range(cfg["steps"]):
-            t = time.perf_counter()
-            gen.generate_next_token()
-            times.append(time.perf_counter() - t)
-        pos += cfg["steps"] + 1
+        runner.context(c)
+        runner.step(3)  # untimed: first touch after the load
+        times = [runner.step(i % VOCAB) for i in range(cfg["steps"])]
         out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss()}
-    del gen
-    gen = generator(cfg["prefill"] + 8)
-    ids = rng.integers(2, VOCAB, cfg["prefill"], dtype=np.int32)
-    t = time.perf_counter()
-    gen.append_tokens(ids)
-    out["prefill_tps"] = cfg["prefill"] / (time.perf_counter() - t)
+    out["prefill_tps"] = runner.prefill(cfg["prefill"])
     out["rss_prefill"] = _rss()
     return out
 
 
-def worker_main(cfg: dict) -> None:
+def _runner(cfg: dict):
+    """The runner of ``cfg["model"]``, its thread count applied (OMP_NUM_THREADS; genai reads its session
+    options from genai_config.json, so the thread count is written there)."""
     if cfg["threads"]:
         os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
-    if cfg["model"].startswith("genai-"):
-        # genai reads its session options from genai_config.json: the thread count goes there per worker
-        conf_path = Path(cfg["path"]) / "genai_config.json"
-        conf = json.loads(conf_path.read_text())
-        opts = conf["model"]["decoder"].setdefault("session_options", {})
-        if opts.get("intra_op_num_threads") != cfg["threads"]:
-            opts.update(intra_op_num_threads=cfg["threads"], inter_op_num_threads=1)
-            conf_path.write_text(json.dumps(conf, indent=2))
-        result = worker_genai(cfg)
-    else:
-        result = worker_edgeattn(cfg)
-    print(json.dumps(result))
+    if not cfg["model"].startswith("genai-"):
+        return EdgeattnRunner(cfg["path"], cfg["threads"])
+    conf_path = Path(cfg["path"]) / "genai_config.json"
+    conf = json.loads(conf_path.read_text())
+    opts = conf["model"]["decoder"].setdefault("session_options", {})
+    if opts.get("intra_op_num_threads") != cfg["threads"]:
+        opts.update(intra_op_num_threads=cfg["threads"], inter_op_num_threads=1)
+        conf_path.write_text(json.dumps(conf, indent=2))
+    return GenaiRunner(cfg["path"], cfg.get("max_len") or max(cfg["contexts"]) + cfg["steps"] + 8)
+
+
+def worker_edgeattn(cfg: dict) -> dict:
+    return _measure(EdgeattnRunner(cfg["path"], cfg["threads"]), cfg)
+
+
+def worker_genai(cfg: dict) -> dict:
+    return _measure(GenaiRunner(cfg["path"], max(cfg["contexts"]) + cfg["steps"] + 8), cfg)
+
+
+def worker_main(cfg: dict) -> None:
+    print(json.dumps(_measure(_runner(cfg), cfg)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the served worker: one model in a long-lived process, driven line by line (paired measurements)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def serve(cfg: dict) -> None:
+    """``--serve CFG``: load ``cfg``'s model, answer ``{"ready": true, "rss": ...}``, then one JSON line per
+    command line read from stdin: ``{"cmd": "context", "c": C}`` (reach context C; ``{"c", "rss"}``),
+    ``{"cmd": "steps", "n": N}`` (N single decode steps; ``{"ms": [...], "span": [start, end]}``: ms per
+    step, the block's wall-clock times),
+    ``{"cmd": "prefill", "n": N}`` (N random tokens from an empty state; ``{"tps", "rss"}``),
+    ``{"cmd": "rss"}``, ``{"cmd": "quit"}``. A failed command answers ``{"error": ...}``. Between commands
+    the process is blocked reading stdin: it leaves the cores to the other process of a pair."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # the answers' channel
+    os.dup2(2, 1)  # whatever the runtimes print goes to stderr, not into the answers
+
+    def answer(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+
+    try:
+        runner = _runner(cfg)
+    except Exception as e:
+        answer({"error": f"load failed: {type(e).__name__}: {e}"})
+        return
+    answer({"ready": True, "rss": _rss()})
+    token = 0
+    while line := sys.stdin.readline():
+        try:
+            cmd = json.loads(line)
+            kind = cmd["cmd"]
+            if kind == "quit":
+                break
+            if kind == "context":
+                runner.context(int(cmd["c"]))
+                answer({"c": int(cmd["c"]), "rss": _rss()})
+            elif kind == "steps":
+                ms, start = [], time.time()
+                for _ in range(int(cmd["n"])):
+                    ms.append(1e3 * runner.step(token % VOCAB))
+                    token += 1
+                answer({"ms": ms, "span": [start, time.time()]})
+            elif kind == "prefill":
+                answer({"tps": runner.prefill(int(cmd["n"])), "rss": _rss()})
+            elif kind == "rss":
+                answer({"rss": _rss()})
+            else:
+                answer({"error": f"unknown command {kind!r}"})
+        except Exception as e:  # the coordinator decides; this process stays ready for the next line
+            answer({"error": f"{type(e).__name__}: {e}"})
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class ServedWorker:
+    """A ``serve`` process of ``cfg`` driven from here; every answer is waited for at most ``timeout`` s
+    (a reader thread queues its lines), and a process that died or went silent raises ``WorkerError``."""
+
+    def __init__(self, cfg: dict, timeout: float):
+        self.name, self.timeout = cfg["model"], timeout
+        self.stderr = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", json.dumps(cfg)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
+        )
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the process closed its stdout: it ended
+
+    def _died(self) -> WorkerError:
+        try:
+            rc = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            rc = None
+        self.stderr.seek(0)
+        tail = self.stderr.read().strip().splitlines()[-1:]
+        return WorkerError(f"{self.name} ended (exit {rc})" + (f": {tail[0]}" if tail else ""))
+
+    def answer(self) -> dict:
+        try:
+            line = self.lines.get(timeout=self.timeout)
+        except queue.Empty:
+            self.close(kill=True)
+            raise WorkerError(f"{self.name}: no answer in {self.timeout:.0f} s") from None
+        if line is None:
+            raise self._died()
+        ans = json.loads(line)
+        if "error" in ans:
+            raise WorkerError(f"{self.name}: {ans['error']}")
+        return ans
+
+    def ask(self, cmd: str, **args) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a broken pipe: it ended
+            raise self._died() from None
+        return self.answer()
+
+    def close(self, kill: bool = False) -> None:
+        """``quit``, or (``kill``, or no exit within 30 s) killed."""
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+def measure_pair(
+    cfgs: list[dict],
+    contexts: list[int],
+    rounds: int,
+    block: int,
+    prefill: int,
+    timeout: float,
+    first: int = 0,
+    gap: float = 0.0,
+) -> dict:
+    """Two models (``cfgs``: a base and a peer) measured alternately in one pair of served processes.
+
+    Both load at once. Per context: each reaches it (one after the other), one untimed step each, then
+    ``rounds`` rounds of a block of ``block`` steps on each, the first of the pair alternating by round
+    (``first``: which opens round 0), ``gap`` s of pause before every block (ONNX Runtime's threads spin
+    for a few ms after a run). Per model: the median of all its steps and the RSS after them, as the
+    one-shot worker's result (``summarize`` reads it); per context the paired ratio peer / base: the
+    median over rounds of (peer block median / base block median), with its min and max. Prefill: three
+    each, alternating (A, B, B, A, A, B), the median tokens/s and the RSS after the last, and
+    ``prefill_ratio`` base / peer tokens/s. ``{"error"}`` when a worker fails, dies or falls silent for
+    ``timeout`` s."""
+    base, peer = (c["model"] for c in cfgs)
+    workers = [ServedWorker(c, timeout) for c in cfgs]
+    res: dict = {base: {"contexts": {}}, peer: {"contexts": {}}, "ratios": {}}
+    try:
+        for w in workers:
+            res[w.name]["rss_load"] = w.answer()["rss"]
+        for c in contexts:
+            for w in workers:  # one after the other: a context's prefill (genai) takes the cores
+                w.ask("context", c=c)
+            for w in workers:
+                w.ask("steps", n=1)  # untimed: first touch of the context
+            blocks: list[list[list[float]]] = [[], []]
+            spans: list[list[list[float]]] = [[], []]
+            for r in range(rounds):
+                for i in (0, 1) if (r + first) % 2 == 0 else (1, 0):
+                    time.sleep(gap)
+                    ans = workers[i].ask("steps", n=block)
+                    blocks[i].append(ans["ms"])
+                    spans[i].append(ans["span"])
+            for i, w in enumerate(workers):
+                steps = [ms for b in blocks[i] for ms in b]
+                res[w.name]["contexts"][str(c)] = {
+                    "ms": statistics.median(steps),
+                    "rss": w.ask("rss")["rss"],
+                    "blocks": blocks[i],
+                    "spans": spans[i],
+                }
+            per_round = [statistics.median(p) / statistics.median(b) for b, p in zip(*blocks)]
+            res["ratios"][str(c)] = {
+                "ratio": statistics.median(per_round),
+                "min": min(per_round),
+                "max": max(per_round),
+                "rounds": per_round,
+            }
+        tps: list[list[float]] = [[], []]
+        for j in (0, 1, 1, 0, 0, 1):
+            i = j ^ (first % 2)
+            time.sleep(gap)
+            ans = workers[i].ask("prefill", n=prefill)
+            tps[i].append(ans["tps"])
+            res[workers[i].name]["rss_prefill"] = ans["rss"]
+        for i, w in enumerate(workers):
+            res[w.name]["prefill_tps"] = statistics.median(tps[i])
+            res[w.name]["prefill_runs"] = tps[i]
+        res["prefill_ratio"] = res[base]["prefill_tps"] / res[peer]["prefill_tps"]
+    except (WorkerError, ValueError) as e:  # ValueError: an answer that is not JSON
+        return {"error": str(e)}
+    finally:
+        for w in workers:
+            w.close()
+    return res
 
 
 def run_worker(cfg: dict, timeout: float | None) -> dict:
@@ -421,6 +657,7 @@ def print_table(
     threads: list[int],
     labels: dict | None = None,
     base_of=lambda name: "edgeattn-gla",
+    title: str = "median of fresh processes [min-max]",
 ) -> dict:
     """The markdown table per thread count, then each model's ratios against ``base_of(model)`` (a model
     name, or None for no ratios): peer / base decode ms and RSS, base / peer prefill tokens/s."""
@@ -428,7 +665,7 @@ def print_table(
     ratios = {}
     lo, hi = contexts[0], contexts[-1]
     for th in threads:
-        print(f"\n{th} thread(s), batch 1, median of fresh processes [min-max]\n")
+        print(f"\n{th} thread(s), batch 1, {title}\n")
         head = " | ".join(f"decode ms @{c}" for c in contexts)
         print(
             f"| model | params | {head} | RSS MiB @{lo} | @{hi} | prefill tok/s (1024) | RSS after prefill |"
@@ -498,9 +735,13 @@ def main() -> None:
         action="store_true",
         help="only print the table of the runs logged in --workdir (runs.jsonl)",
     )
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(json.loads(args.worker))
+        return
+    if args.serve:
+        serve(json.loads(args.serve))
         return
 
     size = QUICK if args.quick else FULL

@@ -139,6 +139,9 @@ def test_one_graph_is_as_lean_as_the_step_graph(tmp_path):
 
     got, want = ops(one.graph_path("step")), ops(two.graph_path("step"))
     assert "Shape" not in got and "Concat" not in got
+    # the two graphs store the tied table once, the step's Gather reads E^T by column and a Transpose
+    # follows; the fp32 one graph keeps E for a row Gather (test_tied_embedding.py)
+    want.remove("Transpose")
     assert [o for o in got if o != "Constant"] == [o for o in want if o != "Constant"]
 
 

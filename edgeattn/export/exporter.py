@@ -400,8 +400,13 @@ def export_model(
     try:
         module = GraphModule(model, batch_size).eval()
         shapes = [("step.onnx", None)] if one else [("step.onnx", 1), ("prefill.onnx", prefill_chunk)]
-        # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart
-        tie = optimize and precision != "int4" and cfg.tie_embeddings
+        # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart. An fp32
+        # graph that ONNX Runtime loads once keeps E for the Gather beside the head's E^T: ONNX Runtime maps
+        # the weights file, prepacks E^T and unmaps it when nothing else reads it, and a row Gather on E
+        # faults in only the rows it reads, where one shared E^T stays resident whole (Qwen3.5-0.8B: 930 MiB
+        # less memory for 970 MiB more file, benchmarks/RESULTS.md)
+        rows = one and target == "onnxruntime" and precision == "fp32"
+        tie = optimize and precision != "int4" and cfg.tie_embeddings and not rows
         large = sum(p.numel() * p.element_size() for p in model.parameters()) > LARGE_MODEL_BYTES
         for i, (name, tokens) in enumerate(shapes):
             _export_graph(module, tokens, batch_size, entries, tmp / name, target, dynamic_batch)

@@ -150,6 +150,8 @@ def test_artifacts_are_the_intended_graphs(artifacts):
     assert domains("gated_deltanet-onnxruntime") == {
         ("com.microsoft", "LinearAttention"),
         ("com.microsoft", "CausalConvWithState"),
+        ("com.microsoft", "LinearAttentionGate"),  # decay and beta
+        ("com.microsoft", "GatedRMSNorm"),  # the gated output norm
         ("com.microsoft", "SkipSimplifiedLayerNormalization"),  # edgeattn.export.optimize's residual + norm
     }
     assert domains("mamba2-portable") == set()

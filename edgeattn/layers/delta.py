@@ -23,6 +23,7 @@ from edgeattn.ops.common.fused_delta import (
     fused_gate,
     fused_gated_rms_norm,
     fused_short_conv,
+    gated_rms_norm,
 )
 from edgeattn.ops.conv import short_conv, short_conv_step
 from edgeattn.ops.delta import delta_rule, delta_rule_step
@@ -66,13 +67,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o, gate=None):
-        if gate is not None and fused_enabled():  # one GatedRMSNorm node on the onnxruntime target
-            return fused_gated_rms_norm(o, self.weight, gate, eps=self.eps, activation=self.activation)
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        if gate is not None:
-            of = of * (F.silu(gate.float()) if self.activation == "silu" else torch.sigmoid(gate.float()))
-        return of
+        norm = fused_gated_rms_norm if gate is not None and fused_enabled() else gated_rms_norm
+        return norm(o, self.weight, gate, eps=self.eps, activation=self.activation)
 
 
 class DeltaRuleMixer(Mixer):

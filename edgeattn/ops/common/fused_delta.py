@@ -145,14 +145,24 @@ def fused_gate(a, dt_bias, decay_scale, b):
     return _GateOp.apply(a.float(), dt_bias.float(), decay_scale.float(), b.float())
 
 
+def gated_rms_norm(x, weight, gate, *, eps: float, activation: str):
+    """RMSNorm of x [..., V] over its last dimension times ``weight`` [V], times silu(gate) or sigmoid(gate)
+    (``activation``) when ``gate`` [..., V] is given; float32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
+    if gate is None:
+        return y
+    gf = gate.float()
+    return y * (torch.nn.functional.silu(gf) if activation == "silu" else torch.sigmoid(gf))
+
+
 class _GatedNormOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps: float, activation: str, width: int):
         V = weight.shape[0]
-        xs = x.view(*x.shape[:-1], -1, V)  # [B, T, HV, V]
-        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * weight
-        act = torch.nn.functional.silu(gate) if activation == "silu" else torch.sigmoid(gate)
-        return y.reshape(x.shape) * act
+        heads = (*x.shape[:-1], -1, V)  # [B, T, HV, V]
+        y = gated_rms_norm(x.view(heads), weight, gate.view(heads), eps=eps, activation=activation)
+        return y.reshape(x.shape)
 
     @staticmethod
     def symbolic(g, x, weight, gate, eps: float, activation: str, width: int):

@@ -230,3 +230,66 @@ def test_a_yarn_rope_scaling_changes_transformers_logits_and_is_refused(qwen, tm
     with pytest.raises(ValueError, match="rope_scaling.rope_type = 'yarn'"):
         import_model(src, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(qwen, tmp_path_factory):
+    import shutil
+
+    from tests.hf_helpers import train_tokenizer
+
+    d = tmp_path_factory.mktemp("tok") / "m"
+    shutil.copytree(qwen[1], d)
+    train_tokenizer(d)
+    return d
+
+
+def _as_hf_cache(d):
+    """tokenizer.json as a symlink into a blobs folder, as the Hugging Face cache lays files out."""
+    blobs = d.parent / "blobs"
+    blobs.mkdir()
+    (d / "tokenizer.json").rename(blobs / "0123abcd")
+    (d / "tokenizer.json").symlink_to("../blobs/0123abcd")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir()),
+            "tokenizer.json is not a file (a directory)",
+        ),
+        (
+            lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").symlink_to("../blobs/gone")),
+            "tokenizer.json is a dangling symlink (to ../blobs/gone)",
+        ),
+        (
+            lambda d: ((d / "tokenizer_config.json").unlink(), (d / "tokenizer_config.json").mkdir()),
+            "tokenizer_config.json is not a file (a directory)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_a_tokenizer_that_is_a_directory_or_a_dangling_symlink_is_refused(
+    with_tokenizer, tmp_path, edit, message, command
+):
+    src = variant(with_tokenizer, tmp_path, edit=edit)
+    assert_refused(invoke(command, src, "--out", tmp_path / "out"), message, tmp_path / "out")
+
+
+def test_a_tokenizer_symlinked_into_the_hf_cache_is_followed(with_tokenizer, tmp_path):
+    from tokenizers import Tokenizer
+
+    from edgeattn.runtimes import open_session
+
+    d = tmp_path / "snapshot" / "m"
+    d.parent.mkdir()
+    variant(with_tokenizer, tmp_path).rename(d)
+    _as_hf_cache(d)
+    assert (d / "tokenizer.json").is_symlink()
+    res = invoke("export", d, "--out", tmp_path / "art", "--prefill-chunk", 16)
+    assert res.exit_code == 0, res.output
+    text = "def main(args):\n    return 1"
+    want = Tokenizer.from_file(str(d / "tokenizer.json")).encode(text).ids
+    assert open_session(tmp_path / "art").tokenizer.encode(text) == want
+    assert not (tmp_path / "art" / "tokenizer.json").is_symlink()

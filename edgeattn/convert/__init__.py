@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
-from edgeattn.convert.validate import check_special_ids
+from edgeattn.convert.validate import check_special_ids, check_tokenizer_files
 
 # model_type -> module in edgeattn.convert
 CONVERTERS = {
@@ -89,6 +89,7 @@ def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool 
         raise ValueError(f"{src}/config.json has no model_type: not a Hugging Face model directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
+    check_tokenizer_files(src, TOKENIZER_FILES)
     model, notes = convert_dir(src)
     check_tokenizer(src, model.cfg.vocab_size)
     if (src / "tokenizer.json").is_file():

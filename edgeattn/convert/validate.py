@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 CONFIG = "config.json"
 _MISSING = object()
@@ -170,6 +171,21 @@ def check_special_ids(src, config: dict, vocab_size: int) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{gen} is not valid JSON: {e}") from e
         HFConfig(data, file="generation_config.json").token_ids(vocab_size)
+
+
+def check_tokenizer_files(src, names) -> None:
+    """Each of ``names`` in the model directory ``src`` is absent or a file: a symlink to a file (the
+    Hugging Face cache's layout) is followed, a directory or a dangling symlink is refused, so that a model
+    never imports without the tokenizer it has (its ids would then decode as bytes)."""
+    from pathlib import Path
+
+    for name in names:
+        p = Path(src) / name
+        if p.is_file() or not (p.exists() or p.is_symlink()):
+            continue
+        if p.is_symlink() and not p.exists():
+            raise ValueError(f"{p} is a dangling symlink (to {os.readlink(p)}): the file it names is missing")
+        raise ValueError(f"{p} is not a file ({'a directory' if p.is_dir() else 'not a regular file'})")
 
 
 def checked_float32(name: str, t):

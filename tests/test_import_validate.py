@@ -107,6 +107,8 @@ def write_json(name, data):
             "partial_rotary_factor must be such that head_dim 16 * it is an even number >= 2, got 0.3125",
         ),
         ({"rope_parameters": {**ROPE, "rope_theta": -1}}, None, "rope_theta must be a finite number > 0"),
+        ({"rope_theta": -1}, None, "config.json: rope_theta must be a finite number > 0, got -1"),
+        ({"partial_rotary_factor": -0.5}, None, "config.json: partial_rotary_factor must be a finite number > 0"),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256}},
             None,

@@ -51,6 +51,9 @@ def rope(c: HFConfig, head_dim: int) -> tuple[float, int]:
     def source(name: str) -> HFConfig:  # the rope object's value first, then the top level's
         return params if name in params else c
 
+    c.float("rope_theta", None, positive=True, nullable=True)  # a bad value is refused even where unused
+    c.float("partial_rotary_factor", None, positive=True, max=1.0, nullable=True)
+
     theta = source("rope_theta").float("rope_theta", 10000.0, positive=True)
     factor = source("partial_rotary_factor").float("partial_rotary_factor", 0.25, positive=True, max=1.0)
     dims = int(head_dim * factor)  # transformers rotates int(head_dim * partial_rotary_factor) dims

@@ -62,7 +62,7 @@ def shard_files(path: str | Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(
                 f"{index} is not a valid safetensors index: weight_map must map tensor names to shard "
-                f"file names, got {show(weight_map)[:80]}"
+                f"file names, got {show(weight_map)}"
             )
         files = sorted(set(weight_map.values()))
         for f in files:

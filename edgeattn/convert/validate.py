@@ -28,12 +28,13 @@ CONFIG = "config.json"
 _MISSING = object()
 
 
-def show(value) -> str:
-    """A config value as config.json spells it (null, "abc", [1, 2], -0.5)."""
+def show(value, limit: int = 80) -> str:
+    """A config value as config.json spells it (null, "abc", [1, 2], -0.5), cut to ``limit`` characters."""
     try:
-        return json.dumps(value)
+        text = json.dumps(value)
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class HFConfig:

@@ -58,7 +58,10 @@ def test_genai_gets_the_models_special_ids_and_stops_where_edgeattn_stops(import
     manifest = json.loads((art / MANIFEST).read_text())["tokenizer"]
     model = json.loads((art / "genai_config.json").read_text())["model"]
     assert model["eos_token_id"] == manifest["eos_token_ids"] == [eos]
-    assert model["pad_token_id"] == manifest["pad_token_id"] and model["bos_token_id"] == manifest["bos_token_id"]
+    assert (
+        model["pad_token_id"] == manifest["pad_token_id"]
+        and model["bos_token_id"] == manifest["bos_token_id"]
+    )
     want = list(open_session(art).generate_ids(prompt, 16, temperature=0))  # stops before the EOS
     assert len(want) < 16
     got = genai_greedy(art, prompt, 16)

@@ -87,7 +87,11 @@ def write_json(name, data):
         ({"eos_token_id": "abc"}, None, 'eos_token_id must be a token id in [0, 320) or null, got "abc"'),
         ({"eos_token_id": 5000}, None, "eos_token_id must be a token id in [0, 320) or null, got 5000"),
         ({"eos_token_id": -1}, None, "eos_token_id must be a token id in [0, 320) or null, got -1"),
-        ({"eos_token_id": [1, 320]}, None, "eos_token_id must be a token id in [0, 320) or null, got [1, 320]"),
+        (
+            {"eos_token_id": [1, 320]},
+            None,
+            "eos_token_id must be a token id in [0, 320) or null, got [1, 320]",
+        ),
         ({"pad_token_id": 320}, None, "pad_token_id must be a token id in [0, 320) or null, got 320"),
         (
             {},
@@ -108,7 +112,11 @@ def write_json(name, data):
         ),
         ({"rope_parameters": {**ROPE, "rope_theta": -1}}, None, "rope_theta must be a finite number > 0"),
         ({"rope_theta": -1}, None, "config.json: rope_theta must be a finite number > 0, got -1"),
-        ({"partial_rotary_factor": -0.5}, None, "config.json: partial_rotary_factor must be a finite number > 0"),
+        (
+            {"partial_rotary_factor": -0.5},
+            None,
+            "config.json: partial_rotary_factor must be a finite number > 0",
+        ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256}},
             None,
@@ -206,7 +214,11 @@ def transformers_logits(src, ids):
         # the values the model was saved with
         (["rope_parameters"], {}, False),
         # the legacy key replaces rope_parameters, as transformers reads it
-        ([], {"rope_scaling": {"rope_type": "default", "rope_theta": 50.0, "partial_rotary_factor": 0.5}}, True),
+        (
+            [],
+            {"rope_scaling": {"rope_type": "default", "rope_theta": 50.0, "partial_rotary_factor": 0.5}},
+            True,
+        ),
         # top-level legacy fields where the rope object has none
         (["rope_parameters"], {"rope_theta": 80.0, "partial_rotary_factor": 1.0}, True),
     ],

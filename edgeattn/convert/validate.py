@@ -195,7 +195,9 @@ def checked_float32(name: str, t):
     import torch
 
     if not t.is_floating_point():
-        raise ValueError(f"weight {name} is stored as {str(t.dtype).removeprefix('torch.')}, not a float type")
+        raise ValueError(
+            f"weight {name} is stored as {str(t.dtype).removeprefix('torch.')}, not a float type"
+        )
     t = t.to(torch.float32)
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"weight {name} holds non-finite values (NaN or infinity)")

@@ -249,7 +249,11 @@ def write_genai_files(
     conf = genai_config(model.cfg, entries, max_length=max_length)
     (root / GENAI_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
     files = [GENAI_GRAPH, GENAI_CONFIG]
-    if model.cfg.vocab_size == 256 and not model.cfg.extra.get("tokenizer") and not (root / TOKENIZER).exists():
+    if (
+        model.cfg.vocab_size == 256
+        and not model.cfg.extra.get("tokenizer")
+        and not (root / TOKENIZER).exists()
+    ):
         (root / TOKENIZER).write_text(byte_tokenizer_json())
         files += [TOKENIZER, carry_tokenizer_config(None, root, max_length)]
     return files

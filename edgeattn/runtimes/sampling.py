@@ -25,7 +25,9 @@ def finite_logits(logits, what: str = "the model's logits") -> np.ndarray:
     with one line instead of printing garbage."""
     logits = np.asarray(logits, dtype=np.float64).reshape(-1)
     if not np.isfinite(logits).all():
-        raise ValueError(f"{what} hold NaN or infinity: nothing is sampled from them (broken weights or state)")
+        raise ValueError(
+            f"{what} hold NaN or infinity: nothing is sampled from them (broken weights or state)"
+        )
     return logits
 
 

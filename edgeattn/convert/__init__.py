@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
+from edgeattn.convert.validate import check_special_ids, check_tokenizer_files
 
 # model_type -> module in edgeattn.convert
 CONVERTERS = {
@@ -53,6 +54,7 @@ def convert_dir(src: str | os.PathLike):
         raise ValueError(
             f"cannot import: config field {e.args[0]} is missing from {src / 'config.json'}"
         ) from e
+    check_special_ids(src, config, cfg.vocab_size)
     model = EdgeLM(cfg)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
@@ -87,6 +89,7 @@ def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool 
         raise ValueError(f"{src}/config.json has no model_type: not a Hugging Face model directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
+    check_tokenizer_files(src, TOKENIZER_FILES)
     model, notes = convert_dir(src)
     check_tokenizer(src, model.cfg.vocab_size)
     if (src / "tokenizer.json").is_file():

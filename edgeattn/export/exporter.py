@@ -439,6 +439,10 @@ def export_model(
             files += [tokenizer["path"]] + (
                 [tokenizer["chat_template"]] if tokenizer["chat_template"] else []
             )
+            if genai:  # genai's Tokenizer reads tokenizer_config.json beside tokenizer.json
+                from edgeattn.export.genai import carry_tokenizer_config
+
+                files.append(carry_tokenizer_config(checkpoint, tmp, length))
         if include_checkpoint:
             shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
             files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]

@@ -169,6 +169,8 @@ class Session(ABC):
             )
             if not ok:
                 raise ValueError(f"state {name!r} must have shape {list(e.shape)}, got {list(arr.shape)}")
+            if not np.isfinite(arr).all():  # the model would compute NaN logits from it
+                raise ValueError(f"state {name!r} holds NaN or infinity")
         self._set_state({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
         if position is not None:
             self.position = int(position)

@@ -19,6 +19,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_p must lie in (0, 1] (1 keeps every token), got {top_p!r}")
 
 
+def finite_logits(logits, what: str = "the model's logits") -> np.ndarray:
+    """``logits`` as a float64 vector ``[V]``; ValueError unless every value is finite: NaN logits would
+    sample token 0 (argmax) or fail inside the sampler, so a broken model (NaN weights, a NaN state) stops
+    with one line instead of printing garbage."""
+    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if not np.isfinite(logits).all():
+        raise ValueError(
+            f"{what} hold NaN or infinity: nothing is sampled from them (broken weights or state)"
+        )
+    return logits
+
+
 def sample_next(
     logits: np.ndarray,
     *,
@@ -28,9 +40,10 @@ def sample_next(
     rng: np.random.Generator | None = None,
 ) -> int:
     """One token id from ``logits: [V]``. ``temperature <= 0`` is greedy, and so is a temperature so small
-    that ``logits / temperature`` overflows; ``top_k = 0`` and ``top_p = 1`` disable those filters."""
+    that ``logits / temperature`` overflows; ``top_k = 0`` and ``top_p = 1`` disable those filters.
+    Non-finite logits are a ValueError (``finite_logits``)."""
     check_sampling(temperature, top_k, top_p)
-    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    logits = finite_logits(logits)
     if temperature <= 0:
         return int(np.argmax(logits))
     with np.errstate(over="ignore", invalid="ignore"):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.runtimes.sampling import check_sampling, finite_logits, sample_next
 
 
 @dataclass
@@ -162,7 +162,8 @@ class Streams:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
-        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``."""
+        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
+        state or logits holding NaN or infinity is a ValueError naming the argument."""
         with self.lock:
             check_sampling(temperature, top_k, top_p)
             if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or int(max_new_tokens) < 0):
@@ -184,6 +185,8 @@ class Streams:
                 raise ValueError(
                     "give logits only without prompt_ids (the prompt's last logits come from prefill)"
                 )
+            if logits is not None:
+                finite_logits(logits, "logits")
             sess = self._single
             with sess.lock:
                 sess.reset()
@@ -292,6 +295,8 @@ class Streams:
             if n == 0:
                 return {}
             out, stopped = {}, []
+            for sid in self._rows:  # non-finite logits stop the step before any stream changes
+                finite_logits(self._streams[sid].logits, f"stream {sid}'s logits")
             for i, sid in enumerate(self._rows):
                 st = self._streams[sid]
                 tok = sample_next(st.logits, rng=st.rng, **st.sampling)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from edgeattn._deps import require
-from edgeattn.runtimes.sampling import check_sampling
+from edgeattn.runtimes.sampling import check_sampling, finite_logits
 
 torch = require("torch")
 
@@ -25,6 +25,8 @@ def sample_next(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: floa
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
     check_sampling(temperature, top_k, top_p)
+    if not bool(torch.isfinite(logits).all()):
+        finite_logits(logits.float().cpu().numpy())  # the sessions' one-line refusal
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(-1)

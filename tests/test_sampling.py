@@ -92,7 +92,9 @@ def test_repetition_penalty_changes_the_choice_before_sampling():
     assert sample_next(LOGITS, temperature=0, previous=[1]) == 1  # no penalty: unchanged
     assert sample_next(LOGITS, temperature=0, previous=[1], repetition_penalty=2.0) == 3
     rng = np.random.default_rng(0)
-    picks = [sample_next(LOGITS, temperature=0.5, previous=[1], repetition_penalty=4.0, rng=rng) for _ in range(50)]
+    picks = [
+        sample_next(LOGITS, temperature=0.5, previous=[1], repetition_penalty=4.0, rng=rng) for _ in range(50)
+    ]
     assert picks.count(3) > picks.count(1)
 
 

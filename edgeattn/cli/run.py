@@ -48,8 +48,6 @@ def run(
     repetition_penalty: Annotated[
         float,
         typer.Option(
-            min=0.0,
-            min_open=True,
             help="Divide the positive logits (multiply the negative ones) of tokens already in the text by this "
             "(transformers' repetition_penalty; 1: none).",
         ),

@@ -211,8 +211,14 @@ class Session(ABC):
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         check_sampling(temperature, top_k, top_p, repetition_penalty)  # before any work
-        if isinstance(repetition_window, bool) or not isinstance(repetition_window, int) or repetition_window < 0:
-            raise ValueError(f"repetition_window must be an integer >= 0 (0: every token), got {repetition_window!r}")
+        if (
+            isinstance(repetition_window, bool)
+            or not isinstance(repetition_window, int)
+            or repetition_window < 0
+        ):
+            raise ValueError(
+                f"repetition_window must be an integer >= 0 (0: every token), got {repetition_window!r}"
+            )
         rng = np.random.default_rng(seed)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length

@@ -47,7 +47,9 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def decode_figures(sess, marks: list[int], warmup: int = WARMUP, clock=time.perf_counter, rss=rss_mib) -> dict:
+def decode_figures(
+    sess, marks: list[int], warmup: int = WARMUP, clock=time.perf_counter, rss=rss_mib
+) -> dict:
     """{mark: {"ms_per_token", "rss_mib"}}: ``warmup`` untimed greedy steps, a reset to the empty state, then
     greedy steps up to the largest mark, each timed; the median of the WINDOW steps ending at each mark."""
     import numpy as np

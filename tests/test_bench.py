@@ -353,7 +353,9 @@ def test_the_demo_decode_benchmark_warms_up_before_timing():
 
     sess = ColdSession()
     figures = demo.decode_figures(sess, [64, 256], clock=lambda: sess.now, rss=lambda: 1.0)
-    assert figures[64]["ms_per_token"] == pytest.approx(1.0) and figures[256]["ms_per_token"] == pytest.approx(1.0)
+    assert figures[64]["ms_per_token"] == pytest.approx(1.0) and figures[256][
+        "ms_per_token"
+    ] == pytest.approx(1.0)
     assert sess.positions[-256:] == list(range(1, 257))  # the timed run starts from the empty state
 
 

@@ -50,7 +50,9 @@ def test_named_list_uses_the_default_template_like_transformers(setup):
         [{"role": "user", "content": "hello there"}], tokenize=False, add_generation_prompt=True
     )
     assert want.startswith("<|im_start|>user\nhello there") and "[TOOL]" not in want
-    res = runner.invoke(app, ["run", str(art), "--chat", "--prompt", "hello there", "-n", "3", "--temperature", "0"])
+    res = runner.invoke(
+        app, ["run", str(art), "--chat", "--prompt", "hello there", "-n", "3", "--temperature", "0"]
+    )
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith(want)
 
@@ -76,7 +78,10 @@ PROBES = {
     "huge range": ("{% for i in range(10**9) %}x{% endfor %}", "Range too big"),
     "recursive macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
     "huge string": ("{{ 'x' * 300000000 }}", "would exceed 1,000,000 characters"),
-    "huge output": ("{% for i in range(99999) %}{{ 'x' * 99 }}{% endfor %}", "would exceed 1,000,000 characters"),
+    "huge output": (
+        "{% for i in range(99999) %}{{ 'x' * 99 }}{% endfor %}",
+        "would exceed 1,000,000 characters",
+    ),
     "huge allocation": ("{{ 'x'|center(2000000000) }}", "MiB of memory"),
     "nested loops": (
         "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",

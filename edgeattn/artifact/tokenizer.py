@@ -160,7 +160,11 @@ def _default_template(value) -> str | None:
         return value
     if isinstance(value, list):
         for entry in value:
-            if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+            if (
+                isinstance(entry, dict)
+                and entry.get("name") == "default"
+                and isinstance(entry.get("template"), str)
+            ):
                 return entry["template"]
     return None
 

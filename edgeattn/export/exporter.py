@@ -215,7 +215,6 @@ def _export_graph(
             input_names=["input_ids", *[e["input"] for e in entries]],
             output_names=["logits", *[e["output"] for e in entries]],
             dynamic_axes=dynamic or None,
-            custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
 

@@ -126,6 +126,23 @@ def test_check_says_what_its_bits_per_byte_measured(artifact, tmp_path):
     assert float(re.search(r"torch (\d+\.\d+)", line).group(1)) == pytest.approx(want, abs=1e-4)
 
 
+def test_readme_shows_the_commands_that_export_cpp_example_prints(ckpt, tmp_path):
+    """The README says how to build the C++ example, with the commands `export --cpp-example` prints."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    res = invoke("export", ckpt, "--out", tmp_path / "art", "--prefill-chunk", PREFILL, "--cpp-example")
+    assert res.exit_code == 0, res.output
+    build = next(ln for ln in res.output.splitlines() if "cmake" in ln).strip()
+    commands = build.split(" && ")[1:]  # after `cd REPO`
+    assert len(commands) == 3 and "--cpp-example" in readme
+    assert "bash scripts/fetch_onnxruntime_headers.sh" in readme
+    assert " && ".join(commands[1:]) in readme
+    run_line = next(ln for ln in res.output.splitlines() if "build/cpp/generate" in ln).strip()
+    flags = run_line.split(" ", 2)[2]  # after the binary and the artifact
+    assert f"build/cpp/generate runs/gla.onnx {flags}" in readme
+
+
 def test_check_portable_reports_tensorrt_compatibility(ckpt, tmp_path):
     out = tmp_path / "p"
     assert (

@@ -27,7 +27,9 @@ import sys
 
 TIMEOUT_S = 5.0  # wall-clock seconds for one render, interpreter start included
 MAX_CHARS = 1_000_000  # characters of rendered text (and of any string or list a template builds with *)
-MEMORY_BYTES = 1 << 28  # the child's address space: 256 MiB, ample for MAX_CHARS of text
+MEMORY_BYTES = (
+    1 << 28
+)  # address space the render may add to the child's: 256 MiB, ample for MAX_CHARS of text
 
 
 def render_chat_template(template: str, **context) -> str:
@@ -129,13 +131,26 @@ def _render(template: str, context: dict, max_chars: int) -> str:
     return "".join(pieces)
 
 
+def _address_space() -> int | None:
+    """This process's virtual memory size (Linux's VmSize), None where /proc is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def _child() -> None:
     request = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    import jinja2.sandbox  # noqa: F401 - imported before the limits, which bound the render alone
+
     try:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
         resource.setrlimit(resource.RLIMIT_CPU, (request["cpu_s"], request["cpu_s"]))
+        used = _address_space()
+        if used is not None:  # what the interpreter already holds, plus MEMORY_BYTES for the render
+            resource.setrlimit(resource.RLIMIT_AS, (used + MEMORY_BYTES, used + MEMORY_BYTES))
     except (ImportError, ValueError, OSError):  # no resource module (Windows), or limits already lower
         pass
     try:

@@ -31,6 +31,7 @@ def bits_per_byte(logits: np.ndarray, targets: np.ndarray) -> float:
 class CheckReport:
     graphs: dict[str, dict] = field(default_factory=dict)  # name -> {max_abs, rel, ops}
     bpb: dict[str, float] = field(default_factory=dict)  # "torch" / "artifact"
+    bpb_text: str = ""  # what the bits per byte measured: which text, how many tokens and bytes
     tensorrt: list[str] | None = None
     tolerance: float = 0.0
 
@@ -85,7 +86,10 @@ def check_artifact(
     tolerance: float | None = None,
     text: bytes | None = None,
     threads: int | None = None,
+    text_name: str | None = None,
 ) -> CheckReport:
+    """``text`` (named ``text_name`` in the report; default: the start of Python's os.py) is fed as
+    ``tokens + 1`` tokens; the report's bits per byte are those of its last ``tokens`` tokens."""
     import onnx
 
     from edgeattn.export.compat import tensorrt_report
@@ -131,6 +135,11 @@ def check_artifact(
         "torch": bits_per_byte(full_want, targets) * per_byte,
         "artifact": bits_per_byte(full_got, targets) * per_byte,
     }
+    n_bytes = round(len(targets) / per_byte)
+    name = text_name if text is not None else os.__file__
+    report.bpb_text = f"{len(targets)} tokens ({n_bytes} bytes) predicted from the start of {name}" + (
+        "" if text is not None else ", not the training text"
+    )
     if m.target == "portable":
         report.tensorrt = sorted(
             set(tensorrt_report(onnx.load(str(m.graph_path("step")), load_external_data=False)))

@@ -147,7 +147,7 @@ def fixed_batch_reason(model, target: str) -> str | None:
     if any(getattr(block.mixer, "kv_buffer", None) for block in model.blocks):
         return (
             "mixer 'softmax' on the onnxruntime target uses GroupQueryAttention, whose prefill takes batch 1 "
-            "only once the cache holds tokens; export it with --target portable for a dynamic batch"
+            "only once the cache holds tokens"
         )
     return None
 
@@ -215,7 +215,6 @@ def _export_graph(
             input_names=["input_ids", *[e["input"] for e in entries]],
             output_names=["logits", *[e["output"] for e in entries]],
             dynamic_axes=dynamic or None,
-            custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
 
@@ -392,7 +391,10 @@ def export_model(
     kv_buffers = use_kv_buffers(model, target, length)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
     if reason:
-        raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
+        raise ValueError(
+            f"{reason}: for a dynamic batch export with --target portable; else export without --dynamic-batch "
+            "(--batch N fixes the batch)"
+        )
     entries = state_entries(model, batch_size)
     softmax_like = kv_buffers or any(isinstance(d, str) for e in entries for d in e["shape"])
 

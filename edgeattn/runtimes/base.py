@@ -202,14 +202,25 @@ class Session(ABC):
         top_p: float = 1.0,
         seed: int | None = None,
         stop_ids=None,
+        repetition_penalty: float = 1.0,
+        repetition_window: int = 0,
     ) -> Iterator[int]:
         """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
         stops before a token of ``stop_ids`` (default: the tokenizer's end-of-sequence ids), which is
         consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
-        ``edgeattn.runtimes.sampling.sample_next``."""
+        ``edgeattn.runtimes.sampling.sample_next``. ``repetition_penalty`` applies to the tokens of this
+        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers)."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
-        check_sampling(temperature, top_k, top_p)  # before any work
+        check_sampling(temperature, top_k, top_p, repetition_penalty)  # before any work
+        if (
+            isinstance(repetition_window, bool)
+            or not isinstance(repetition_window, int)
+            or repetition_window < 0
+        ):
+            raise ValueError(
+                f"repetition_window must be an integer >= 0 (0: every token), got {repetition_window!r}"
+            )
         rng = np.random.default_rng(seed)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length
@@ -224,8 +235,20 @@ class Session(ABC):
         if logits is None:
             raise ValueError("the prompt is empty")
         stop = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+        context = list(ids[0])  # the tokens the repetition penalty looks at
         for _ in range(max_new_tokens):
-            nxt = sample_next(logits[0], temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+            previous = context[-repetition_window:] if repetition_window else context
+            nxt = sample_next(
+                logits[0],
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                rng=rng,
+                repetition_penalty=repetition_penalty,
+                previous=previous,
+            )
+            if repetition_penalty != 1:
+                context.append(nxt)
             if nxt in stop:
                 self.step(np.array([[nxt]], dtype=np.int64))
                 return

@@ -45,6 +45,14 @@ class _Stream:
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
 
 
+def _layer_mixers(model: dict) -> list[str]:
+    """The manifest's model config's mixer per layer (``EdgeConfig.mixers``, without importing the model)."""
+    mixer, n = model.get("mixer", ""), int(model.get("n_layers", 0) or 0)
+    if isinstance(mixer, list):
+        return [str(x) for x in mixer]
+    return [x.strip() for x in mixer.split(",")] if "," in mixer else [mixer] * n
+
+
 class Streams:
     """N independent streams over one artifact, stepped together at batch N (see the module docstring)."""
 
@@ -67,12 +75,20 @@ class Streams:
                 f"{m.root} was exported with a fixed batch of {m.batch_size}: streams need graphs that take "
                 "any batch; export again with --dynamic-batch (and --batch 1)"
             )
-        grow = [e.input for e in m.state if any(isinstance(d, str) for d in e.shape[1:])]
-        if grow or any(e.shared for e in m.state):
+        cache = [e for e in m.state if e.shared or any(isinstance(d, str) for d in e.shape[1:])]
+        if cache:
+            layers = sorted({e.layer for e in cache})
+            mixers = _layer_mixers(m.data.get("model", {}))
+            kinds = sorted({mixers[i] for i in layers if i < len(mixers)}) or ["softmax"]
+            which = (
+                "every layer holds"
+                if len(layers) == len(mixers)
+                else f"{len(layers)} of its {len(mixers)} layers hold"
+            )
             raise ValueError(
-                f"{m.root} is a softmax KV-cache baseline (state {(grow or [m.state[0].input])[0]!r} grows "
-                "with every token, to a different length per stream): streams take fixed-size states only; "
-                "use a linear-attention model (or mixer 'swa')"
+                f"{m.root}: {which} a KV cache ({', '.join(kinds)}; layers {', '.join(map(str, layers))}), whose "
+                f"state ({cache[0].input!r}) grows with every token, to a different length per stream: streams take "
+                "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa')"
             )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")

@@ -45,6 +45,20 @@ class _Stream:
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
 
 
+def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
+    """Sample stream ``st``'s next token; record it in ``out`` (unless a stop token) and ``sid`` in
+    ``stopped`` when the stream ends with it. Returns the token, which the step consumes either way."""
+    tok = sample_next(st.logits, rng=st.rng, **st.sampling)
+    if tok in st.stop:
+        stopped.append(sid)
+    else:
+        out[sid] = tok
+        st.generated.append(tok)
+        if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
+            stopped.append(sid)
+    return tok
+
+
 class Streams:
     """N independent streams over one artifact, stepped together at batch N (see the module docstring)."""
 
@@ -184,24 +198,16 @@ class Streams:
                 raise ValueError(
                     "give logits only without prompt_ids (the prompt's last logits come from prefill)"
                 )
-            sess = self._single
-            with sess.lock:
-                sess.reset()
-                if isinstance(state, (str, os.PathLike)):
-                    sess.load_state(state)
-                elif state is not None:
-                    sess.set_state(state, position=int(position))
-                if ids is not None:
-                    last = sess.prefill(ids[None].astype(np.int64))[0]
-                else:
-                    last = np.asarray(logits, dtype=np.float32).reshape(-1)
-                    if last.shape != (self.manifest.vocab_size,):
-                        raise ValueError(
-                            f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
-                        )
-                row = sess.get_state()
-                pos = sess.position
-            stop = sess.tokenizer.eos_token_ids if stop_ids is None else stop_ids
+            if ids is not None:
+                row, last, pos = self.prefill(ids, state=state, position=position)
+            else:
+                last = np.asarray(logits, dtype=np.float32).reshape(-1)
+                if last.shape != (self.manifest.vocab_size,):
+                    raise ValueError(
+                        f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
+                    )
+                row, pos = self._load(state, position)
+            stop = self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
             self._streams[sid] = _Stream(
@@ -216,10 +222,47 @@ class Streams:
                 self._streams[sid].done = True
                 self._streams[sid].parked = row
                 return sid
-            cur = self._current()
-            self._rows.append(sid)
-            self._resize([np.concatenate([c, row[e.input]], 0) for c, e in zip(cur, self._entries)])
+            self._enter(sid, row)
             return sid
+
+    def _enter(self, sid: int, row: dict) -> None:
+        """Append stream ``sid`` with batch-1 state ``row`` to the batch."""
+        cur = self._current()
+        self._rows.append(sid)
+        self._resize([np.concatenate([c, row[e.input]], 0) for c, e in zip(cur, self._entries)])
+
+    def _load(self, state, position: int) -> tuple[dict, int]:
+        """A batch-1 state (dict or state-file path) checked against the model, and its position."""
+        sess = self._single
+        with sess.lock:
+            sess.reset()
+            if isinstance(state, (str, os.PathLike)):
+                sess.load_state(state)
+            else:
+                sess.set_state(state, position=int(position))
+            return sess.get_state(), sess.position
+
+    def prefill(self, prompt_ids, *, state=None, position: int = 0) -> tuple[dict, np.ndarray, int]:
+        """Consume ``prompt_ids`` (1-D) at batch 1, from zeros or from ``state`` (a batch-1 state dict
+        at ``position``, or a state-file path), without starting a stream: ``(state, next-token logits
+        [vocab], position)``, which ``add(state=..., logits=..., position=...)`` takes. A caller can so
+        prefill a long prompt in pieces between ``step`` calls; pieces that are multiples of the
+        manifest's prefill tokens give the same numbers as one call."""
+        with self.lock:
+            ids = np.asarray(prompt_ids)
+            if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+                raise ValueError(
+                    f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {list(ids.shape)}"
+                )
+            sess = self._single
+            with sess.lock:
+                sess.reset()
+                if isinstance(state, (str, os.PathLike)):
+                    sess.load_state(state)
+                elif state is not None:
+                    sess.set_state(state, position=int(position))
+                last = sess.prefill(ids[None].astype(np.int64))[0]
+                return sess.get_state(), np.array(last, dtype=np.float32), sess.position
 
     def _stream(self, sid) -> _Stream:
         if sid not in self._streams:
@@ -293,16 +336,7 @@ class Streams:
                 return {}
             out, stopped = {}, []
             for i, sid in enumerate(self._rows):
-                st = self._streams[sid]
-                tok = sample_next(st.logits, rng=st.rng, **st.sampling)
-                self._ids_np[i, 0] = tok
-                if tok in st.stop:
-                    stopped.append(sid)
-                else:
-                    out[sid] = tok
-                    st.generated.append(tok)
-                    if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
-                        stopped.append(sid)
+                self._ids_np[i, 0] = _sample(self._streams[sid], sid, out, stopped)
             self._step_graph.run_with_iobinding(self._bindings[self._cur])
             self._cur = 1 - self._cur
             logits = self._logits_np[:, 0].copy()  # [N, V]
@@ -317,4 +351,90 @@ class Streams:
             return out
 
 
-__all__ = ["Streams"]
+class SerialStreams(Streams):
+    """The ``Streams`` API, one live stream at a time, for the artifacts ``Streams`` refuses (a fixed
+    batch, a growing KV cache, a preallocated KV buffer): the live stream's state stays in one batch-1
+    session and ``step`` runs the step graph at batch 1. ``add`` (and ``prefill``) refuse while a stream
+    is live; a stopped stream keeps a copy of its state until ``drop`` as in ``Streams``."""
+
+    def __init__(self, artifact, *, threads: int | None = None, device: str | None = None):
+        from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
+
+        m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
+        if m.batch_size != 1:
+            raise ValueError(f"{m.root} was exported for batch {m.batch_size}; export again with --batch 1")
+        self.manifest = m
+        self.max_streams = 1
+        self.lock = threading.RLock()
+        self._single = OnnxRuntimeSession(m, threads=threads, device=device)
+        self._entries = list(m.state)
+        self._streams = {}
+        self._rows = []
+        self._next_id = 0
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        """Bytes of state one stream holds at the start (a growing cache counted empty)."""
+        return sum(4 * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)])) for e in self._entries)
+
+    def _busy(self) -> None:
+        if self._rows:
+            raise ValueError(
+                f"this artifact serves one stream at a time and stream {self._rows[0]} is live; drop it first"
+            )
+
+    def prefill(self, prompt_ids, *, state=None, position: int = 0):
+        with self.lock:
+            self._busy()
+            return super().prefill(prompt_ids, state=state, position=position)
+
+    def _load(self, state, position: int):
+        self._busy()
+        return super()._load(state, position)
+
+    def _enter(self, sid: int, row: dict) -> None:
+        self._single.set_state(row, position=self._streams[sid].position)
+        self._rows.append(sid)
+
+    def _park(self, sids: list[int]) -> None:
+        for sid in sids:
+            if sid in self._rows and sid in self._streams:
+                self._streams[sid].parked = self._single.get_state()
+        self._rows = [s for s in self._rows if s not in sids]
+
+    def get_state(self, sid: int) -> dict[str, np.ndarray]:
+        with self.lock:
+            st = self._stream(sid)
+            if st.parked is not None:
+                return {k: v.copy() for k, v in st.parked.items()}
+            return self._single.get_state()
+
+    def step(self) -> dict[int, int]:
+        with self.lock:
+            if not self._rows:
+                return {}
+            sid = self._rows[0]
+            st = self._streams[sid]
+            out, stopped = {}, []
+            tok = _sample(st, sid, out, stopped)
+            st.logits = np.array(self._single.step(np.array([[tok]], np.int64))[0], dtype=np.float32)
+            st.position += 1
+            if stopped:
+                st.done = True
+                self._park(stopped)
+            return out
+
+
+def open_streams(artifact, *, threads: int | None = None, device: str | None = None, max_streams=None):
+    """``Streams`` where the artifact batches, else ``SerialStreams``: ``(streams, reason)``, ``reason``
+    None or one line saying why the artifact runs one stream at a time."""
+    try:
+        return Streams(artifact, threads=threads, device=device, max_streams=max_streams), None
+    except ValueError as e:
+        m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
+        if m.batch_size != 1:
+            raise
+        return SerialStreams(m, threads=threads, device=device), str(e)
+
+
+__all__ = ["SerialStreams", "Streams", "open_streams"]

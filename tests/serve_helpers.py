@@ -76,6 +76,7 @@ class Server:
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         self.url = None
+        self._terminated = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             m = re.search(r"listening on (http://[\d.]+:\d+)", self.log())
@@ -112,7 +113,9 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
+        """One SIGTERM (a second one during the interpreter's teardown would end it by the signal)."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 20) -> int:

@@ -6,11 +6,14 @@ const params = new URLSearchParams(location.search);
 const apiKey = params.get("api_key");
 const maxTokens = Number(params.get("max_tokens") || 256);
 const state = { turns: [], busy: false, model: null, error: null };
+// One id per page: behind `edgeattn serve --ray` it keeps the conversation on the replica caching it.
+const sessionId = `chat-${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
 window.edgeattnChat = state;
 
 const $ = (id) => document.getElementById(id);
 const headers = () => ({
   "Content-Type": "application/json",
+  "x-session-id": sessionId,
   ...(apiKey ? { Authorization: `Bearer ${apiKey}` } : {}),
 });
 

@@ -62,7 +62,12 @@ def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
         h2 = engine.submit(Request(second, max_tokens=20, temperature=0))
         t2 = await h2.text()
         h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
-        return t1, h1, t2, h2, await h3.text(), h3
+        t3 = await h3.text()
+        # the conversation holds two states in memory: its last prompt's and its last reply's (the
+        # first turn's were superseded by the second prompt, which extends them)
+        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
+        assert engine.cache.bytes == 2 * entry
+        return t1, h1, t2, h2, t3, h3
 
     t1, h1, t2, h2, t3, h3 = _run(_with_engine(serve_gla, body, slots=2))
     assert t1 == greedy_text(serve_gla, first, 20) and h1.cached_tokens == 0

@@ -7,6 +7,10 @@ and prefills only ``tokens[n:]``. Only the lengths that are cached are hashed (o
 the ids), so a lookup costs O(len(tokens)) whatever the number of entries.
 
 Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes).
+The engine stores a prompt's state with ``supersede``: the entries of shorter prefixes of that prompt
+leave memory, since the conversation they belong to has moved on. A conversation so holds at most two
+states in memory whatever its length (its last prompt's and its last reply's); the price is that a
+branch from an older turn (an edited earlier message) misses in memory and is found on disk only.
 Disk (``directory``): every entry is also written as a state file (``edgeattn.runtimes.state_file``:
 checksummed, written atomically) named ``{n}-{key}.state``, holding the state tensors plus one more tensor,
 ``next_token_logits`` ``[1, vocab]``; the directory is indexed at start (by file name, nothing read), and an
@@ -131,12 +135,19 @@ class PrefixCache:
         self.misses += 1
         return None
 
-    def put(self, tokens, state: dict, logits) -> None:
-        """Store the state after ``tokens`` (a copy is not made: give arrays nobody changes)."""
+    def put(self, tokens, state: dict, logits, supersede: bool = False) -> None:
+        """Store the state after ``tokens`` (a copy is not made: give arrays nobody changes). With
+        ``supersede`` the entries of shorter prefixes of ``tokens`` leave memory (not the disk)."""
         if not self.enabled or len(tokens) == 0:
             return
         key = self.key(tokens)
         n = len(tokens)
+        if supersede:
+            for m, old in self._prefix_keys(np.asarray(tokens)):
+                if m < n and old in self._mem:
+                    self.bytes -= self._mem.pop(old).nbytes
+                    if old not in self._disk:
+                        self._unindex(m, old)
         entry = Entry(n, state, np.asarray(logits, dtype=np.float32).reshape(-1))
         if key in self._mem:
             self._mem.move_to_end(key)

@@ -21,7 +21,8 @@ and get their text through their own queue. Each iteration of the task:
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
 run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
 string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
-consumed, an end-of-sequence token included) is cached under those token ids.
+consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
+supersedes the cached states of shorter prefixes of it (see ``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
 or resumed from the cache. Without a cache hit the prompt is consumed in the same prefill-graph chunks as
@@ -337,7 +338,7 @@ class Engine:
             h.state = (state, logits, pos)
             if pos < n:
                 return False
-            self.cache.put(h.prompt, state, logits)
+            self.cache.put(h.prompt, state, logits, supersede=True)
         r = h.request
         h.sid = self.streams.add(
             state=state,

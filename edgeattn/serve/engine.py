@@ -389,7 +389,9 @@ class Engine:
         if h.finish_reason is not None or h.cancelled:
             return
         for tok in toks:
-            if tok in self.eos:
+            if tok in self.eos:  # the text ends: what the decoder held back is final
+                h._pending += h._decoder.flush()
+                self._emit(h, final=True)
                 h.finish_reason = "stop"
                 break
             h.completion_tokens += 1

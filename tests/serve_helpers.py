@@ -24,10 +24,11 @@ def export_tiny(
     from edgeattn.export import export_model
     from tests.export_helpers import make_checkpoint
 
-    ckpt = root / f"ckpt_{mixer.replace(',', '_')}"
+    tag = mixer.replace(",", "_") + "".join(f"_{k}{v}" for k, v in sorted(kw.items()))
+    ckpt = root / f"ckpt_{tag}"
     if not ckpt.exists():
         make_checkpoint(ckpt, mixer, **kw)
-    name = f"{mixer.replace(',', '_')}_{target}{'_dyn' if dynamic_batch else ''}"
+    name = f"{tag}_{target}{'_dyn' if dynamic_batch else ''}"
     return export_model(
         ckpt, root / name, target=target, prefill_chunk=SERVE_PREFILL, dynamic_batch=dynamic_batch
     )

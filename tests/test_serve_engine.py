@@ -215,3 +215,27 @@ def test_artifacts_that_cannot_batch_are_served_one_at_a_time(serve_root, kind):
     assert h2.cached_tokens == len(prompts[0]) + 16 and t2 == greedy_text(art, second, 16)
     if kind == "kv_buffer":
         assert engine.max_length is not None
+
+
+def test_a_kv_buffer_hybrid_exported_with_a_dynamic_batch_is_batched(serve_root):
+    # Gated DeltaNet + a softmax layer on a GroupQueryAttention KV buffer of 96 tokens
+    art = export_tiny(serve_root, "gated_deltanet,softmax", max_seq_len=96)
+    prompts = [text_prompt(n, 50 + i) for i, n in enumerate((20, 9, 35, 17))]
+    want = [greedy_text(art, p, 16) for p in prompts]
+    second = _ids(prompts[0]) + greedy_ids(art, _ids(prompts[0]), 16) + _ids("more")
+
+    async def body(engine):
+        hs = [engine.submit(Request(_ids(p), max_tokens=16, temperature=0)) for p in prompts]
+        texts = await asyncio.gather(*(h.text() for h in hs))
+        h = engine.submit(Request(second, max_tokens=16, temperature=0))
+        t2 = await h.text()
+        full = engine.submit(Request(_ids(prompts[2]), max_tokens=1000, temperature=0))  # 35 + 61 = 96
+        await full.text()
+        return engine, texts, t2, h, full, engine.metrics["steps"]
+
+    engine, texts, t2, h2, full, steps = _run(_with_engine(art, body, slots=4))
+    assert engine.serial_reason is None and engine.slots == 4
+    assert texts == want
+    assert h2.cached_tokens == len(prompts[0]) + 16 and t2 == greedy_text(art, second, 16)
+    assert full.finish_reason == "length" and full.completion_tokens == 96 - 35
+    assert full.usage["completion_tokens"] == 61

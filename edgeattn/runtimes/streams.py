@@ -17,7 +17,10 @@ end-of-sequence ids; the stop token is consumed into its state but not returned)
 The live streams' state sits in ``[N, ...]`` float32 buffers (two per state tensor, the step graph reads
 one and writes the other); ``add`` and ``drop`` gather and scatter rows and rebind, ``step`` only writes N
 token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
-(different lengths per stream) is refused. Thread safety: every public call holds ``streams.lock``.
+(different lengths per stream) is refused. A preallocated KV buffer (softmax layers on the onnxruntime
+target, manifest ``"shared": true``) batches: GroupQueryAttention takes each row's position, and the
+buffer is bound as both past and present (written in place); a stream stops when its buffer is full
+(the manifest's ``max_length``). Thread safety: every public call holds ``streams.lock``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class _Stream:
     generated: list = field(default_factory=list)
     done: bool = False
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
+    max_length: int | None = None  # the tokens its state can hold (a KV buffer's length)
 
 
 def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
@@ -54,7 +58,8 @@ def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
     else:
         out[sid] = tok
         st.generated.append(tok)
-        if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
+        full = st.max_length is not None and st.position + 1 >= st.max_length  # a KV buffer's last slot
+        if full or (st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens):
             stopped.append(sid)
     return tok
 
@@ -82,11 +87,11 @@ class Streams:
                 "any batch; export again with --dynamic-batch (and --batch 1)"
             )
         grow = [e.input for e in m.state if any(isinstance(d, str) for d in e.shape[1:])]
-        if grow or any(e.shared for e in m.state):
+        if grow:
             raise ValueError(
-                f"{m.root} is a softmax KV-cache baseline (state {(grow or [m.state[0].input])[0]!r} grows "
-                "with every token, to a different length per stream): streams take fixed-size states only; "
-                "use a linear-attention model (or mixer 'swa')"
+                f"{m.root} is a softmax KV-cache baseline (state {grow[0]!r} grows with every token, to a "
+                "different length per stream): streams take fixed-size states only; use a linear-attention "
+                "model (or mixer 'swa'), or export with --target onnxruntime (a preallocated KV buffer)"
             )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
@@ -115,10 +120,9 @@ class Streams:
         n = len(self._rows)
         if not state:
             state = [np.zeros((n, *self._row_shape(e)), np.float32) for e in self._entries]
-        self._bufs = [
-            [np.ascontiguousarray(s, dtype=np.float32) for s in state],
-            [np.empty_like(s) for s in state],
-        ]
+        first = [np.ascontiguousarray(s, dtype=np.float32) for s in state]
+        # a shared entry (a KV buffer GroupQueryAttention writes in place) is one buffer in both sets
+        self._bufs = [first, [s if e.shared else np.empty_like(s) for s, e in zip(first, self._entries)]]
         self._cur = 0
         V = self.manifest.vocab_size
         self._ids_np = np.zeros((n, 1), np.int64)
@@ -207,6 +211,11 @@ class Streams:
                         f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
                     )
                 row, pos = self._load(state, position)
+            if self.manifest.max_length is not None and pos >= self.manifest.max_length:
+                raise ValueError(
+                    f"the state holds {pos} tokens, this artifact's maximum ({self.manifest.max_length}): "
+                    "no room for a new token"
+                )
             stop = self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
@@ -217,6 +226,7 @@ class Streams:
                 max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
                 logits=np.array(last, dtype=np.float32),
                 position=pos,
+                max_length=self.manifest.max_length,
             )
             if max_new_tokens == 0:
                 self._streams[sid].done = True
@@ -375,7 +385,9 @@ class SerialStreams(Streams):
     @property
     def state_bytes_per_stream(self) -> int:
         """Bytes of state one stream holds at the start (a growing cache counted empty)."""
-        return sum(4 * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)])) for e in self._entries)
+        return sum(
+            4 * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)])) for e in self._entries
+        )
 
     def _busy(self) -> None:
         if self._rows:

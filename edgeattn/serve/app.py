@@ -21,6 +21,7 @@ without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. ``top_k`` (0: off
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -147,7 +148,7 @@ def create_app(
     async def auth(request: Request, call_next):
         if api_key is not None and request.url.path not in open_paths:
             header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
+            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
                 what = "no API key" if not header else "an incorrect API key"
                 return error_response(
                     401,

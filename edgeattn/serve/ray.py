@@ -10,7 +10,8 @@ deployment's HTTP requests before reading their body, so routing on the prompt i
 the deployment uses Ray's ``ConsistentHashRouter`` on the ``x-session-id`` header instead: every request of
 a conversation that carries the same ``x-session-id`` (the chat page sends one per page) reaches the same
 replica, hence its cache; requests without it are spread like any other. With ``--state-cache-dir`` the
-replicas share one directory, so an entry one replica wrote is found by the others on their next miss.
+replicas share one directory (each indexes it when it starts, so the entries of one are found by all
+after a restart).
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ What it measures: a GLA model (random weights: speed and memory do not depend on
    ``cached_tokens`` reported, and the cached server's RSS growth over the conversation next to the state
    bytes of one stream.
 
+``--model qwen35``: the imported Qwen3.5 layout at a small size (``SMALL``) instead, exported with
+``--dynamic-batch``: its softmax layers keep a KV buffer of ``--history`` + 512 tokens per stream, which
+``Streams`` copies whole when a stream joins or leaves the batch.
+
     python benchmarks/serve.py [--d-model 768 --layers 12 --heads 12] [--threads 2]
+    python benchmarks/serve.py --model qwen35 [--clients 1,4,16]   # the imported Qwen3.5 shape, small
     python benchmarks/serve.py --quick        # a tiny model, N = 1, 4: checks the harness
 
 Prints markdown tables, then one JSON line.
@@ -40,6 +45,21 @@ from streams import build  # noqa: E402  (the same --dynamic-batch GLA artifact)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
+SMALL = dict(  # the imported Qwen3.5 layout (benchmarks/imported.py) at a small size: ~14M parameters
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=8,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=True,
+)
 
 
 class Server:
@@ -190,6 +210,30 @@ async def conversation(server: Server, model: str, turns: int, history: int, rep
     return rows
 
 
+def build_qwen35(args, workdir: Path) -> Path:
+    """The imported Qwen3.5 shape at a small size (``SMALL``: 3 Gated DeltaNet layers to 1 softmax layer on a
+    KV buffer of ``--history`` + 512 tokens, random weights, byte-level tokenizer), exported with a dynamic
+    batch; reused when it exists."""
+    import imported
+
+    max_len = args.history + 512
+    art = workdir / f"qwen35-small-{max_len}-dyn"
+    if (art / "edgeattn.json").is_file():
+        return art
+    hf, _ = imported.build_hf(workdir, SMALL, max_len)
+    imported.cli("import", str(hf), "--out", str(workdir / "ckpt-qwen35"), "--force")
+    imported.cli(
+        "export",
+        str(workdir / "ckpt-qwen35"),
+        "--out",
+        str(art),
+        "--dynamic-batch",
+        "--no-checkpoint",
+        "--force",
+    )
+    return art
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d-model", type=int, default=768)
@@ -200,6 +244,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request in the concurrency rounds")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--history", type=int, default=4096, help="bytes of conversation after the last turn")
+    p.add_argument(
+        "--model", choices=("gla", "qwen35"), default="gla", help="qwen35: the imported Qwen3.5 shape, small"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="where the model is built (kept for reuse)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 1 and 4 clients, a short chat")
     args = p.parse_args(argv)
@@ -209,8 +256,9 @@ def main(argv=None) -> int:
     ns = [int(x) for x in args.clients.split(",")]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="edgeattn-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    art = build(args, workdir)
+    art = build(args, workdir) if args.model == "gla" else build_qwen35(args, workdir)
     params = json.loads((art / "edgeattn.json").read_text())["model"]
+    params = {k: params.get(k) for k in ("d_model", "n_layers", "n_heads", "vocab_size", "mixer")}
     model = art.name
     slots = str(max(ns))
     common = ["--threads", str(args.threads), "--slots", slots, "--max-queue", slots]
@@ -230,7 +278,7 @@ def main(argv=None) -> int:
 
     base = rows[0]["tokens_per_s"]
     print(
-        f"GLA d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab 256, --threads {args.threads}, "
+        f"{args.model}: {params}, --threads {args.threads}, "
         f"--slots {slots}; {args.max_tokens} streamed greedy tokens per request, one request per client"
     )
     print()

@@ -112,6 +112,7 @@ async def stream_one(client, model: str, *, prompt=None, messages=None, max_toke
     kw = dict(
         model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
     )
+    kw["extra_body"] = {"ignore_eos": True}  # random weights: a reply of max_tokens whatever they emit
     if messages is None:
         stream = await client.completions.create(prompt=prompt, **kw)
     else:

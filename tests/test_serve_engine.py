@@ -239,3 +239,28 @@ def test_a_kv_buffer_hybrid_exported_with_a_dynamic_batch_is_batched(serve_root)
     assert h2.cached_tokens == len(prompts[0]) + 16 and t2 == greedy_text(art, second, 16)
     assert full.finish_reason == "length" and full.completion_tokens == 96 - 35
     assert full.usage["completion_tokens"] == 61
+
+
+def test_ignore_eos_goes_on_past_end_of_sequence(serve_root):
+    # a byte-level model whose end-of-sequence id is a token it emits: the reply stops there, unless
+    # ignore_eos (vLLM's extension) asks for max_tokens whatever comes
+    from edgeattn.runtimes import open_session
+
+    art = export_tiny(serve_root, "gla")
+    prompt = _ids(text_prompt(12, 77))
+    free = greedy_ids(art, prompt, 12)
+    eos = free[5]
+
+    async def body(engine):
+        engine.eos = frozenset([eos])
+        a = engine.submit(Request(prompt, max_tokens=12, temperature=0))
+        b = engine.submit(Request(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+        return await a.text(), a, await b.text(), b
+
+    ta, a, tb, b = _run(_with_engine(art, body, slots=2, cache_mb=0))
+    sess = open_session(art)
+    want = list(sess.generate_ids(prompt, 12, temperature=0, stop_ids=[eos]))
+    assert a.finish_reason == "stop" and a.completion_tokens == len(want) and len(want) <= 5
+    assert ta == bytes(want).decode("utf-8", errors="replace")
+    assert b.finish_reason == "length" and b.completion_tokens == 12
+    assert tb == bytes(free).decode("utf-8", errors="replace")

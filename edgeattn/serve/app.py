@@ -14,8 +14,11 @@ Chat prompts: the artifact's chat template; a model without one (edgeattn's own 
 plain default ``"{role}: {content}\\n"`` per message followed by ``"assistant: "``, so that the next turn's
 prompt extends this turn's prompt and reply (and resumes from the cached state).
 
-Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
-without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. ``top_k`` (0: off) is an extension.
+Fields that would change the answer and that edgeattn does not implement (``echo``, ``logprobs``,
+``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
+naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
+without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
+``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
 """
 
 from __future__ import annotations
@@ -60,15 +63,46 @@ class _Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # accepted only at the values that change nothing, refused otherwise (never silently ignored)
+    logprobs: bool | int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do (None: all fine)."""
+        if self.logprobs not in (None, False, 0):
+            return "logprobs"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
 
 
 class TextPart(_Body):
@@ -266,6 +300,7 @@ def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
         top_k=body.top_k,
         seed=body.seed,
         stop=stop,
+        ignore_eos=body.ignore_eos,
     )
 
 
@@ -294,6 +329,9 @@ def _usage(h) -> dict:
 
 
 async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool):
+    field = body.unsupported()
+    if field is not None:
+        raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
     h = _submit(engine, _engine_request(body, ids))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())

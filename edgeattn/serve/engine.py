@@ -71,6 +71,7 @@ class Request:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
+    ignore_eos: bool = False  # go on past end-of-sequence tokens (as vLLM's extension; for benchmarks)
 
 
 _DONE = object()
@@ -94,6 +95,7 @@ class Handle:
         self.sid: int | None = None  # the stream, once prefilled
         self.state = None  # the prefill's (state, logits, position) between pieces
         self.max_new = request.max_tokens
+        self.eos = frozenset() if request.ignore_eos else engine.eos
         self._decoder = engine.tokenizer.decoder()
         self._pending = ""  # decoded text not yet handed out (it may begin a stop string)
         self._seen = 0  # tokens of the stream already decoded
@@ -365,7 +367,7 @@ class Engine:
             h._seen = len(gen)
             if new:
                 out[sid] = new
-            if self.streams.done(sid) or (new and new[-1] in self.eos):
+            if self.streams.done(sid) or (new and new[-1] in h.eos):
                 finished.append(sid)
         self.metrics["steps"] += 1
         self.metrics["step_rows"] += len(self._live)
@@ -389,7 +391,7 @@ class Engine:
         if h.finish_reason is not None or h.cancelled:
             return
         for tok in toks:
-            if tok in self.eos:  # the text ends: what the decoder held back is final
+            if tok in h.eos:  # the text ends: what the decoder held back is final
                 h._pending += h._decoder.flush()
                 self._emit(h, final=True)
                 h.finish_reason = "stop"

@@ -126,11 +126,12 @@ async def stream_one(client, model: str, *, prompt=None, messages=None, max_toke
         if piece:
             times.append(time.perf_counter())
             text.append(piece)
+    done = time.perf_counter()
     return {
         "start": t0,
-        "ttft": times[0] - t0,
+        "ttft": (times or [done])[0] - t0,  # a reply of invisible tokens only: its end
         "gaps": [b - a for a, b in zip(times, times[1:])],
-        "end": times[-1],
+        "end": done,
         "tokens": usage.completion_tokens,
         "cached": usage.prompt_tokens_details.cached_tokens,
         "prompt_tokens": usage.prompt_tokens,

@@ -241,12 +241,10 @@ def test_a_kv_buffer_hybrid_exported_with_a_dynamic_batch_is_batched(serve_root)
     assert full.usage["completion_tokens"] == 61
 
 
-def test_ignore_eos_goes_on_past_end_of_sequence(serve_root):
+def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
     # a byte-level model whose end-of-sequence id is a token it emits: the reply stops there, unless
     # ignore_eos (vLLM's extension) asks for max_tokens whatever comes
-    from edgeattn.runtimes import open_session
-
-    art = export_tiny(serve_root, "gla")
+    art = serve_gla
     prompt = _ids(text_prompt(12, 77))
     free = greedy_ids(art, prompt, 12)
     eos = free[5]

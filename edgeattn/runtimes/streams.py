@@ -14,9 +14,10 @@ token per ``step()``. A stream stops when it samples one of ``stop_ids`` (defaul
 end-of-sequence ids; the stop token is consumed into its state but not returned) or after
 ``max_new_tokens``; a stopped stream leaves the batch but keeps its state until ``drop``.
 
-The live streams' state sits in ``[N, ...]`` float32 buffers (two per state tensor, the step graph reads
-one and writes the other); ``add`` and ``drop`` gather and scatter rows and rebind, ``step`` only writes N
-token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
+The live streams' state sits in rows 0..N-1 of ``[capacity, ...]`` float32 buffers (two per state tensor,
+the step graph reads one and writes the other; capacity ``max_streams``, or doubled as needed); ``add``
+writes one row, ``drop`` moves the rows after it up, and both rebind views; ``step`` only writes N token
+ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
 (different lengths per stream) is refused. A preallocated KV buffer (softmax layers on the onnxruntime
 target, manifest ``"shared": true``) batches: GroupQueryAttention takes each row's position, and the
 buffer is bound as both past and present (written in place); a stream stops when its buffer is full
@@ -105,25 +106,32 @@ class Streams:
         self._streams: dict[int, _Stream] = {}
         self._rows: list[int] = []  # stream id of each batch row, in row order
         self._next_id = 0
-        self._bufs: list[list[np.ndarray]] = [[], []]  # two sets of [N, ...] state buffers
+        # two sets of [capacity, ...] state buffers; rows 0..N-1 hold the live streams, in self._rows order
+        self._bufs: list[list[np.ndarray]] = [[], []]
         self._cur = 0
-        self._resize([])
+        self._grow(self.max_streams or 1)
 
     # ---- the batch buffers ----
 
     def _row_shape(self, e) -> tuple:
         return tuple(e.shape[1:])
 
-    def _resize(self, state: list[np.ndarray]) -> None:
-        """Make ``state`` (one [N, ...] array per state tensor, N = len(self._rows)) the current buffers and
-        bind the step graph to them (A -> B and B -> A)."""
+    def _grow(self, capacity: int) -> None:
+        """Buffers for ``capacity`` rows (zeros: the OS commits pages as rows are used), the live rows
+        copied over; a shared entry (a KV buffer that GroupQueryAttention writes in place) is one array in
+        both sets."""
         n = len(self._rows)
-        if not state:
-            state = [np.zeros((n, *self._row_shape(e)), np.float32) for e in self._entries]
-        first = [np.ascontiguousarray(s, dtype=np.float32) for s in state]
-        # a shared entry (a KV buffer GroupQueryAttention writes in place) is one buffer in both sets
-        self._bufs = [first, [s if e.shared else np.empty_like(s) for s, e in zip(first, self._entries)]]
+        first = [np.zeros((capacity, *self._row_shape(e)), np.float32) for e in self._entries]
+        for new, old in zip(first, self._bufs[self._cur]):
+            new[:n] = old[:n]
+        self._bufs = [first, [a if e.shared else np.zeros_like(a) for a, e in zip(first, self._entries)]]
         self._cur = 0
+        self._capacity = capacity
+        self._bind()
+
+    def _bind(self) -> None:
+        """Bind the step graph to rows 0..N-1 of both sets (A -> B and B -> A): views, no copies."""
+        n = len(self._rows)
         V = self.manifest.vocab_size
         self._ids_np = np.zeros((n, 1), np.int64)
         self._logits_np = np.zeros((n, 1, V), np.float32)
@@ -133,7 +141,7 @@ class Streams:
         ort = self._ort
         ids = ort.OrtValue.ortvalue_from_numpy(self._ids_np)  # CPU OrtValues over the arrays' own memory
         logits = ort.OrtValue.ortvalue_from_numpy(self._logits_np)
-        vals = [[ort.OrtValue.ortvalue_from_numpy(a) for a in bufs] for bufs in self._bufs]
+        vals = [[ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in bufs] for bufs in self._bufs]
         self._vals = (ids, logits, vals)  # the OrtValues must outlive the bindings
         for p in (0, 1):
             io = self._step_graph.io_binding()
@@ -145,7 +153,9 @@ class Streams:
             self._bindings.append(io)
 
     def _current(self) -> list[np.ndarray]:
-        return self._bufs[self._cur]
+        """The live rows of the current set, [N, ...] views."""
+        n = len(self._rows)
+        return [a[:n] for a in self._bufs[self._cur]]
 
     # ---- the API ----
 
@@ -236,10 +246,14 @@ class Streams:
             return sid
 
     def _enter(self, sid: int, row: dict) -> None:
-        """Append stream ``sid`` with batch-1 state ``row`` to the batch."""
-        cur = self._current()
+        """Append stream ``sid`` with batch-1 state ``row`` to the batch: one row written."""
+        n = len(self._rows)
+        if n == self._capacity:
+            self._grow(2 * self._capacity)
+        for a, e in zip(self._bufs[self._cur], self._entries):
+            a[n] = row[e.input][0]
         self._rows.append(sid)
-        self._resize([np.concatenate([c, row[e.input]], 0) for c, e in zip(cur, self._entries)])
+        self._bind()
 
     def _load(self, state, position: int) -> tuple[dict, int]:
         """A batch-1 state (dict or state-file path) checked against the model, and its position."""
@@ -286,8 +300,16 @@ class Streams:
         for i, s in enumerate(self._rows):
             if s in sids and self._streams.get(s) is not None:
                 self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(cur, self._entries)}
+        out = [i for i, s in enumerate(self._rows) if s in sids]
+        if not out:
+            return
+        first = out[0]
+        tail = [i for i in keep if i > first]  # the rows after the first one out move up, in order
+        if tail:
+            for a in self._bufs[self._cur]:
+                a[first : first + len(tail)] = a[tail]
         self._rows = [self._rows[i] for i in keep]
-        self._resize([c[keep] for c in cur] if keep else [])
+        self._bind()
 
     def drop(self, sid: int) -> None:
         """Forget a stream (live or stopped) and free its row."""

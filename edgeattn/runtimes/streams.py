@@ -16,8 +16,8 @@ end-of-sequence ids; the stop token is consumed into its state but not returned)
 
 The live streams' state sits in rows 0..N-1 of ``[capacity, ...]`` float32 buffers (two per state tensor,
 the step graph reads one and writes the other; capacity ``max_streams``, or doubled as needed); ``add``
-writes one row, ``drop`` moves the rows after it up, and both rebind views; ``step`` only writes N token
-ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
+writes one row, ``drop`` moves the last row into the freed one, and both rebind views; ``step`` only
+writes N token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
 (different lengths per stream) is refused. A preallocated KV buffer (softmax layers on the onnxruntime
 target, manifest ``"shared": true``) batches: GroupQueryAttention takes each row's position, and the
 buffer is bound as both past and present (written in place); a stream stops when its buffer is full
@@ -165,7 +165,8 @@ class Streams:
 
     @property
     def live(self) -> list[int]:
-        """Ids of the streams that the next ``step`` advances, in batch-row order."""
+        """Ids of the streams that the next ``step`` advances, in batch-row order (a stream that leaves
+        the batch hands its row to the last one)."""
         return list(self._rows)
 
     @property
@@ -240,7 +241,7 @@ class Streams:
             )
             if max_new_tokens == 0:
                 self._streams[sid].done = True
-                self._streams[sid].parked = row
+                self._streams[sid].parked = {k: v.copy() for k, v in row.items()}
                 return sid
             self._enter(sid, row)
             return sid
@@ -257,6 +258,11 @@ class Streams:
 
     def _load(self, state, position: int) -> tuple[dict, int]:
         """A batch-1 state (dict or state-file path) checked against the model, and its position."""
+        if not isinstance(state, (str, os.PathLike)):  # a dict: checked here, no copy through the session
+            from edgeattn.runtimes.state_file import check_state
+
+            check_state(state, {e.input: tuple(e.shape) for e in self._entries}, source="state")
+            return {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}, int(position)
         sess = self._single
         with sess.lock:
             sess.reset()
@@ -295,20 +301,18 @@ class Streams:
 
     def _park(self, sids: list[int]) -> None:
         """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream."""
-        keep = [i for i, s in enumerate(self._rows) if s not in sids]
-        cur = self._current()
+        live = self._current()
         for i, s in enumerate(self._rows):
             if s in sids and self._streams.get(s) is not None:
-                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(cur, self._entries)}
-        out = [i for i, s in enumerate(self._rows) if s in sids]
-        if not out:
-            return
-        first = out[0]
-        tail = [i for i in keep if i > first]  # the rows after the first one out move up, in order
-        if tail:
-            for a in self._bufs[self._cur]:
-                a[first : first + len(tail)] = a[tail]
-        self._rows = [self._rows[i] for i in keep]
+                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(live, self._entries)}
+        rows, cur = self._rows, self._bufs[self._cur]
+        for i in sorted((i for i, s in enumerate(rows) if s in sids), reverse=True):
+            last = len(rows) - 1
+            if i != last:  # the last row moves into the freed one: one row copied, whatever N
+                for a in cur:
+                    a[i] = a[last]
+                rows[i] = rows[last]
+            rows.pop()
         self._bind()
 
     def drop(self, sid: int) -> None:

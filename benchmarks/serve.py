@@ -11,9 +11,9 @@ What it measures: a GLA model (random weights: speed and memory do not depend on
    (ITL, the gaps between streamed chunks); the server's RSS after the round.
 2. A 10-turn chat (``--turns``) whose history grows to ``--history`` bytes (= tokens, byte-level): each
    turn sends the whole conversation with a new user message and takes a 16-token greedy reply. Run
-   against a server with the prefix cache and one with ``--state-cache-mb 0``: TTFT per turn, the
-   ``cached_tokens`` reported, and the cached server's RSS growth over the conversation next to the state
-   bytes of one stream.
+   against a fresh server with the prefix cache (empty) and one with ``--state-cache-mb 0``: TTFT per turn,
+   the ``cached_tokens`` reported, and the cached server's RSS growth over the conversation next to the
+   state bytes of one stream. (``--parts`` runs one of the two.)
 
 ``--model qwen35``: the imported Qwen3.5 layout at a small size (``SMALL``) instead, exported with
 ``--dynamic-batch``: its softmax layers keep a KV buffer of ``--history`` + 512 tokens per stream, which
@@ -249,6 +249,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--model", choices=("gla", "qwen35"), default="gla", help="qwen35: the imported Qwen3.5 shape, small"
     )
+    p.add_argument("--parts", default="concurrency,conversation", help="which measurements to run")
     p.add_argument("--workdir", type=Path, default=None, help="where the model is built (kept for reuse)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 1 and 4 clients, a short chat")
     args = p.parse_args(argv)
@@ -256,6 +257,7 @@ def main(argv=None) -> int:
         args.d_model, args.layers, args.heads = 64, 2, 2
         args.clients, args.max_tokens, args.turns, args.history = "1,4", 8, 3, 600
     ns = [int(x) for x in args.clients.split(",")]
+    parts = set(args.parts.split(","))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="edgeattn-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     art = build(args, workdir) if args.model == "gla" else build_qwen35(args, workdir)
@@ -265,65 +267,69 @@ def main(argv=None) -> int:
     slots = str(max(ns))
     common = ["--threads", str(args.threads), "--slots", slots, "--max-queue", slots]
 
-    server = Server(art, *common, log=workdir / "serve-cache.log")
-    try:
-        rows = asyncio.run(concurrency(server, model, ns, args.max_tokens))
-        state_bytes = server.state_bytes()
-        cached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
-    finally:
-        server.stop()
-    server = Server(art, *common, "--state-cache-mb", "0", log=workdir / "serve-nocache.log")
-    try:
-        uncached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
-    finally:
-        server.stop()
+    rows, cached, uncached, state_bytes = [], [], [], None
+    if "concurrency" in parts:
+        server = Server(art, *common, log=workdir / "serve-load.log")
+        try:
+            rows = asyncio.run(concurrency(server, model, ns, args.max_tokens))
+            state_bytes = server.state_bytes()
+        finally:
+            server.stop()
+    if "conversation" in parts:  # fresh servers: an empty cache, so its growth is the conversation's
+        server = Server(art, *common, log=workdir / "serve-cache.log")
+        try:
+            state_bytes = server.state_bytes()
+            cached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
+        finally:
+            server.stop()
+        server = Server(art, *common, "--state-cache-mb", "0", log=workdir / "serve-nocache.log")
+        try:
+            uncached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
+        finally:
+            server.stop()
 
-    base = rows[0]["tokens_per_s"]
-    print(
-        f"{args.model}: {params}, --threads {args.threads}, "
-        f"--slots {slots}; {args.max_tokens} streamed greedy tokens per request, one request per client"
-    )
-    print()
-    print(
-        "| clients | aggregate tok/s | x 1 client | TTFT p50 / p99 ms | ITL p50 / p99 ms | server RSS MiB |"
-    )
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print(f"{args.model}: {params}, --threads {args.threads}, --slots {slots}")
+    if rows:
+        base = rows[0]["tokens_per_s"]
+        print(f"\n{args.max_tokens} streamed greedy tokens per request, one request per client:\n")
         print(
-            f"| {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
-            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
-            f"{r['rss_mib']:.0f} |"
+            "| clients | aggregate tok/s | x 1 client | TTFT p50 / p99 ms | ITL p50 / p99 ms | server RSS MiB |"
         )
-    print()
-    print(f"A {args.turns}-turn chat to {cached[-1]['prompt_tokens']} prompt tokens, 16-token replies:")
-    print()
-    print(
-        "| turn | prompt tokens | cached_tokens | TTFT ms, cache | TTFT ms, --state-cache-mb 0 | speed-up |"
-    )
-    print("|---|---|---|---|---|---|")
-    for a, b in zip(cached, uncached):
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
+                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+                f"{r['rss_mib']:.0f} |"
+            )
+    if cached:
         print(
-            f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | "
-            f"{b['ttft_ms'] / a['ttft_ms']:.1f}x |"
+            f"\nA {args.turns}-turn chat to {cached[-1]['prompt_tokens']} prompt tokens, 16-token replies:\n"
         )
-    print(
-        f"\nServer RSS growth over the cached conversation: {cached[-1]['rss_growth_mib']:.1f} MiB "
-        f"(one stream's state: {state_bytes / MiB:.2f} MiB)"
-    )
+        print(
+            "| turn | prompt tokens | cached_tokens | TTFT ms, cache | TTFT ms, --state-cache-mb 0 | speed-up |"
+        )
+        print("|---|---|---|---|---|---|")
+        for a, b in zip(cached, uncached):
+            print(
+                f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_ms']:.0f} | "
+                f"{b['ttft_ms']:.0f} | {b['ttft_ms'] / a['ttft_ms']:.1f}x |"
+            )
+        print(
+            f"\nServer RSS growth over the cached conversation (from an empty cache): "
+            f"{cached[-1]['rss_growth_mib']:.1f} MiB (one stream's state: {state_bytes / MiB:.2f} MiB)"
+        )
     ttft_cached = [a["ttft_ms"] for a in cached[1:]]
     print(
         json.dumps(
             {
                 "benchmark": "serve",
-                "model": {
-                    "mixer": "gla",
-                    **{k: params[k] for k in ("d_model", "n_layers", "n_heads", "vocab_size")},
-                },
+                "model": {"name": args.model, **params},
                 "threads": args.threads,
                 "max_tokens": args.max_tokens,
                 "concurrency": rows,
                 "conversation": {"cache": cached, "no_cache": uncached},
-                "last_turn_speedup": uncached[-1]["ttft_ms"] / cached[-1]["ttft_ms"],
+                "last_turn_speedup": uncached[-1]["ttft_ms"] / cached[-1]["ttft_ms"] if cached else None,
                 "cached_ttft_ms_median_turns_2_on": statistics.median(ttft_cached) if ttft_cached else None,
                 "state_bytes": state_bytes,
                 "load_average": os.getloadavg(),

@@ -170,6 +170,11 @@ class Streams:
         return list(self._rows)
 
     @property
+    def tokenizer(self):
+        """The artifact's tokenizer (as ``Session.tokenizer``)."""
+        return self._single.tokenizer
+
+    @property
     def state_bytes_per_stream(self) -> int:
         """Bytes of recurrent state one stream holds (all layers, float32)."""
         return sum(4 * int(np.prod(self._row_shape(e), dtype=np.int64)) for e in self._entries)
@@ -227,7 +232,7 @@ class Streams:
                     f"the state holds {pos} tokens, this artifact's maximum ({self.manifest.max_length}): "
                     "no room for a new token"
                 )
-            stop = self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids
+            stop = self.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
             self._streams[sid] = _Stream(

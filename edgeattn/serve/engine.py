@@ -155,7 +155,7 @@ class Engine:
         m = self.manifest = self.streams.manifest
         self.slots = 1 if self.serial_reason else int(slots)
         self.max_queue = int(max_queue)
-        self.tokenizer = self.streams._single.tokenizer
+        self.tokenizer = self.streams.tokenizer
         self.eos = frozenset(int(i) for i in self.tokenizer.eos_token_ids)
         self.max_length = m.max_length  # a KV buffer's length: prompt + reply must fit
         default = m.max_length if m.max_length is not None else FIXED_STATE_MAX_PROMPT

@@ -262,3 +262,21 @@ def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
     assert ta == bytes(want).decode("utf-8", errors="replace")
     assert b.finish_reason == "length" and b.completion_tokens == 12
     assert tb == bytes(free).decode("utf-8", errors="replace")
+
+
+def test_a_conversation_holds_two_states_whatever_its_length(serve_gla):
+    # each turn sends the history with the reply rewritten (as a reply with invalid UTF-8 comes back from
+    # a client): the cached reply state is not a prefix of the next prompt, and still leaves memory
+    async def body(engine):
+        history, previous, sizes = _ids(text_prompt(40, 9)), 0, []
+        for _ in range(4):
+            h = engine.submit(Request(history, max_tokens=8, temperature=0))
+            reply = await h.text()
+            assert h.cached_tokens == previous  # resumed from the last prompt, not from its reply
+            previous = len(history)
+            history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
+            sizes.append(engine.cache.bytes)
+        return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
+
+    sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
+    assert sizes == [2 * entry] * 4

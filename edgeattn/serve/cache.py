@@ -8,9 +8,11 @@ the ids), so a lookup costs O(len(tokens)) whatever the number of entries.
 
 Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes).
 The engine stores a prompt's state with ``supersede``: the entries of shorter prefixes of that prompt
-leave memory, since the conversation they belong to has moved on. A conversation so holds at most two
-states in memory whatever its length (its last prompt's and its last reply's); the price is that a
-branch from an older turn (an edited earlier message) misses in memory and is found on disk only.
+leave memory, since the conversation they belong to has moved on, and with them the state after the reply
+to each of those prompts (which the new prompt may not extend: a reply whose text re-encodes to other
+tokens). A conversation so holds at most two states in memory whatever its length (its last prompt's and
+its last reply's); the price is that a branch from an older turn (an edited earlier message), or another
+client's prompt that extends this conversation's, moves it out of memory (to the disk, if any).
 Disk (``directory``): every entry is also written as a state file (``edgeattn.runtimes.state_file``:
 checksummed, written atomically) named ``{n}-{key}.state``, holding the state tensors plus one more tensor,
 ``next_token_logits`` ``[1, vocab]``; the directory is indexed at start (by file name, nothing read), and an
@@ -72,6 +74,7 @@ class PrefixCache:
         self._mem: OrderedDict[str, Entry] = OrderedDict()
         self._disk: dict[str, Path] = {}
         self._lengths: dict[int, set[str]] = {}  # n -> keys held (memory or disk)
+        self._replies: dict[str, str] = {}  # prompt key -> key of the state after its reply
         self.bytes = 0
         self.hits = self.misses = self.hit_tokens = 0
         if self.directory is not None:
@@ -135,19 +138,23 @@ class PrefixCache:
         self.misses += 1
         return None
 
-    def put(self, tokens, state: dict, logits, supersede: bool = False) -> None:
+    def put(self, tokens, state: dict, logits, supersede: bool = False, reply_to: str | None = None) -> None:
         """Store the state after ``tokens`` (a copy is not made: give arrays nobody changes). With
-        ``supersede`` the entries of shorter prefixes of ``tokens`` leave memory (not the disk)."""
+        ``supersede`` the entries of shorter prefixes of ``tokens`` leave memory (not the disk), and so do
+        the replies recorded for them: ``reply_to`` is the key of the prompt this state is the reply to."""
         if not self.enabled or len(tokens) == 0:
             return
         key = self.key(tokens)
         n = len(tokens)
+        if reply_to is not None:
+            self._replies[reply_to] = key
         if supersede:
             for m, old in self._prefix_keys(np.asarray(tokens)):
-                if m < n and old in self._mem:
-                    self.bytes -= self._mem.pop(old).nbytes
-                    if old not in self._disk:
-                        self._unindex(m, old)
+                if m < n:
+                    self._forget(old)
+                    reply = self._replies.pop(old, None)
+                    if reply is not None and reply != key:
+                        self._forget(reply)
         entry = Entry(n, state, np.asarray(logits, dtype=np.float32).reshape(-1))
         if key in self._mem:
             self._mem.move_to_end(key)
@@ -162,6 +169,14 @@ class PrefixCache:
                 log.warning("prefix cache: cannot write %s: %s", path, e)
         self._remember(key, entry)
 
+    def _forget(self, key: str) -> None:
+        """Take ``key`` out of memory (a copy on disk stays findable)."""
+        entry = self._mem.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.nbytes
+            if key not in self._disk:
+                self._unindex(entry.n, key)
+
     def _remember(self, key: str, entry: Entry) -> None:
         size = entry.nbytes
         if size > self.capacity:
@@ -172,6 +187,7 @@ class PrefixCache:
         while self.bytes > self.capacity:
             old_key, old = self._mem.popitem(last=False)
             self.bytes -= old.nbytes
+            self._replies.pop(old_key, None)
             if old_key not in self._disk:
                 self._unindex(old.n, old_key)
 

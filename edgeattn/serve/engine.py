@@ -382,7 +382,12 @@ class Engine:
             gen = self.streams.generated(sid)
             if gen:
                 tokens = np.concatenate([h.prompt, np.asarray(gen, np.int64)])
-                self.cache.put(tokens, self.streams.get_state(sid), self.streams.logits(sid))
+                self.cache.put(
+                    tokens,
+                    self.streams.get_state(sid),
+                    self.streams.logits(sid),
+                    reply_to=self.cache.key(h.prompt),
+                )
             self.streams.drop(sid)
 
     # ---- on the loop: text, stop strings, the end ----

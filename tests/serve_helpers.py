@@ -78,6 +78,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         self.url = None
         self._terminated = False
+        self._final = None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             m = re.search(r"listening on (http://[\d.]+:\d+)", self.log())
@@ -111,6 +112,8 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
 
     def log(self) -> str:
+        if self._final is not None:
+            return self._final
         return self.log_path.read_text(errors="replace")
 
     def terminate(self) -> None:
@@ -127,6 +130,9 @@ class Server:
             self.proc.kill()
             rc = self.proc.wait()
         self._log.close()
+        if self._final is None:  # the text stays readable, the file goes
+            self._final = self.log_path.read_text(errors="replace")
+            self.log_path.unlink(missing_ok=True)
         return rc
 
 

@@ -124,7 +124,8 @@ class Streams:
         first = [np.zeros((capacity, *self._row_shape(e)), np.float32) for e in self._entries]
         for new, old in zip(first, self._bufs[self._cur]):
             new[:n] = old[:n]
-        self._bufs = [first, [a if e.shared else np.zeros_like(a) for a, e in zip(first, self._entries)]]
+        # np.zeros, not zeros_like (which writes its zeros, committing every page of every row at once)
+        self._bufs = [first, [a if e.shared else np.zeros(a.shape, np.float32) for a, e in zip(first, self._entries)]]
         self._cur = 0
         self._capacity = capacity
         self._bind()

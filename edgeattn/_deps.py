@@ -15,6 +15,11 @@ _EXTRA = {
     "tensorrt": "tensorrt",
     "tokenizers": "tokenizers",
     "jinja2": "tokenizers",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "sse_starlette": "serve",
+    "starlette": "serve",
+    "ray": "ray",
 }
 
 

@@ -15,5 +15,5 @@ echo "setting up $VENV (a few minutes the first time)..." >&2
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[train,dev,bench]"
+"$VENV/bin/python" -m pip install -q -e ".[train,dev,bench,serve,ray]"
 echo "$want" > "$stamp"

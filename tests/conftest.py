@@ -19,3 +19,19 @@ except ImportError:  # the base install runs a subset of the suite
 def _seed():
     if torch is not None:
         torch.manual_seed(0)
+
+
+# ---- the serve tests (tests/test_serve*.py): tiny artifacts exported once per session ----
+
+
+@pytest.fixture(scope="session")
+def serve_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="session")
+def serve_gla(serve_root):
+    """A --dynamic-batch GLA (byte-level, fixed-size state): what `edgeattn serve` batches."""
+    from tests.serve_helpers import export_tiny
+
+    return export_tiny(serve_root, "gla")

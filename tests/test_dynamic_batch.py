@@ -1,4 +1,5 @@
-"""Dynamic-batch export: symbolic leading dimension, batch-N calls equal N batch-1 calls, fixed mixers refused."""
+"""Dynamic-batch export: symbolic leading dimension, batch-N calls equal N batch-1 calls (KV buffers at a
+position per row), what cannot batch refused."""
 
 import json
 
@@ -78,16 +79,23 @@ def test_int8_with_a_dynamic_batch_is_refused(tmp_path):
         export_model(ckpt, tmp_path / "art", precision="int8", dynamic_batch=True)
 
 
-def test_gqa_softmax_without_a_dynamic_batch_is_refused(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "ckpt", "softmax")
-    with pytest.raises(ValueError, match="GroupQueryAttention.*--target portable") as e:
-        export_model(ckpt, tmp_path / "art", target="onnxruntime", dynamic_batch=True)
-    # one piece of advice per way out (it once read "...with --target portable for a dynamic batch: export
-    # without --dynamic-batch")
-    assert "for a dynamic batch export with --target portable; else export without --dynamic-batch" in str(
-        e.value
+def test_gqa_kv_buffer_steps_sequences_at_different_positions_in_one_batch(tmp_path):
+    # softmax layers on a GroupQueryAttention KV buffer (onnxruntime target) take a position per row
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gated_deltanet,softmax", max_seq_len=64)
+    art = export_model(
+        ckpt, tmp_path / "art", target="onnxruntime", prefill_chunk=PREFILL, dynamic_batch=True
     )
-    assert not (tmp_path / "art").exists()
+    m = Manifest.load(art)
+    assert m.dynamic_batch and any(e.shared for e in m.state)
+    sess = ort.InferenceSession(str(m.graph_path("step")))
+    feeds = _random_feeds(m, 1, np.random.default_rng(1))
+    together = sess.run(None, feeds)
+    for b in range(B):
+        alone = sess.run(None, {k: v[b : b + 1] for k, v in feeds.items()})
+        for x, y in zip(together, alone):
+            np.testing.assert_allclose(x[b : b + 1], y, rtol=0, atol=1e-5)
+    moved = dict(feeds, **{e.input: feeds[e.input] + 3 for e in m.state if e.name == "position"})
+    assert np.abs(sess.run(None, moved)[0] - together[0]).max() > 1e-3  # the positions matter
 
 
 def test_manifest_with_a_non_boolean_dynamic_batch_is_refused(tmp_path):
@@ -111,7 +119,6 @@ def test_cli_export_dynamic_batch_then_run_and_check(tmp_path):
     assert res.exit_code == 0, res.output
     res = invoke("check", tmp_path / "art", "--tokens", 40)
     assert res.exit_code == 0 and "OK" in res.output, res.output
-    sm = make_checkpoint(tmp_path / "sm", "softmax")
-    res = invoke("export", sm, "--out", tmp_path / "sm_art", "--dynamic-batch")
-    assert_bad_input(res, "GroupQueryAttention")
-    assert not (tmp_path / "sm_art").exists()
+    res = invoke("export", ckpt, "--out", tmp_path / "q_art", "--dynamic-batch", "--precision", "int8")
+    assert_bad_input(res, "int8 quantizes activations")
+    assert not (tmp_path / "q_art").exists()

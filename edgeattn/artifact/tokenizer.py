@@ -45,16 +45,21 @@ class ByteTokenizer:
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces as the ids arrive (multi-byte characters held back until complete)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = self.decoder()
         for tok in ids:
-            piece = decoder.decode(bytes([tok]))
+            piece = decoder.push(tok)
             if piece:
                 yield piece
-        tail = decoder.decode(b"", final=True)
+        tail = decoder.flush()
         if tail:
             yield tail
 
-    def apply_chat_template(self, prompt: str) -> str:
+    def decoder(self) -> _ByteDecoder:
+        """A push-style ``stream``: ``d.push(id)`` returns the text the id completes (maybe ""),
+        ``d.flush()`` what is left at the end."""
+        return _ByteDecoder()
+
+    def apply_chat_template(self, prompt: str | list[dict]) -> str:
         raise ValueError("--chat needs a model with a chat template; this artifact has none")
 
 
@@ -77,40 +82,60 @@ class HFTokenizer(ByteTokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
-    def stream(self, ids: Iterable[int]) -> Iterator[str]:
-        """Decode the growing sequence and yield what is new; a trailing U+FFFD (an incomplete byte
+    def decoder(self) -> _GrowingDecoder:
+        """Decode the growing sequence and give what is new; a trailing U+FFFD (an incomplete byte
         sequence of a byte-level BPE) waits for the next token."""
-        seen, done = [], ""
-        for tok in ids:
-            seen.append(int(tok))
-            text = self.decode(seen)
-            if text.endswith("\ufffd"):
-                continue
-            if text.startswith(done):
-                piece, done = text[len(done) :], text
-                if piece:
-                    yield piece
-        text = self.decode(seen)
-        if len(text) > len(done) and text.startswith(done):
-            yield text[len(done) :]
+        return _GrowingDecoder(self.decode)
 
     def token_text(self, tid) -> str:
         return "" if tid is None else (self.tok.id_to_token(int(tid)) or "")
 
-    def apply_chat_template(self, prompt: str) -> str:
-        """One user message formatted by the model's chat template, ready for the assistant's reply (rendered
-        in a sandboxed child process with bounded time and output: edgeattn.artifact.chat_template)."""
+    def apply_chat_template(self, prompt: str | list[dict]) -> str:
+        """One user message (or a list of ``{"role", "content"}`` messages) formatted by the model's chat
+        template, ready for the assistant's reply (rendered in a sandboxed child process with bounded time and
+        output: edgeattn.artifact.chat_template)."""
         if not self.chat_template:
             return super().apply_chat_template(prompt)
         from edgeattn.artifact.chat_template import render_chat_template
 
         return render_chat_template(
             self.chat_template,
-            messages=[{"role": "user", "content": prompt}],
+            messages=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
             add_generation_prompt=True,
             bos_token=self.token_text(self.bos_token_id),
             eos_token=self.token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
+
+
+class _ByteDecoder:
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tok: int) -> str:
+        return self._utf8.decode(bytes([tok]))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class _GrowingDecoder:
+    def __init__(self, decode):
+        self._decode, self._seen, self._done = decode, [], ""
+
+    def push(self, tok: int) -> str:
+        self._seen.append(int(tok))
+        text = self._decode(self._seen)
+        if text.endswith("\ufffd") or not text.startswith(self._done):
+            return ""
+        piece, self._done = text[len(self._done) :], text
+        return piece
+
+    def flush(self) -> str:
+        text = self._decode(self._seen)
+        if len(text) > len(self._done) and text.startswith(self._done):
+            piece, self._done = text[len(self._done) :], text
+            return piece
+        return ""
 
 
 def load_tokenizer(manifest) -> ByteTokenizer:

@@ -143,12 +143,11 @@ BATCH_DIM = "batch"  # the symbolic leading dimension of every graph tensor in a
 
 def fixed_batch_reason(model, target: str) -> str | None:
     """Why ``model`` cannot export with a dynamic batch for ``target`` (None when it can). Call after
-    ``use_kv_buffers``."""
-    if any(getattr(block.mixer, "kv_buffer", None) for block in model.blocks):
-        return (
-            "mixer 'softmax' on the onnxruntime target uses GroupQueryAttention, whose prefill takes batch 1 "
-            "only once the cache holds tokens"
-        )
+    ``use_kv_buffers``. Every model can today: a softmax layer on a GroupQueryAttention KV buffer takes a
+    position per sequence (its ``position`` state is ``[B]``), so a batch-N step of sequences at different
+    positions equals N batch-1 steps (what ``Streams`` runs); GroupQueryAttention's prefill with tokens
+    already in the buffer takes batch 1 only, so such an artifact prefills one sequence per call (as the
+    sessions and ``Streams`` do)."""
     return None
 
 

@@ -117,7 +117,8 @@ def load_state(
 def check_state(
     tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple], source: str = "state"
 ) -> None:
-    """Raise ValueError unless ``tensors`` has exactly the names of ``expected`` with matching shapes."""
+    """Raise ValueError unless ``tensors`` has exactly the names of ``expected`` with matching shapes and finite
+    values."""
     missing = [n for n in expected if n not in tensors]
     extra = [n for n in tensors if n not in expected]
     if missing or extra:
@@ -136,6 +137,8 @@ def check_state(
             raise ValueError(
                 f"{source}: state tensor {name} has shape {list(got)}, the artifact's is {list(shape)}"
             )
+        if not np.isfinite(tensors[name]).all():  # the model would compute NaN logits from it
+            raise ValueError(f"state {name!r} holds NaN or infinity ({source})")
 
 
 def _parse(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -14,10 +14,14 @@ token per ``step()``. A stream stops when it samples one of ``stop_ids`` (defaul
 end-of-sequence ids; the stop token is consumed into its state but not returned) or after
 ``max_new_tokens``; a stopped stream leaves the batch but keeps its state until ``drop``.
 
-The live streams' state sits in ``[N, ...]`` float32 buffers (two per state tensor, the step graph reads
-one and writes the other); ``add`` and ``drop`` gather and scatter rows and rebind, ``step`` only writes N
-token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
-(different lengths per stream) is refused. Thread safety: every public call holds ``streams.lock``.
+The live streams' state sits in rows 0..N-1 of ``[capacity, ...]`` float32 buffers (two per state tensor,
+the step graph reads one and writes the other; capacity ``max_streams``, or doubled as needed); ``add``
+writes one row, ``drop`` moves the last row into the freed one, and both rebind views; ``step`` only
+writes N token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
+(different lengths per stream) is refused. A preallocated KV buffer (softmax layers on the onnxruntime
+target, manifest ``"shared": true``) batches: GroupQueryAttention takes each row's position, and the
+buffer is bound as both past and present (written in place); a stream stops when its buffer is full
+(the manifest's ``max_length``). Thread safety: every public call holds ``streams.lock``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,22 @@ class _Stream:
     generated: list = field(default_factory=list)
     done: bool = False
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
+    max_length: int | None = None  # the tokens its state can hold (a KV buffer's length)
+
+
+def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
+    """Sample stream ``st``'s next token; record it in ``out`` (unless a stop token) and ``sid`` in
+    ``stopped`` when the stream ends with it. Returns the token, which the step consumes either way."""
+    tok = sample_next(st.logits, rng=st.rng, **st.sampling)
+    if tok in st.stop:
+        stopped.append(sid)
+    else:
+        out[sid] = tok
+        st.generated.append(tok)
+        full = st.max_length is not None and st.position + 1 >= st.max_length  # a KV buffer's last slot
+        if full or (st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens):
+            stopped.append(sid)
+    return tok
 
 
 def _layer_mixers(model: dict) -> list[str]:
@@ -75,7 +95,7 @@ class Streams:
                 f"{m.root} was exported with a fixed batch of {m.batch_size}: streams need graphs that take "
                 "any batch; export again with --dynamic-batch (and --batch 1)"
             )
-        cache = [e for e in m.state if e.shared or any(isinstance(d, str) for d in e.shape[1:])]
+        cache = [e for e in m.state if any(isinstance(d, str) for d in e.shape[1:])]
         if cache:
             layers = sorted({e.layer for e in cache})
             mixers = _layer_mixers(m.data.get("model", {}))
@@ -88,7 +108,8 @@ class Streams:
             raise ValueError(
                 f"{m.root}: {which} a KV cache ({', '.join(kinds)}; layers {', '.join(map(str, layers))}), whose "
                 f"state ({cache[0].input!r}) grows with every token, to a different length per stream: streams take "
-                "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa')"
+                "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa'), or "
+                "export with --target onnxruntime (a preallocated KV buffer)"
             )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
@@ -102,26 +123,33 @@ class Streams:
         self._streams: dict[int, _Stream] = {}
         self._rows: list[int] = []  # stream id of each batch row, in row order
         self._next_id = 0
-        self._bufs: list[list[np.ndarray]] = [[], []]  # two sets of [N, ...] state buffers
+        # two sets of [capacity, ...] state buffers; rows 0..N-1 hold the live streams, in self._rows order
+        self._bufs: list[list[np.ndarray]] = [[], []]
         self._cur = 0
-        self._resize([])
+        self._grow(self.max_streams or 1)
 
     # ---- the batch buffers ----
 
     def _row_shape(self, e) -> tuple:
         return tuple(e.shape[1:])
 
-    def _resize(self, state: list[np.ndarray]) -> None:
-        """Make ``state`` (one [N, ...] array per state tensor, N = len(self._rows)) the current buffers and
-        bind the step graph to them (A -> B and B -> A)."""
+    def _grow(self, capacity: int) -> None:
+        """Buffers for ``capacity`` rows (zeros: the OS commits pages as rows are used), the live rows
+        copied over; a shared entry (a KV buffer that GroupQueryAttention writes in place) is one array in
+        both sets."""
         n = len(self._rows)
-        if not state:
-            state = [np.zeros((n, *self._row_shape(e)), np.float32) for e in self._entries]
-        self._bufs = [
-            [np.ascontiguousarray(s, dtype=np.float32) for s in state],
-            [np.empty_like(s) for s in state],
-        ]
+        first = [np.zeros((capacity, *self._row_shape(e)), np.float32) for e in self._entries]
+        for new, old in zip(first, self._bufs[self._cur]):
+            new[:n] = old[:n]
+        # np.zeros, not zeros_like (which writes its zeros, committing every page of every row at once)
+        self._bufs = [first, [a if e.shared else np.zeros(a.shape, np.float32) for a, e in zip(first, self._entries)]]
         self._cur = 0
+        self._capacity = capacity
+        self._bind()
+
+    def _bind(self) -> None:
+        """Bind the step graph to rows 0..N-1 of both sets (A -> B and B -> A): views, no copies."""
+        n = len(self._rows)
         V = self.manifest.vocab_size
         self._ids_np = np.zeros((n, 1), np.int64)
         self._logits_np = np.zeros((n, 1, V), np.float32)
@@ -131,7 +159,7 @@ class Streams:
         ort = self._ort
         ids = ort.OrtValue.ortvalue_from_numpy(self._ids_np)  # CPU OrtValues over the arrays' own memory
         logits = ort.OrtValue.ortvalue_from_numpy(self._logits_np)
-        vals = [[ort.OrtValue.ortvalue_from_numpy(a) for a in bufs] for bufs in self._bufs]
+        vals = [[ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in bufs] for bufs in self._bufs]
         self._vals = (ids, logits, vals)  # the OrtValues must outlive the bindings
         for p in (0, 1):
             io = self._step_graph.io_binding()
@@ -143,7 +171,9 @@ class Streams:
             self._bindings.append(io)
 
     def _current(self) -> list[np.ndarray]:
-        return self._bufs[self._cur]
+        """The live rows of the current set, [N, ...] views."""
+        n = len(self._rows)
+        return [a[:n] for a in self._bufs[self._cur]]
 
     # ---- the API ----
 
@@ -153,8 +183,14 @@ class Streams:
 
     @property
     def live(self) -> list[int]:
-        """Ids of the streams that the next ``step`` advances, in batch-row order."""
+        """Ids of the streams that the next ``step`` advances, in batch-row order (a stream that leaves
+        the batch hands its row to the last one)."""
         return list(self._rows)
+
+    @property
+    def tokenizer(self):
+        """The artifact's tokenizer (as ``Session.tokenizer``)."""
+        return self._single.tokenizer
 
     @property
     def state_bytes_per_stream(self) -> int:
@@ -201,26 +237,22 @@ class Streams:
                 raise ValueError(
                     "give logits only without prompt_ids (the prompt's last logits come from prefill)"
                 )
-            if logits is not None:
+            if ids is not None:
+                row, last, pos = self.prefill(ids, state=state, position=position)
+            else:
                 finite_logits(logits, "logits")
-            sess = self._single
-            with sess.lock:
-                sess.reset()
-                if isinstance(state, (str, os.PathLike)):
-                    sess.load_state(state)
-                elif state is not None:
-                    sess.set_state(state, position=int(position))
-                if ids is not None:
-                    last = sess.prefill(ids[None].astype(np.int64))[0]
-                else:
-                    last = np.asarray(logits, dtype=np.float32).reshape(-1)
-                    if last.shape != (self.manifest.vocab_size,):
-                        raise ValueError(
-                            f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
-                        )
-                row = sess.get_state()
-                pos = sess.position
-            stop = sess.tokenizer.eos_token_ids if stop_ids is None else stop_ids
+                last = np.asarray(logits, dtype=np.float32).reshape(-1)
+                if last.shape != (self.manifest.vocab_size,):
+                    raise ValueError(
+                        f"logits must have shape [{self.manifest.vocab_size}], got {list(np.shape(logits))}"
+                    )
+                row, pos = self._load(state, position)
+            if self.manifest.max_length is not None and pos >= self.manifest.max_length:
+                raise ValueError(
+                    f"the state holds {pos} tokens, this artifact's maximum ({self.manifest.max_length}): "
+                    "no room for a new token"
+                )
+            stop = self.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
             self._streams[sid] = _Stream(
@@ -230,15 +262,62 @@ class Streams:
                 max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
                 logits=np.array(last, dtype=np.float32),
                 position=pos,
+                max_length=self.manifest.max_length,
             )
             if max_new_tokens == 0:
                 self._streams[sid].done = True
-                self._streams[sid].parked = row
+                self._streams[sid].parked = {k: v.copy() for k, v in row.items()}
                 return sid
-            cur = self._current()
-            self._rows.append(sid)
-            self._resize([np.concatenate([c, row[e.input]], 0) for c, e in zip(cur, self._entries)])
+            self._enter(sid, row)
             return sid
+
+    def _enter(self, sid: int, row: dict) -> None:
+        """Append stream ``sid`` with batch-1 state ``row`` to the batch: one row written."""
+        n = len(self._rows)
+        if n == self._capacity:
+            self._grow(2 * self._capacity)
+        for a, e in zip(self._bufs[self._cur], self._entries):
+            a[n] = row[e.input][0]
+        self._rows.append(sid)
+        self._bind()
+
+    def _load(self, state, position: int) -> tuple[dict, int]:
+        """A batch-1 state (dict or state-file path) checked against the model, and its position."""
+        if not isinstance(state, (str, os.PathLike)):  # a dict: checked here, no copy through the session
+            from edgeattn.runtimes.state_file import check_state
+
+            check_state(state, {e.input: tuple(e.shape) for e in self._entries}, source="state")
+            return {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}, int(position)
+        sess = self._single
+        with sess.lock:
+            sess.reset()
+            if isinstance(state, (str, os.PathLike)):
+                sess.load_state(state)
+            else:
+                sess.set_state(state, position=int(position))
+            return sess.get_state(), sess.position
+
+    def prefill(self, prompt_ids, *, state=None, position: int = 0) -> tuple[dict, np.ndarray, int]:
+        """Consume ``prompt_ids`` (1-D) at batch 1, from zeros or from ``state`` (a batch-1 state dict
+        at ``position``, or a state-file path), without starting a stream: ``(state, next-token logits
+        [vocab], position)``, which ``add(state=..., logits=..., position=...)`` takes. A caller can so
+        prefill a long prompt in pieces between ``step`` calls; pieces that are multiples of the
+        manifest's prefill tokens give the same numbers as one call."""
+        with self.lock:
+            ids = np.asarray(prompt_ids)
+            if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+                raise ValueError(
+                    f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {list(ids.shape)}"
+                )
+            sess = self._single
+            with sess.lock:
+                sess.reset()
+                if isinstance(state, (str, os.PathLike)):
+                    sess.load_state(state)
+                elif state is not None:
+                    sess.set_state(state, position=int(position))
+                last = sess.prefill(ids[None].astype(np.int64))[0]
+                return sess.get_state(), np.array(last, dtype=np.float32), sess.position
 
     def _stream(self, sid) -> _Stream:
         if sid not in self._streams:
@@ -247,13 +326,19 @@ class Streams:
 
     def _park(self, sids: list[int]) -> None:
         """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream."""
-        keep = [i for i, s in enumerate(self._rows) if s not in sids]
-        cur = self._current()
+        live = self._current()
         for i, s in enumerate(self._rows):
             if s in sids and self._streams.get(s) is not None:
-                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(cur, self._entries)}
-        self._rows = [self._rows[i] for i in keep]
-        self._resize([c[keep] for c in cur] if keep else [])
+                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(live, self._entries)}
+        rows, cur = self._rows, self._bufs[self._cur]
+        for i in sorted((i for i, s in enumerate(rows) if s in sids), reverse=True):
+            last = len(rows) - 1
+            if i != last:  # the last row moves into the freed one: one row copied, whatever N
+                for a in cur:
+                    a[i] = a[last]
+                rows[i] = rows[last]
+            rows.pop()
+        self._bind()
 
     def drop(self, sid: int) -> None:
         """Forget a stream (live or stopped) and free its row."""
@@ -314,16 +399,7 @@ class Streams:
             for sid in self._rows:  # non-finite logits stop the step before any stream changes
                 finite_logits(self._streams[sid].logits, f"stream {sid}'s logits")
             for i, sid in enumerate(self._rows):
-                st = self._streams[sid]
-                tok = sample_next(st.logits, rng=st.rng, **st.sampling)
-                self._ids_np[i, 0] = tok
-                if tok in st.stop:
-                    stopped.append(sid)
-                else:
-                    out[sid] = tok
-                    st.generated.append(tok)
-                    if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
-                        stopped.append(sid)
+                self._ids_np[i, 0] = _sample(self._streams[sid], sid, out, stopped)
             self._step_graph.run_with_iobinding(self._bindings[self._cur])
             self._cur = 1 - self._cur
             logits = self._logits_np[:, 0].copy()  # [N, V]
@@ -338,4 +414,92 @@ class Streams:
             return out
 
 
-__all__ = ["Streams"]
+class SerialStreams(Streams):
+    """The ``Streams`` API, one live stream at a time, for the artifacts ``Streams`` refuses (a fixed
+    batch, a growing KV cache, a preallocated KV buffer): the live stream's state stays in one batch-1
+    session and ``step`` runs the step graph at batch 1. ``add`` (and ``prefill``) refuse while a stream
+    is live; a stopped stream keeps a copy of its state until ``drop`` as in ``Streams``."""
+
+    def __init__(self, artifact, *, threads: int | None = None, device: str | None = None):
+        from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
+
+        m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
+        if m.batch_size != 1:
+            raise ValueError(f"{m.root} was exported for batch {m.batch_size}; export again with --batch 1")
+        self.manifest = m
+        self.max_streams = 1
+        self.lock = threading.RLock()
+        self._single = OnnxRuntimeSession(m, threads=threads, device=device)
+        self._entries = list(m.state)
+        self._streams = {}
+        self._rows = []
+        self._next_id = 0
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        """Bytes of state one stream holds at the start (a growing cache counted empty)."""
+        return sum(
+            4 * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)])) for e in self._entries
+        )
+
+    def _busy(self) -> None:
+        if self._rows:
+            raise ValueError(
+                f"this artifact serves one stream at a time and stream {self._rows[0]} is live; drop it first"
+            )
+
+    def prefill(self, prompt_ids, *, state=None, position: int = 0):
+        with self.lock:
+            self._busy()
+            return super().prefill(prompt_ids, state=state, position=position)
+
+    def _load(self, state, position: int):
+        self._busy()
+        return super()._load(state, position)
+
+    def _enter(self, sid: int, row: dict) -> None:
+        self._single.set_state(row, position=self._streams[sid].position)
+        self._rows.append(sid)
+
+    def _park(self, sids: list[int]) -> None:
+        for sid in sids:
+            if sid in self._rows and sid in self._streams:
+                self._streams[sid].parked = self._single.get_state()
+        self._rows = [s for s in self._rows if s not in sids]
+
+    def get_state(self, sid: int) -> dict[str, np.ndarray]:
+        with self.lock:
+            st = self._stream(sid)
+            if st.parked is not None:
+                return {k: v.copy() for k, v in st.parked.items()}
+            return self._single.get_state()
+
+    def step(self) -> dict[int, int]:
+        with self.lock:
+            if not self._rows:
+                return {}
+            sid = self._rows[0]
+            st = self._streams[sid]
+            out, stopped = {}, []
+            tok = _sample(st, sid, out, stopped)
+            st.logits = np.array(self._single.step(np.array([[tok]], np.int64))[0], dtype=np.float32)
+            st.position += 1
+            if stopped:
+                st.done = True
+                self._park(stopped)
+            return out
+
+
+def open_streams(artifact, *, threads: int | None = None, device: str | None = None, max_streams=None):
+    """``Streams`` where the artifact batches, else ``SerialStreams``: ``(streams, reason)``, ``reason``
+    None or one line saying why the artifact runs one stream at a time."""
+    try:
+        return Streams(artifact, threads=threads, device=device, max_streams=max_streams), None
+    except ValueError as e:
+        m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
+        if m.batch_size != 1:
+            raise
+        return SerialStreams(m, threads=threads, device=device), str(e)
+
+
+__all__ = ["SerialStreams", "Streams", "open_streams"]

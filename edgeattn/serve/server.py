@@ -1,0 +1,66 @@
+"""Running the app under uvicorn in this process: the engine, the start-up lines, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+
+MiB = 2**20
+
+
+def startup_lines(engine, name: str) -> list[str]:
+    """What the server says when it starts: the model, the batch, the state memory, the cache."""
+    m = engine.manifest
+    lines = [f"edgeattn serve: model {name!r} from {m.root} ({m.target}, {m.precision})"]
+    per = engine.state_bytes
+    lines.append(
+        f"  {engine.slots} slot(s) x {per / MiB:.2f} MiB of state = {engine.slots * per / MiB:.2f} MiB; "
+        f"queue {engine.max_queue}; prompts up to {engine.max_prompt_tokens} tokens"
+    )
+    if engine.serial_reason:
+        lines.append(f"  one stream at a time (no batching): {engine.serial_reason}")
+    c = engine.cache
+    where = f", on disk in {c.directory} ({len(c)} entries found)" if c.directory is not None else ""
+    lines.append(f"  prefix-state cache: {c.capacity / MiB:.0f} MiB in memory{where}")
+    return lines
+
+
+def run_server(artifact, name: str, api_key: str | None, *, sock: socket.socket, **options) -> None:
+    """Serve until SIGTERM or SIGINT: in-flight streams may finish for ``SHUTDOWN_DRAIN_S`` seconds, then
+    end cleanly; SIGTERM exits 0."""
+    import uvicorn
+
+    from edgeattn.serve.app import SHUTDOWN_DRAIN_S, create_app
+    from edgeattn.serve.engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    engine = Engine(artifact, **options)
+    app = create_app(engine, name, api_key)
+    for line in startup_lines(engine, name):
+        print(line, file=sys.stderr, flush=True)
+    host, port = sock.getsockname()[:2]
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.request_shutdown(SHUTDOWN_DRAIN_S)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=int(SHUTDOWN_DRAIN_S + 5),
+        lifespan="on",
+    )
+    server = Server(config)
+    print(
+        f"  listening on http://{host}:{port} (ready when GET /health answers 200)",
+        file=sys.stderr,
+        flush=True,
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; a SIGTERM handled here ends the
+    # process normally (exit 0) instead of by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    print("edgeattn serve: stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,75 @@
+"""`edgeattn serve` on an imported Qwen3.5 (Gated DeltaNet + softmax layers on a GroupQueryAttention KV
+buffer) with a Hugging Face tokenizer and chat template: served one request at a time (and said so), the
+chat prompt built by the model's template, the reply equal to transformers' own generate up to its EOS
+(finish_reason "stop"), streamed BPE pieces concatenating to it, the next turn resumed from the cache."""
+
+import pytest
+
+from tests.serve_helpers import start_server
+
+pytest.importorskip("transformers")
+
+QUESTION = "def main(args):\n    "
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(transformers model, HF tokenizer, artifact, eos): the EOS is a token the model greedily emits
+    a few tokens into its reply to the chat prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    from edgeattn.convert import import_model
+    from edgeattn.export import export_model
+    from tests.hf_helpers import hf_greedy, qwen3_5_text, train_tokenizer
+
+    root = tmp_path_factory.mktemp("serve_qwen")
+    src = root / "model"
+    model = qwen3_5_text(seed=3)
+    train_tokenizer(src, vocab_size=300)
+    tok = PreTrainedTokenizerFast.from_pretrained(src)
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    free = hf_greedy(model, list(ids), 16)
+    k = next(i for i in range(4, 16) if free[i] not in free[:i])
+    model.generation_config.eos_token_id = free[k]
+    model.save_pretrained(src)
+    import_model(src, root / "ckpt")
+    art = export_model(root / "ckpt", root / "art", prefill_chunk=16, max_length=256)
+    return model, tok, art, free[k]
+
+
+def test_imported_hybrid_chat_equals_transformers_generate(qwen):
+    from tests.hf_helpers import hf_greedy
+
+    model, tok, art, eos = qwen
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want_ids = hf_greedy(model, ids, 40)  # transformers stops after emitting the EOS
+    assert want_ids[-1] == eos and len(want_ids) < 40
+    want = tok.decode(want_ids[:-1])
+
+    s = start_server(art, "--slots", 4)
+    try:
+        assert "one stream at a time" in s.log()
+        c = s.client()
+        r = c.chat.completions.create(model="art", messages=messages, max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == want
+        assert r.choices[0].finish_reason == "stop"
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want_ids) - 1
+        chunks = c.chat.completions.create(
+            model="art", messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+        # the next turn: its prompt extends this one's (the template closes the reply with <|im_end|>)
+        turn2 = messages + [{"role": "assistant", "content": want}, {"role": "user", "content": "and then?"}]
+        ids2 = tok.apply_chat_template(turn2, add_generation_prompt=True)
+        ids2 = list(ids2["input_ids"] if hasattr(ids2, "keys") else ids2)
+        r2 = c.chat.completions.create(model="art", messages=turn2, max_tokens=8, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= len(ids)
+        want2 = hf_greedy(model, ids2, 8)
+        cut = want2[: want2.index(eos)] if eos in want2 else want2
+        assert r2.choices[0].message.content == tok.decode(cut)
+        assert r2.choices[0].finish_reason == ("stop" if eos in want2 else "length")
+    finally:
+        assert s.stop() == 0

@@ -1,0 +1,282 @@
+"""The serving engine without HTTP: greedy text equals a lone Session.generate alone, batched, with the
+prompt prefilled in pieces and resumed from the prefix cache; stop strings, cancel, the queue; the prefix
+cache's LRU and disk files; artifacts that cannot batch served one at a time."""
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from edgeattn.runtimes import open_session
+from edgeattn.serve.cache import PrefixCache
+from edgeattn.serve.engine import Engine, QueueFull, Request, ShuttingDown
+from tests.serve_helpers import SERVE_PREFILL, export_tiny, greedy_ids, greedy_text, text_prompt
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+async def _with_engine(art, body, **kw):
+    engine = Engine(art, **kw)
+    await engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.stop(0)
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_greedy_alone_and_batched_equals_session_generate(serve_gla):
+    # prompts across several prefill pieces (piece = 2 chunks), chunk-aligned and not, one of 1 token
+    prompts = [text_prompt(n, i) for i, n in enumerate((1, 7, SERVE_PREFILL, 2 * SERVE_PREFILL + 3, 90, 41))]
+    want = [greedy_text(serve_gla, p, 24) for p in prompts]
+
+    async def body(engine):
+        alone = await engine.submit(Request(_ids(prompts[4]), max_tokens=24, temperature=0)).text()
+        handles = [engine.submit(Request(_ids(p), max_tokens=24, temperature=0)) for p in prompts]
+        return alone, await asyncio.gather(*(h.text() for h in handles)), handles, engine.metrics["steps"]
+
+    alone, batched, handles, steps = _run(
+        _with_engine(serve_gla, body, slots=6, prefill_piece=2 * SERVE_PREFILL, cache_mb=0)
+    )
+    assert alone == want[4]
+    assert batched == want
+    assert all(h.finish_reason == "length" and h.completion_tokens == 24 for h in handles)
+    assert steps < 24 + 6 * 24  # the six decoded together, not one after another
+
+
+def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
+    first = _ids(text_prompt(70, 1))
+    reply = greedy_ids(serve_gla, first, 20)
+    second = first + reply + _ids(text_prompt(23, 2))  # a next turn: the history, then new text
+    want = greedy_text(serve_gla, second, 20)
+
+    async def body(engine):
+        h1 = engine.submit(Request(first, max_tokens=20, temperature=0))
+        t1 = await h1.text()
+        h2 = engine.submit(Request(second, max_tokens=20, temperature=0))
+        t2 = await h2.text()
+        h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
+        t3 = await h3.text()
+        # the conversation holds two states in memory: its last prompt's and its last reply's (the
+        # first turn's were superseded by the second prompt, which extends them)
+        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
+        assert engine.cache.bytes == 2 * entry
+        return t1, h1, t2, h2, t3, h3
+
+    t1, h1, t2, h2, t3, h3 = _run(_with_engine(serve_gla, body, slots=2))
+    assert t1 == greedy_text(serve_gla, first, 20) and h1.cached_tokens == 0
+    assert h2.cached_tokens == len(first) + len(reply)  # the state after the first prompt and its reply
+    assert t2 == want
+    assert h3.cached_tokens == len(second) and t3 == want
+
+    # the resumed state equals a fresh prefill up to rounding (other chunk boundaries, the reply stepped)
+    sess = open_session(serve_gla)
+    fresh = sess.prefill(np.array([second]))[0]
+    sess.reset()
+    sess.prefill(np.array([first]))
+    for tok in reply:
+        sess.step(np.array([[tok]]))
+    resumed = sess.prefill(np.array([second[len(first) + len(reply) :]]))[0]
+    assert np.abs(resumed - fresh).max() < 1e-4
+
+
+def test_a_long_prompt_is_prefilled_between_the_steps_of_others(serve_gla):
+    async def body(engine):
+        short = engine.submit(Request(_ids("short"), max_tokens=60, temperature=0))
+        first = await short.__anext__()  # the short one decodes
+        long = engine.submit(Request(_ids(text_prompt(30 * SERVE_PREFILL, 3)), max_tokens=1, temperature=0))
+        got = [first]
+        async for piece in short:
+            got.append(piece)
+            if long.finish_reason is not None:
+                break
+        await long.text()
+        return len("".join(got))
+
+    # 30 pieces of prefill, a step of the short stream after each: it advances while the long one prefills
+    advanced = _run(_with_engine(serve_gla, body, slots=2, prefill_piece=SERVE_PREFILL, cache_mb=0))
+    assert advanced >= 20
+
+
+def test_stop_strings_cancel_and_the_queue(serve_gla):
+    prompt = text_prompt(12, 5)
+    full = greedy_text(serve_gla, prompt, 40)
+    stop = full[10:12]
+    cut = full[: full.find(stop)]
+
+    async def body(engine):
+        h = engine.submit(Request(_ids(prompt), max_tokens=40, temperature=0, stop=[stop, "\x00never"]))
+        text = await h.text()
+        # slots 1, queue 1: a third request is refused; cancelling the running one frees its slot
+        a = engine.submit(Request(_ids(prompt), max_tokens=10_000, temperature=0))
+        b = engine.submit(Request(_ids(prompt), max_tokens=3, temperature=0))
+        with pytest.raises(QueueFull):
+            engine.submit(Request(_ids(prompt), max_tokens=3))
+        await a.__anext__()
+        a.cancel()
+        await a.text()
+        b_text = await b.text()
+        with pytest.raises(ValueError, match="max-prompt-tokens"):
+            engine.submit(Request(_ids(text_prompt(200, 0)), max_tokens=3))
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.submit(Request(_ids(prompt), max_tokens=0))
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit(Request(_ids(prompt), temperature=float("nan")))
+        with pytest.raises(ValueError, match="token ids must lie"):
+            engine.submit(Request([1, 999]))
+        engine.begin_shutdown(0)
+        with pytest.raises(ShuttingDown):
+            engine.submit(Request(_ids(prompt)))
+        return text, h, a, b_text
+
+    text, h, a, b_text = _run(_with_engine(serve_gla, body, slots=1, max_queue=1, max_prompt_tokens=100))
+    assert stop in full[:40] and text == cut and h.finish_reason == "stop"
+    assert a.completion_tokens < 10_000 and a.finish_reason == "length"
+    assert b_text == full[: len(b_text)] and len(b_text.encode()) == 3
+
+
+def test_utf8_characters_are_never_split():
+    from edgeattn.artifact.tokenizer import ByteTokenizer
+
+    text = "a€b😀c"
+    d = ByteTokenizer().decoder()
+    pieces = [d.push(b) for b in text.encode()] + [d.flush()]
+    assert "".join(pieces) == text
+    assert [p for p in pieces if p] == list(text)  # each character whole, once complete
+
+
+def test_prefix_cache_lru_and_disk(serve_gla, tmp_path, caplog):
+    sess = open_session(serve_gla)
+    m = sess.manifest
+    shapes = {e.input: tuple(e.shape) for e in m.state}
+    states = []
+    for n in (5, 9, 14):
+        sess.reset()
+        logits = sess.prefill(np.arange(n)[None] % 200)[0]
+        states.append((list(np.arange(n) % 200), sess.get_state(), logits))
+    size = sum(a.nbytes for a in states[0][1].values()) + states[0][2].nbytes
+    cache = PrefixCache(m.fingerprint, shapes, 2 * size)  # room for two entries
+    for toks, st, lg in states:
+        cache.put(toks, st, lg)
+    assert cache.bytes == 2 * size and len(cache) == 2
+    assert cache.lookup(list(range(5)) + [7]) is None  # the oldest (5 tokens) was evicted
+    hit = cache.lookup(list(range(14)) + [1, 2])
+    assert hit.n == 14 and np.array_equal(hit.logits, states[2][2])
+
+    disk = PrefixCache(m.fingerprint, shapes, 0, tmp_path / "c")  # disk only
+    for toks, st, lg in states:
+        disk.put(toks, st, lg)
+    files = sorted((tmp_path / "c").iterdir())
+    assert len(files) == 3
+    again = PrefixCache(m.fingerprint, shapes, size, tmp_path / "c")  # "after a restart"
+    hit = again.lookup(list(range(9)) + [3])
+    assert hit.n == 9
+    for name, a in states[1][1].items():
+        np.testing.assert_array_equal(hit.state[name], a)
+    # a flipped byte in the longest entry: skipped with one log line, the next longest used instead
+    path = next(f for f in files if f.name.startswith("14-"))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    fresh = PrefixCache(m.fingerprint, shapes, size, tmp_path / "c")
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        hit = fresh.lookup(list(range(14)))
+    assert hit.n == 9
+    assert len(caplog.records) == 1 and "corrupt" in caplog.records[0].getMessage()
+    foreign = PrefixCache("0" * 64, shapes, size, tmp_path / "c")  # another model's cache: never used
+    assert foreign.lookup(list(range(14))) is None
+
+
+@pytest.mark.parametrize("kind", ["kv_buffer", "fixed_batch"])
+def test_artifacts_that_cannot_batch_are_served_one_at_a_time(serve_root, kind):
+    if kind == "kv_buffer":  # a hybrid with a softmax layer on a GroupQueryAttention KV buffer
+        art = export_tiny(serve_root, "gated_deltanet,softmax", dynamic_batch=False, max_seq_len=160)
+    else:
+        art = export_tiny(serve_root, "gla", dynamic_batch=False)
+    prompts = [text_prompt(n, i) for i, n in enumerate((20, 9, 35))]
+    want = [greedy_text(art, p, 16) for p in prompts]
+    second = _ids(prompts[0]) + greedy_ids(art, _ids(prompts[0]), 16) + _ids("more")
+
+    async def body(engine):
+        hs = [engine.submit(Request(_ids(p), max_tokens=16, temperature=0)) for p in prompts]
+        texts = await asyncio.gather(*(h.text() for h in hs))
+        h = engine.submit(Request(second, max_tokens=16, temperature=0))
+        return engine, texts, await h.text(), h
+
+    engine, texts, t2, h2 = _run(_with_engine(art, body, slots=4))
+    assert engine.serial_reason and engine.slots == 1
+    assert texts == want
+    assert h2.cached_tokens == len(prompts[0]) + 16 and t2 == greedy_text(art, second, 16)
+    if kind == "kv_buffer":
+        assert engine.max_length is not None
+
+
+def test_a_kv_buffer_hybrid_exported_with_a_dynamic_batch_is_batched(serve_root):
+    # Gated DeltaNet + a softmax layer on a GroupQueryAttention KV buffer of 96 tokens
+    art = export_tiny(serve_root, "gated_deltanet,softmax", max_seq_len=96)
+    prompts = [text_prompt(n, 50 + i) for i, n in enumerate((20, 9, 35, 17))]
+    want = [greedy_text(art, p, 16) for p in prompts]
+    second = _ids(prompts[0]) + greedy_ids(art, _ids(prompts[0]), 16) + _ids("more")
+
+    async def body(engine):
+        hs = [engine.submit(Request(_ids(p), max_tokens=16, temperature=0)) for p in prompts]
+        texts = await asyncio.gather(*(h.text() for h in hs))
+        h = engine.submit(Request(second, max_tokens=16, temperature=0))
+        t2 = await h.text()
+        full = engine.submit(Request(_ids(prompts[2]), max_tokens=1000, temperature=0))  # 35 + 61 = 96
+        await full.text()
+        return engine, texts, t2, h, full, engine.metrics["steps"]
+
+    engine, texts, t2, h2, full, steps = _run(_with_engine(art, body, slots=4))
+    assert engine.serial_reason is None and engine.slots == 4
+    assert texts == want
+    assert h2.cached_tokens == len(prompts[0]) + 16 and t2 == greedy_text(art, second, 16)
+    assert full.finish_reason == "length" and full.completion_tokens == 96 - 35
+    assert full.usage["completion_tokens"] == 61
+
+
+def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
+    # a byte-level model whose end-of-sequence id is a token it emits: the reply stops there, unless
+    # ignore_eos (vLLM's extension) asks for max_tokens whatever comes
+    art = serve_gla
+    prompt = _ids(text_prompt(12, 77))
+    free = greedy_ids(art, prompt, 12)
+    eos = free[5]
+
+    async def body(engine):
+        engine.eos = frozenset([eos])
+        a = engine.submit(Request(prompt, max_tokens=12, temperature=0))
+        b = engine.submit(Request(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+        return await a.text(), a, await b.text(), b
+
+    ta, a, tb, b = _run(_with_engine(art, body, slots=2, cache_mb=0))
+    sess = open_session(art)
+    want = list(sess.generate_ids(prompt, 12, temperature=0, stop_ids=[eos]))
+    assert a.finish_reason == "stop" and a.completion_tokens == len(want) and len(want) <= 5
+    assert ta == bytes(want).decode("utf-8", errors="replace")
+    assert b.finish_reason == "length" and b.completion_tokens == 12
+    assert tb == bytes(free).decode("utf-8", errors="replace")
+
+
+def test_a_conversation_holds_two_states_whatever_its_length(serve_gla):
+    # each turn sends the history with the reply rewritten (as a reply with invalid UTF-8 comes back from
+    # a client): the cached reply state is not a prefix of the next prompt, and still leaves memory
+    async def body(engine):
+        history, previous, sizes = _ids(text_prompt(40, 9)), 0, []
+        for _ in range(4):
+            h = engine.submit(Request(history, max_tokens=8, temperature=0))
+            reply = await h.text()
+            assert h.cached_tokens == previous  # resumed from the last prompt, not from its reply
+            previous = len(history)
+            history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
+            sizes.append(engine.cache.bytes)
+        return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
+
+    sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
+    assert sizes == [2 * entry] * 4

@@ -1,0 +1,75 @@
+"""`edgeattn serve --ray --replicas N`: the Ray Serve deployment. The default run checks the deployment
+object (replicas, router, limits) and one replica of it served in-process to the official `openai`
+client; the slow test runs `--ray --replicas 2` on a local Ray instance and repeats the greedy checks."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.serve_helpers import greedy_ids, greedy_text, start_server, text_prompt
+
+pytest.importorskip("ray.serve")
+
+N = 16
+
+
+def test_the_deployment_object_and_one_replica_of_it(serve_gla):
+    from starlette.testclient import TestClient
+
+    from edgeattn.serve.ray import ROUTER, EdgeattnDeployment, build_deployment
+
+    app = build_deployment(serve_gla, "m", None, replicas=2, slots=3, max_queue=5)
+    d = app._bound_deployment
+    assert d.num_replicas == 2 and d.max_ongoing_requests == 3 + 5 + 8
+    assert d._deployment_config.request_router_config.request_router_class == ROUTER
+    assert d.func_or_class.__name__ == EdgeattnDeployment.__name__
+    # what each replica runs: the constructor's engine and app, lifespan included
+    replica = EdgeattnDeployment(str(serve_gla), "m", None, {"slots": 3, "max_queue": 5})
+    with TestClient(replica.__serve_build_asgi_app__()) as http:
+        c = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        prompts = [text_prompt(20 + 9 * i, 40 + i) for i in range(3)]
+        for p in prompts:
+            r = c.completions.create(model="m", prompt=p, max_tokens=N, temperature=0)
+            assert r.choices[0].text == greedy_text(serve_gla, p, N)
+        first = list(prompts[0].encode())
+        second = first + greedy_ids(serve_gla, first, N) + list(b"!")
+        r = c.completions.create(model="m", prompt=second, max_tokens=N, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(second) - 1
+        assert r.choices[0].text == greedy_text(serve_gla, second, N)
+
+
+@pytest.mark.slow
+def test_ray_replicas_give_the_greedy_text(serve_gla):
+    s = start_server(serve_gla, "--ray", "--replicas", 2, "--slots", 4, timeout=240)
+    try:
+        c = s.client()
+        prompts = [text_prompt(15 + 11 * i, 60 + i) for i in range(6)]
+        want = [greedy_text(serve_gla, p, N) for p in prompts]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(
+                pool.map(
+                    lambda p: (
+                        c.completions.create(model=serve_gla.name, prompt=p, max_tokens=N, temperature=0)
+                        .choices[0]
+                        .text
+                    ),
+                    prompts,
+                )
+            )
+        assert got == want
+        # the same x-session-id reaches the same replica, hence its prefix cache
+        sticky = s.client(default_headers={"x-session-id": "conversation-1"})
+        first = list(prompts[0].encode()) + list(b"#")
+        second = first + greedy_ids(serve_gla, first, N) + list(b"?")
+        sticky.completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
+        r = sticky.completions.create(model=serve_gla.name, prompt=second, max_tokens=N, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(second) - 1
+        assert r.choices[0].text == greedy_text(serve_gla, second, N)
+        stream = c.completions.create(
+            model=serve_gla.name, prompt=prompts[1], max_tokens=N, temperature=0, stream=True
+        )
+        assert "".join(ch.choices[0].text for ch in stream) == want[1]
+    finally:
+        rc = s.stop(timeout=60)
+    assert rc == 0, s.log()

@@ -142,7 +142,10 @@ class Streams:
         for new, old in zip(first, self._bufs[self._cur]):
             new[:n] = old[:n]
         # np.zeros, not zeros_like (which writes its zeros, committing every page of every row at once)
-        self._bufs = [first, [a if e.shared else np.zeros(a.shape, np.float32) for a, e in zip(first, self._entries)]]
+        self._bufs = [
+            first,
+            [a if e.shared else np.zeros(a.shape, np.float32) for a, e in zip(first, self._entries)],
+        ]
         self._cur = 0
         self._capacity = capacity
         self._bind()

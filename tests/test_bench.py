@@ -381,3 +381,6 @@ def test_the_demo_ends_with_one_sentence_of_result_before_its_json():
     assert "memory changed (+20.0 MiB" in demo.result_sentence("gla.onnx", results, 128, 8192)
     script = Path("scripts/demo.sh").read_text()
     assert "--steps" in script and "--time-budget" not in script
+    # the demo's sample uses the repetition penalty chosen on held-out seeds (it once printed 288 spaces)
+    run_line = next(ln for ln in script.splitlines() if ln.startswith("$E run "))
+    assert "--repetition-penalty 1.3 --repetition-window 64" in run_line and "--temperature 0.8" in run_line

@@ -19,7 +19,19 @@ from pathlib import Path
 from edgeattn._deps import require
 
 TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
+# Files an imported model's checkpoint and artifact carry for its tokenizer and chat template (those
+# that exist in the source directory).
+TOKENIZER_FILES = (
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    GENERATION_CONFIG,
+    CHAT_TEMPLATE,
+    "chat_template.json",
+)
 
 
 def load_hf_tokenizer(path: str | Path):
@@ -180,7 +192,7 @@ def tokenizer_info(src: str | Path, config: dict | None = None) -> dict | None:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{p} is not valid JSON: {e}") from e
 
-    gen, tcfg, config = read("generation_config.json"), read("tokenizer_config.json"), config or {}
+    gen, tcfg, config = read(GENERATION_CONFIG), read(TOKENIZER_CONFIG), config or {}
     text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
     def special(key):

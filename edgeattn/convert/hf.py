@@ -9,19 +9,11 @@ import json
 from pathlib import Path
 
 from edgeattn._deps import require
+from edgeattn.artifact.tokenizer import TOKENIZER_FILES  # noqa: F401  (its old import path)
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Files the artifact carries for its tokenizer and chat template (those that exist).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def model_type(path: str | Path) -> str | None:

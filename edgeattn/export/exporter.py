@@ -24,13 +24,19 @@ from pathlib import Path
 from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
-from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+from edgeattn.artifact.manifest import (
+    MANIFEST,
+    PRECISIONS,
+    TARGETS,
+    build_manifest,
+    sha256_file,
+    write_manifest,
+)
+from edgeattn.export.genai import GENAI_CONFIG, GENAI_GRAPH
 from edgeattn.export.optimize import TOKEN_AXIS  # the one graph's dynamic token dimension
 
 torch = require("torch")
 
-TARGETS = ("onnxruntime", "portable")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
 OPSET = 17
 FUSED_MIN_ORT = "1.31.0"
 # LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
@@ -423,7 +429,7 @@ def export_model(
                 convert_precision(tmp / name, precision, entries, **(quantization or {}))
         extra = []
         if genai:
-            from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
+            from edgeattn.export.genai import write_genai_files
 
             extra = write_genai_files(tmp, model, batch_size, max_length=length, optimize=optimize)
             graphs.append(GENAI_GRAPH)
@@ -444,36 +450,30 @@ def export_model(
             files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
         import onnxruntime
 
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fingerprint(checkpoint),
-            "producer": f"edgeattn {__version__}",
-            "model": cfg.to_dict(),
-            "vocab_size": cfg.vocab_size,
-            "batch_size": batch_size,
-            "dynamic_batch": dynamic_batch,
-            "target": target,
-            "precision": precision,
-            "opset": 21 if precision == "int4" else OPSET,
-            "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
-            "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
-            "max_length": length if softmax_like else None,
-            "inputs": {"input_ids": "input_ids"},
-            "outputs": {"logits": "logits"},
-            "graphs": {
+        manifest = build_manifest(
+            fingerprint=fingerprint(checkpoint),
+            producer=f"edgeattn {__version__}",
+            model=cfg.to_dict(),
+            batch_size=batch_size,
+            dynamic_batch=dynamic_batch,
+            target=target,
+            precision=precision,
+            opset=21 if precision == "int4" else OPSET,
+            requires={"onnxruntime": min_onnxruntime(cfg, target)},
+            exported_with={"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+            max_length=length if softmax_like else None,
+            graphs={
                 "step": {"path": "step.onnx", "tokens": 1},
                 # one graph: the same file, fed chunks of prefill_chunk (its token axis is dynamic)
                 "prefill": {"path": shapes[-1][0], "tokens": prefill_chunk},
             },
-            "state": entries,
-            "weights": weights,
-            "genai": {"graph": "model.onnx", "config": "genai_config.json"} if genai else None,
-            "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
-            "files": {f: {} for f in files},
-        }
-        if tokenizer is not None:
-            manifest["tokenizer"] = tokenizer
+            state=entries,
+            weights=weights,
+            genai={"graph": GENAI_GRAPH, "config": GENAI_CONFIG} if genai else None,
+            checkpoint=CHECKPOINT_DIR if include_checkpoint else None,
+            files=files,
+            tokenizer=tokenizer,
+        )
         write_manifest(tmp, manifest)
         replace_dir(tmp, out)
     except BaseException:

@@ -29,14 +29,14 @@ import warnings
 from pathlib import Path
 
 from edgeattn._deps import require
+from edgeattn.artifact.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
 from edgeattn.export.optimize import TOKEN_AXIS
 
 torch = require("torch")
 
 GENAI_GRAPH = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER = TOKENIZER_JSON
 STATE_NAMES = ("conv_state", "recurrent_state")
 PASS_THROUGH = (1, 1)  # the [C, W-1] of a layer's pass-through conv_state
 EOS_BYTE = 0

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.export.graph import sort_topologically
+
 
 class PrecisionWarning(UserWarning):
     """A reduced-precision graph whose logits differ from float32's by more than ``edgeattn check`` accepts."""
@@ -134,35 +136,6 @@ def _drop_round_trips(model) -> None:
             graph.node.remove(n)
 
 
-def _sort_topologically(model) -> None:
-    """The float16 converter appends its Casts at the end of the node list; ONNX (and TensorRT's parser) want
-    every node after the nodes whose outputs it reads."""
-    graph = model.graph
-    nodes = list(graph.node)
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
-    waiting = {i: {x for x in n.input if x not in available and x in producer} for i, n in enumerate(nodes)}
-    readers: dict[
-        int, dict[int, None]
-    ] = {}  # ordered sets: a node reading two outputs of one node waits once
-    for i, deps in waiting.items():
-        for x in deps:
-            readers.setdefault(producer[x], {})[i] = None
-    ready = [i for i, deps in waiting.items() if not deps]
-    order = []
-    while ready:
-        i = ready.pop(0)
-        order.append(i)
-        for j in readers.get(i, []):
-            waiting[j] = {x for x in waiting[j] if producer[x] != i}
-            if not waiting[j]:
-                ready.append(j)
-    if len(order) != len(nodes):
-        raise ValueError("the converted graph has a cycle; this is a bug in edgeattn's precision conversion")
-    del graph.node[:]
-    graph.node.extend(nodes[i] for i in order)
-
-
 def fp32_nodes(model, entries) -> list[str]:
     """The nodes an fp16 graph keeps in float32 besides ``FP32_OPS``: state reads and writes, gate and
     norm regions (``FP32_REGIONS``)."""
@@ -181,7 +154,7 @@ def _convert_version(model, opset: int):
     protobuf refuses over 2 GB; it rewrites nodes only); ``model`` takes the result, its large weights untouched."""
     from onnx import version_converter
 
-    from edgeattn.export.optimize import remove_initializers, without_large_weights
+    from edgeattn.export.graph import remove_initializers, without_large_weights
 
     g = model.graph
     light, big = without_large_weights(model)
@@ -203,7 +176,7 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
+    from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
 
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (32 or 128), got {block_size}")
@@ -261,7 +234,7 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
                 node_block_list=fp32_nodes(model, entries),
             )
             _drop_round_trips(converted)
-            _sort_topologically(converted)
+            sort_topologically(converted)
             onnx.save(converted, tmp)
         elif precision == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.sampling import check_sampling, sample_next
 
 
@@ -175,13 +175,13 @@ class Session(ABC):
 
     @_locked
     def save_state(self, path: str | os.PathLike) -> None:
-        from edgeattn.runtimes.state_file import save_state
+        from edgeattn.artifact.state_file import save_state
 
         save_state(path, self.get_state(), fingerprint=self.manifest.fingerprint, position=self.position)
 
     @_locked
     def load_state(self, path: str | os.PathLike) -> None:
-        from edgeattn.runtimes.state_file import load_state
+        from edgeattn.artifact.state_file import load_state
 
         tensors, meta = load_state(path)
         if meta.get("fingerprint") != self.manifest.fingerprint:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.sampling import check_sampling, sample_next
 
 
@@ -275,7 +275,7 @@ class Streams:
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:
         """Write the stream's state as a state file (``Session.load_state`` and ``add(state=path)`` read it)."""
-        from edgeattn.runtimes.state_file import save_state
+        from edgeattn.artifact.state_file import save_state
 
         with self.lock:
             save_state(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeattn._deps import require
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.base import Session
 
 

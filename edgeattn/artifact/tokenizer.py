@@ -34,6 +34,16 @@ TOKENIZER_FILES = (
 )
 
 
+def check_vocabulary(n_tokens: int, vocab_size: int, field: str = "") -> None:
+    """The one check that a tokenizer's ids all fit the model's vocabulary (ValueError in one line);
+    ``field`` names where the vocabulary size comes from."""
+    if n_tokens > vocab_size:
+        where = f" ({field})" if field else ""
+        raise ValueError(
+            f"the tokenizer has {n_tokens} tokens but the model's vocabulary{where} is {vocab_size}"
+        )
+
+
 def load_hf_tokenizer(path: str | Path):
     tokenizers = require("tokenizers")
     try:
@@ -163,10 +173,7 @@ def checkpoint_tokenizer(checkpoint: str | Path, cfg) -> ByteTokenizer:
         return ByteTokenizer()
     info = tokenizer_info(checkpoint)
     info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
-    if info["vocab_size"] > cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
-        )
+    check_vocabulary(info["vocab_size"], cfg.vocab_size)
     return HFTokenizer(checkpoint / TOKENIZER_JSON, info, info["chat_template"])
 
 

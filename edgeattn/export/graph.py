@@ -1,8 +1,12 @@
 """Small helpers on ONNX graphs (``onnx.ModelProto``, in memory) that the export passes share: the
-optimizer (``optimize``), the precision conversion (``precision``) and the exporter. Imports nothing of
-edgeattn, so the passes import it and not each other."""
+optimizer (``optimize``), the precision conversion (``precision``) and the exporter, and
+``release_memory`` between their large steps. Imports nothing of edgeattn, so the passes import it and not
+each other."""
 
 from __future__ import annotations
+
+import gc
+import sys
 
 import numpy as np
 
@@ -77,3 +81,16 @@ def sort_topologically(model) -> None:
         raise ValueError("the converted graph has a cycle; this is a bug in edgeattn's precision conversion")
     del graph.node[:]
     graph.node.extend(nodes[i] for i in order)
+
+
+def release_memory() -> None:
+    """Collect garbage and hand the freed heap back to the system (glibc keeps freed blocks for reuse, and
+    counts them in the process's resident memory until ``malloc_trim``)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass

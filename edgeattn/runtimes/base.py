@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.runtimes.decode import Decoder
 
 
 def _locked(method):
@@ -207,8 +207,14 @@ class Session(ABC):
         ``edgeattn.runtimes.sampling.sample_next``."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
-        check_sampling(temperature, top_k, top_p)  # before any work
-        rng = np.random.default_rng(seed)
+        dec = Decoder(  # checks the sampling arguments before any work
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_ids=self.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
+            max_new_tokens=max_new_tokens,
+        )
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length
         if limit is not None and self.position + ids.shape[1] + max_new_tokens > limit:
@@ -221,14 +227,11 @@ class Session(ABC):
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:
             raise ValueError("the prompt is empty")
-        stop = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
-        for _ in range(max_new_tokens):
-            nxt = sample_next(logits[0], temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
-            if nxt in stop:
-                self.step(np.array([[nxt]], dtype=np.int64))
-                return
+        while (nxt := dec.next(logits[0])) is not None:
             yield nxt
             logits = self.step(np.array([[nxt]], dtype=np.int64))  # the lock is taken per step
+        if dec.last in dec.stop_ids:  # a stop token: consumed into the state, not yielded
+            self.step(np.array([[dec.last]], dtype=np.int64))
 
     @_locked
     def generate(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> str:

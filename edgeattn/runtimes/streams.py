@@ -24,24 +24,19 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.runtimes.decode import Decoder
 
 
 @dataclass
 class _Stream:
-    sampling: dict
-    rng: np.random.Generator
-    stop: frozenset
-    max_new_tokens: int | None
+    decoder: Decoder  # sampling, stop ids, the tokens produced, done (as Session.generate_ids)
     logits: np.ndarray  # [V], the logits of the next token
     position: int
-    generated: list = field(default_factory=list)
-    done: bool = False
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
 
 
@@ -164,9 +159,14 @@ class Streams:
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``."""
         with self.lock:
-            check_sampling(temperature, top_k, top_p)
-            if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or int(max_new_tokens) < 0):
-                raise ValueError(f"max_new_tokens must be None or an integer >= 0, got {max_new_tokens!r}")
+            decoder = Decoder(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop_ids=self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
+                max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
+            )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")
             ids = None
@@ -201,19 +201,10 @@ class Streams:
                         )
                 row = sess.get_state()
                 pos = sess.position
-            stop = sess.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
-            self._streams[sid] = _Stream(
-                sampling={"temperature": temperature, "top_k": top_k, "top_p": top_p},
-                rng=np.random.default_rng(seed),
-                stop=frozenset(int(i) for i in stop),
-                max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
-                logits=np.array(last, dtype=np.float32),
-                position=pos,
-            )
-            if max_new_tokens == 0:
-                self._streams[sid].done = True
+            self._streams[sid] = _Stream(decoder, logits=np.array(last, dtype=np.float32), position=pos)
+            if decoder.done:  # max_new_tokens 0
                 self._streams[sid].parked = row
                 return sid
             cur = self._current()
@@ -247,12 +238,12 @@ class Streams:
     def done(self, sid: int) -> bool:
         """Whether the stream stopped (a stop token or ``max_new_tokens``)."""
         with self.lock:
-            return self._stream(sid).done
+            return self._stream(sid).decoder.done
 
     def generated(self, sid: int) -> list[int]:
         """The token ids the stream has produced (stop tokens excluded)."""
         with self.lock:
-            return list(self._stream(sid).generated)
+            return list(self._stream(sid).decoder.generated)
 
     def logits(self, sid: int) -> np.ndarray:
         """The stream's next-token logits ``[vocab]`` (a copy)."""
@@ -293,16 +284,13 @@ class Streams:
                 return {}
             out, stopped = {}, []
             for i, sid in enumerate(self._rows):
-                st = self._streams[sid]
-                tok = sample_next(st.logits, rng=st.rng, **st.sampling)
-                self._ids_np[i, 0] = tok
-                if tok in st.stop:
-                    stopped.append(sid)
-                else:
+                dec = self._streams[sid].decoder
+                tok = dec.next(self._streams[sid].logits)
+                self._ids_np[i, 0] = dec.last  # a stop token too: consumed into the state
+                if tok is not None:
                     out[sid] = tok
-                    st.generated.append(tok)
-                    if st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens:
-                        stopped.append(sid)
+                if dec.done:
+                    stopped.append(sid)
             self._step_graph.run_with_iobinding(self._bindings[self._cur])
             self._cur = 1 - self._cur
             logits = self._logits_np[:, 0].copy()  # [N, V]
@@ -311,8 +299,6 @@ class Streams:
                 st.logits = logits[i]
                 st.position += 1
             if stopped:
-                for sid in stopped:
-                    self._streams[sid].done = True
                 self._park(stopped)
             return out
 

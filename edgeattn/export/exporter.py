@@ -231,7 +231,7 @@ def _finish_graph(path: Path, target: str, optimize: bool = True, tie: bool = Fa
     if target == "onnxruntime" or tie:
         import onnx
 
-        from edgeattn.ops.common.fused_delta import fix_optional_inputs
+        from edgeattn.export.graph import fix_optional_inputs
 
         graph = onnx.load(str(path), load_external_data=False)
         # Over 2 GB torch writes each weight to its own file beside the graph: read them in, then remove

@@ -83,6 +83,22 @@ def sort_topologically(model) -> None:
     graph.node.extend(nodes[i] for i in order)
 
 
+def fix_optional_inputs(model) -> bool:
+    """Write the empty optional inputs the TorchScript exporter cannot (``edgeattn.ops.common.fused_delta``):
+    a 5-input "delta" LinearAttention gets ``""`` as its decay. Returns whether anything changed."""
+    changed = False
+    for node in model.graph.node:
+        if node.domain != MS or node.op_type != "LinearAttention":
+            continue
+        rule = next((a.s.decode() for a in node.attribute if a.name == "update_rule"), "gated_delta")
+        if rule == "delta" and len(node.input) == 5:
+            beta = node.input[4]
+            node.input[4] = ""
+            node.input.append(beta)
+            changed = True
+    return changed
+
+
 def release_memory() -> None:
     """Collect garbage and hand the freed heap back to the system (glibc keeps freed blocks for reuse, and
     counts them in the process's resident memory until ``malloc_trim``)."""

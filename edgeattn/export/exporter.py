@@ -517,12 +517,16 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
             if large:  # a full collection costs ~0.2 s: only where the memory matters
                 release_memory()
         _finish_graph(tmp / name, plan.target, plan.optimize, plan.tie)
+        if large:  # each pass's graph, freed, goes back to the system before the next one loads its own
+            release_memory()
     graphs = [name for name, _ in plan.shapes]
     if plan.precision != "fp32":
         from edgeattn.export.precision import convert_precision
 
         for name in graphs:
             convert_precision(tmp / name, plan.precision, entries, **(plan.quantization or {}))
+            if large:
+                release_memory()
     extra = []
     if plan.genai:
         from edgeattn.export.genai import write_genai_files

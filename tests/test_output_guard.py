@@ -80,10 +80,10 @@ def test_a_killed_export_of_a_hf_directory_leaves_no_temporary_checkpoint(hf_dir
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        # the export is under way once its temporary beside --out holds a graph being traced
+        # the export is under way once its temporary beside --out holds the model's weights or a graph
         while time.time() < deadline and proc.poll() is None:
             tmps = [p for p in tmp_path.glob(".art.tmp-*") if p.is_dir()]
-            if tmps and any(p.suffix == ".onnx" for p in tmps[0].iterdir()):
+            if tmps and any(p.suffix in (".onnx", ".safetensors") for p in tmps[0].rglob("*")):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the export ended before it could be killed"

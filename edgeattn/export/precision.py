@@ -292,30 +292,30 @@ def logit_error(
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
-    sessions = [ort.InferenceSession(m if isinstance(m, bytes) else str(m), so) for m in (reference, path)]
-    ids_input = next(i for i in sessions[0].get_inputs() if i.name not in {e["input"] for e in entries})
-    B, T = ids_input.shape
-    if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
-        B = entries[0]["shape"][0] if entries else 1
-    if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
-        T = 16
-    vocab = sessions[0].get_outputs()[0].shape[-1]
-    text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
-    text = text.reshape(calls, B, T)  # [calls, B, T]
-    states = [
-        {
+    names = {e["input"] for e in entries}
+    runs = []  # [calls] logits per graph: one session at a time, so that both never sit in memory together
+    for m in (reference, path):
+        sess = ort.InferenceSession(m if isinstance(m, bytes) else str(m), so)
+        ids_input = next(i for i in sess.get_inputs() if i.name not in names)
+        B, T = ids_input.shape
+        if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
+            B = entries[0]["shape"][0] if entries else 1
+        if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
+            T = 16
+        vocab = sess.get_outputs()[0].shape[-1]
+        text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
+        text = text.reshape(calls, B, T)  # [calls, B, T]
+        state = {
             e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], np.float32)
             for e in entries
         }
-        for _ in sessions
-    ]
-    diff = scale = 0.0
-    for c in range(calls):
         logits = []
-        for sess, state in zip(sessions, states):
+        for c in range(calls):
             out = sess.run(None, {ids_input.name: text[c], **state})
             state.update({e["input"]: o for e, o in zip(entries, out[1:])})
             logits.append(out[0].astype(np.float64))
-        diff = max(diff, float(np.abs(logits[1] - logits[0]).max()))
-        scale = max(scale, float(np.abs(logits[0]).max()))
+        runs.append(logits)
+        del sess
+    diff = max(float(np.abs(b - a).max()) for a, b in zip(*runs))
+    scale = max(float(np.abs(a).max()) for a in runs[0])
     return diff / max(scale, 1e-12)

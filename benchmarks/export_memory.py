@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--precision", default="int4")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeattn-export-memory"))
     ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
+    ap.add_argument("--layers", type=int, help="the published shape with this many layers (a smaller model)")
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -119,8 +120,11 @@ def main() -> None:
         return
     import imported
 
-    shape = imported.QUICK if a.quick else imported.FULL
-    root = a.workdir / ("quick" if a.quick else "full")
+    shape = dict(imported.QUICK if a.quick else imported.FULL)
+    label = "quick" if a.quick else "full"
+    if a.layers:
+        shape["num_hidden_layers"], label = a.layers, f"{label}-{a.layers}-layers"
+    root = a.workdir / label
     root.mkdir(parents=True, exist_ok=True)
     hf, params = imported.build_hf(root, shape, 4096)
     out, log = root / f"out-{a.precision}", root / "stages.log"
@@ -161,7 +165,7 @@ def main() -> None:
         s["peak_rss_mib"] = max(s["peak_rss_mib"], round(kib / 1024, 1))
     weights_mib = params * 4 / 2**20
     print(
-        f"export {a.precision} of {'QUICK' if a.quick else 'FULL'} ({params / 1e6:.0f} M parameters, "
+        f"export {a.precision} of {label} ({params / 1e6:.0f} M parameters, "
         f"{weights_mib:.0f} MiB fp32), load {os.getloadavg()[0]:.2f}"
     )
     print(f"| {'stage':40s} | start s | seconds | peak RSS MiB |")
@@ -177,7 +181,7 @@ def main() -> None:
         json.dumps(
             {
                 "precision": a.precision,
-                "shape": "quick" if a.quick else "full",
+                "shape": label,
                 "peak_rss_mib": round(peak, 1),
                 "ru_maxrss_mib": round(maxrss / 1024, 1),
                 "weights_fp32_mib": round(weights_mib, 1),

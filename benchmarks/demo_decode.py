@@ -1,9 +1,12 @@
 """Per-token decode latency and resident memory at 128 and 8192 generated tokens: an artifact next to a
 softmax KV-cache baseline of the same size.
 
-What it measures: each artifact runs in a fresh process (clean memory figures) that generates
---tokens tokens one step at a time through the ONNX Runtime session; latency is the mean of the 32
-steps ending at each mark, resident memory (RSS) is read at each mark. The baseline is a softmax model
+What it measures: each artifact runs in a fresh process (clean memory figures) that first warms up
+(WARMUP steps, then a reset to the empty state: ONNX Runtime's first runs allocate, fill caches and start
+threads, and once made a cold 128-token figure slower than the 8192-token one), then generates up to the
+largest mark one step at a time through the ONNX Runtime session; latency is the median of the 32 steps
+ending at each mark (the median: other jobs on a shared machine add outliers), resident memory (RSS) is
+read at each mark. The baseline is a softmax model
 with the artifact's config (random weights: speed and memory do not depend on them). Why: a linear-
 attention model's latency and memory stay flat while the KV cache grows with every token.
 
@@ -16,33 +19,55 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-WORKER = r"""
-import json, resource, sys, time
-import numpy as np
+WARMUP = 128  # untimed steps before the timed run (at most the largest mark)
+WINDOW = 32  # timed steps ending at each mark
+
+# The worker process: this file's decode_figures on a fresh session.
+WORKER = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from demo_decode import decode_figures
 from edgeattn.runtimes import open_session
 art, threads, marks = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
-sess = open_session(art, threads=threads)
-rng = np.random.default_rng(0)
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-times, out = [], {}
-ids = np.zeros((1, 1), dtype=np.int64)
-for t in range(1, max(marks) + 1):
-    t0 = time.perf_counter()
-    logits = sess.step(ids)
-    times.append(time.perf_counter() - t0)
-    ids[0, 0] = int(np.argmax(logits[0]))
-    if t in marks:
-        window = times[-32:]
-        out[t] = {"ms_per_token": 1e3 * sum(window) / len(window), "rss_mib": rss() / 2**20}
-print(json.dumps(out))
+print(json.dumps(decode_figures(open_session(art, threads=threads), marks)))
 """
+
+
+def rss_mib() -> float:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def decode_figures(
+    sess, marks: list[int], warmup: int = WARMUP, clock=time.perf_counter, rss=rss_mib
+) -> dict:
+    """{mark: {"ms_per_token", "rss_mib"}}: ``warmup`` untimed greedy steps, a reset to the empty state, then
+    greedy steps up to the largest mark, each timed; the median of the WINDOW steps ending at each mark."""
+    import numpy as np
+
+    ids = np.zeros((1, 1), dtype=np.int64)
+    for _ in range(min(warmup, max(marks))):
+        ids[0, 0] = int(np.argmax(sess.step(ids)[0]))
+    sess.reset()
+    ids[0, 0] = 0
+    times, out = [], {}
+    for t in range(1, max(marks) + 1):
+        t0 = clock()
+        logits = sess.step(ids)
+        times.append(clock() - t0)
+        ids[0, 0] = int(np.argmax(logits[0]))
+        if t in marks:
+            out[t] = {"ms_per_token": 1e3 * statistics.median(times[-WINDOW:]), "rss_mib": rss()}
+    return out
 
 
 def softmax_baseline(artifact: Path, root: Path, max_len: int) -> Path:

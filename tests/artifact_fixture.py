@@ -182,13 +182,17 @@ def build_artifact(
     prefill_tokens: int = 4,
     format_version: int = 1,
     opset: int = 17,
+    nan_token: int | None = None,
 ) -> Path:
-    """Write the synthetic artifact to ``root`` (created) and return it."""
+    """Write the synthetic artifact to ``root`` (created) and return it. ``nan_token``: that token's embedding
+    is NaN (a model whose logits turn NaN once it reads the token)."""
     import onnx
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     w = make_weights(seed, vocab_size)
+    if nan_token is not None:
+        w["embed"][nan_token] = np.nan
     onnx.save(_graph(w, 1, opset), root / "step.onnx")
     onnx.save(_graph(w, prefill_tokens, opset), root / "prefill.onnx")
     model = {"synthetic": True, "d_model": D_MODEL, "n_layers": N_LAYERS, "n_heads": N_HEADS, "seed": seed}

@@ -2,9 +2,10 @@
 an fp16 portable hybrid, int4, int8 and a Hugging Face Qwen3.5 directory through `edgeattn export`) hashed
 file by file against tests/fixtures/artifact_sha256.json.
 
-The fixture was written by the ORIGINAL code, before the artifact/export redesign (issue 21): commit
-1db522c of `main`, copied to /tmp/ea-main and run as
-``PYTHONPATH=/tmp/ea-main python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
+The fixture was written by the ORIGINAL code, before the artifact/export redesign (issue 21): `main` as
+merged into this branch (commit 13868a7; first recorded from 1db522c, re-recorded when main's own change
+to the performer graph came in), copied to /tmp/ea-main2 and run as
+``PYTHONPATH=/tmp/ea-main2 python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
 Rerecord it (from the code before a change) only when a change of the graphs is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """

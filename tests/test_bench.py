@@ -329,6 +329,36 @@ def test_the_plot_hint_names_the_bench_extra(artifacts, tmp_path, monkeypatch):
     assert "pip install 'edgeattn[bench]' for the plots" in res.stdout
 
 
+def test_the_demo_decode_benchmark_warms_up_before_timing():
+    """A session whose first 100 steps are cold (5 ms, then 1 ms): the figures at both marks are the warm
+    1 ms, measured from the empty state after the warm-up (it once timed the cold steps: "0.50x the time per
+    token" at long context)."""
+    spec = importlib.util.spec_from_file_location("demo_decode", Path("benchmarks/demo_decode.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+
+    class ColdSession:
+        def __init__(self):
+            self.now, self.calls, self.position, self.positions = 0.0, 0, 0, []
+
+        def step(self, ids):
+            self.now += 0.005 if self.calls < 100 else 0.001
+            self.calls += 1
+            self.position += 1
+            self.positions.append(self.position)
+            return np.zeros((1, 8), np.float32)
+
+        def reset(self):
+            self.position = 0
+
+    sess = ColdSession()
+    figures = demo.decode_figures(sess, [64, 256], clock=lambda: sess.now, rss=lambda: 1.0)
+    assert figures[64]["ms_per_token"] == pytest.approx(1.0) and figures[256][
+        "ms_per_token"
+    ] == pytest.approx(1.0)
+    assert sess.positions[-256:] == list(range(1, 257))  # the timed run starts from the empty state
+
+
 def test_the_demo_ends_with_one_sentence_of_result_before_its_json():
     import importlib.util
 

@@ -131,3 +131,46 @@ def test_bad_input_is_one_error_line(args, message):
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("spread", [1.6, 300.0], ids=["within a decade", "several decades"])
+def test_error_plot_legends_sit_below_and_labels_span_the_values(tmp_path, monkeypatch, spread):
+    """error_vs_features.png: each legend lies outside its panel (it covered the lines), and the y axis is
+    labelled with plain numbers on both sides of the values (a log axis was labelled at 0.8-1.0 only, as
+    6x10^-1, while the values reached 1.3)."""
+    pytest.importorskip("matplotlib")
+    figures = []
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            box, legend = ax.get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+            ticks = [
+                (t.get_position()[1], t.get_text())
+                for t in ax.get_yticklabels()
+                if t.get_text() and ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1]
+            ]
+            ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+            figures.append((box, legend, ticks, ys, ax.get_yscale()))
+        return str(path)
+
+    monkeypatch.setattr(analyze, "_save_png", keep)
+    rows = []
+    for method, values in (("performer", (4, 128)), ("rff", (4, 128)), ("lsh", (2, 4)), ("nystrom", (4, 16))):
+        rows += [
+            {"method": method, "value": v, "error": 1.3 / spread ** (i / 1)} for i, v in enumerate(values)
+        ]
+    errors = {"random": rows, "L0:softmax": [dict(r, error=r["error"] * 0.9) for r in rows]}
+    analyze._plots(tmp_path, errors, [{"method": "softmax", "T": 32, "time_s": 1e-3}])
+    for box, legend, ticks, ys, scale in figures[:3]:  # the three panels of error_vs_features.png
+        assert legend.y1 <= box.y0 or not legend.overlaps(box), (legend, box)
+        assert len(ticks) >= 2 and all(float(text) > 0 for _, text in ticks)  # plain numbers
+        labelled = sorted(float(text) for _, text in ticks)
+        if scale == "log":
+            step = max(b / a for a, b in zip(labelled, labelled[1:]))
+            assert labelled[0] <= min(ys) * step and labelled[-1] >= max(ys) / step, (labelled, ys)
+        else:
+            step = max(b - a for a, b in zip(labelled, labelled[1:]))
+            assert labelled[0] <= min(ys) + step and labelled[-1] >= max(ys) - step, (labelled, ys)
+    assert figures[0][4] == ("log" if spread > 10 else "linear")

@@ -57,6 +57,92 @@ def test_export_run_check_happy_path(artifact, tmp_path):
     assert "prefill" in res.output and "step" in res.output and "OK" in res.output
 
 
+@pytest.mark.parametrize("window", [0, 8])
+def test_run_repetition_penalty_is_transformers_greedy_with_its_processor(artifact, window):
+    """`run --temperature 0 --repetition-penalty 1.5` prints what a greedy loop over the PyTorch model with
+    transformers' RepetitionPenaltyLogitsProcessor (over the whole text, or its last 8 tokens) produces."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from edgeattn.models import EdgeLM
+
+    model = EdgeLM.load(artifact / "checkpoint").eval()
+    processor = RepetitionPenaltyLogitsProcessor(1.5)
+    ids = list(b"def ")
+    with torch.no_grad():
+        for _ in range(24):
+            scores = model(torch.tensor([ids]))[0][:, -1].double()
+            recent = ids[-window:] if window else ids
+            ids.append(int(processor(torch.tensor([recent]), scores).argmax()))
+    plain = invoke("run", artifact, "--prompt", "def ", "-n", 24, "--temperature", 0)
+    res = invoke(
+        "run",
+        artifact,
+        "--prompt",
+        "def ",
+        "-n",
+        24,
+        "--temperature",
+        0,
+        "--repetition-penalty",
+        1.5,
+        "--repetition-window",
+        window,
+    )
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(bytes(ids).decode("utf-8", errors="replace"))
+    assert res.stdout != plain.stdout  # the penalty changed the greedy text
+    for bad in ("0", "-1", "nan"):
+        assert_bad_input(invoke("run", artifact, "--repetition-penalty", bad, "-n", 2), "repetition")
+
+
+def test_check_says_what_its_bits_per_byte_measured(artifact, tmp_path):
+    """The line names the text and the number of tokens, and the figure is that text's cross entropy under the
+    PyTorch model (computed here with torch's own cross_entropy)."""
+    import math
+    import os
+    import re
+
+    import torch
+
+    from edgeattn.models import EdgeLM
+
+    res = invoke("check", artifact, "--tokens", 40)
+    assert res.exit_code == 0, res.output
+    assert (
+        f"40 tokens (40 bytes) predicted from the start of {os.__file__}, not the training text" in res.output
+    )
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"import sys\n\ndef main(argv):\n    return len(argv)\n" * 3)
+    res = invoke("check", artifact, "--tokens", 30, "--text", text)
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("bits per byte"))
+    assert line.startswith(f"bits per byte on 30 tokens (30 bytes) predicted from the start of {text}:"), line
+    model = EdgeLM.load(artifact / "checkpoint").eval()
+    ids = torch.tensor([list(text.read_bytes()[:31])])
+    with torch.no_grad():
+        logits = model(ids[:, :-1])[0]
+    want = torch.nn.functional.cross_entropy(logits[0].double(), ids[0, 1:]).item() / math.log(2)
+    assert float(re.search(r"torch (\d+\.\d+)", line).group(1)) == pytest.approx(want, abs=1e-4)
+
+
+def test_readme_shows_the_commands_that_export_cpp_example_prints(ckpt, tmp_path):
+    """The README says how to build the C++ example, with the commands `export --cpp-example` prints."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    res = invoke("export", ckpt, "--out", tmp_path / "art", "--prefill-chunk", PREFILL, "--cpp-example")
+    assert res.exit_code == 0, res.output
+    build = next(ln for ln in res.output.splitlines() if "cmake" in ln).strip()
+    commands = build.split(" && ")[1:]  # after `cd REPO`
+    assert len(commands) == 3 and "--cpp-example" in readme
+    assert "bash scripts/fetch_onnxruntime_headers.sh" in readme
+    assert " && ".join(commands[1:]) in readme
+    run_line = next(ln for ln in res.output.splitlines() if "build/cpp/generate" in ln).strip()
+    flags = run_line.split(" ", 2)[2]  # after the binary and the artifact
+    assert f"build/cpp/generate runs/gla.onnx {flags}" in readme
+
+
 def test_check_portable_reports_tensorrt_compatibility(ckpt, tmp_path):
     out = tmp_path / "p"
     assert (

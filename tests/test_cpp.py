@@ -249,6 +249,63 @@ def test_bad_arguments(generate, artifact):
         assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+@pytest.mark.parametrize("args", [["--bogus"], ["--bogus", "1"], ["--bogus=1"], ["--no-such-flag"]])
+def test_unknown_option_is_named(generate, artifact, args):
+    """An unknown option is called unknown, also without a value after it (it once said "--bogus needs a value")."""
+    res = run(generate, artifact, PROMPT, *args, check=False)
+    assert res.returncode == 2 and res.proc.stdout == b""
+    lines = res.stderr.strip().splitlines()
+    name = args[0].split("=")[0]
+    assert len(lines) == 1 and lines[0].startswith(f"generate: error: unknown option {name}"), res.stderr
+
+
+@pytest.mark.parametrize("option", ["--state-out", "--dump-logits"])
+def test_output_into_a_missing_directory_is_refused_before_generating(generate, artifact, tmp_path, option):
+    res = run(generate, artifact, PROMPT, "-n", 50, option, tmp_path / "missing" / "out", check=False)
+    assert res.returncode == 2 and res.proc.stdout == b""  # refused before a token was generated
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"generate: error: {option} "), res.stderr
+    assert "does not exist" in lines[0]
+    res = run(generate, artifact, PROMPT, "-n", 5, option, tmp_path, check=False)  # a directory
+    assert res.returncode == 2 and "is a directory" in res.stderr and res.proc.stdout == b""
+
+
+@pytest.mark.parametrize("victim", ["step.onnx", "edgeattn.json", "state-in"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_hanging(generate, artifact, tmp_path, victim):
+    """A FIFO never ends (or never opens) when read: refused as Python refuses it, not read."""
+    import os
+    import subprocess
+
+    root = tmp_path / "art"
+    shutil.copytree(artifact, root)
+    args = []
+    if victim == "state-in":
+        fifo = tmp_path / "fifo.state"
+        args = ["--state-in", str(fifo)]
+    else:
+        fifo = root / victim
+        fifo.unlink()
+    os.mkfifo(fifo)
+    cmd = [str(generate), str(root), "--prompt", "ab", "-n", "3", "--threads", "1", *args]
+    proc = subprocess.run(cmd, capture_output=True, timeout=60)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("generate: error: ") and "is not a regular file" in lines[0], lines[0]
+
+
+def test_non_finite_logits_are_refused(generate, tmp_path):
+    """A model whose logits turn NaN (token '!' has a NaN embedding) stops with one line; it never prints the
+    argmax of NaN. Before the NaN, it generates as usual."""
+    art = build_artifact(tmp_path / "nan", nan_token=ord("!"))
+    assert run(generate, art, b"Hello", "-n", 5).tokens is not None
+    for args in ([], ["--temperature", "0.8", "--seed", "1"]):
+        res = run(generate, art, b"Hello!", "-n", 5, *args, check=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 1 and len(lines) == 1, res.stderr
+        assert lines[0].startswith("generate: error: the model's logits are not finite"), lines[0]
+        assert res.proc.stdout == b"Hello!\n"  # the prompt, and no token after it
+
+
 # ----------------------------------------------------------------------------------------------------------
 # state files that lie, and manifests that do not match their graphs: C++ refuses what Python refuses
 # ----------------------------------------------------------------------------------------------------------

@@ -284,6 +284,23 @@ def test_weights_table_that_disagrees_is_one_error_line(generate, artifacts, tmp
     assert len(lines) == 1 and lines[0].startswith("generate: error: ") and message in lines[0], res.stderr
 
 
+def test_weights_bin_replaced_by_a_fifo_is_refused(generate, artifacts, tmp_path):
+    """weights.bin as a FIFO once hung generate (reading it for its sha256 waits for a writer forever); Python
+    refuses it as missing. Now one line, at once."""
+    import os
+    import subprocess
+
+    root = tmp_path / "art"
+    shutil.copytree(artifacts["gla-onnxruntime"], root)
+    (root / "weights.bin").unlink()
+    os.mkfifo(root / "weights.bin")
+    cmd = [str(generate), str(root), "--prompt", PROMPT, "-n", "3", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, timeout=60)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("generate: error: ") and "weights.bin is not a regular file" in lines[0], lines
+
+
 def test_one_graph_file_for_step_and_prefill(generate, artifacts, tmp_path):
     """Step and prefill naming the same graph (a dynamic token axis: export --genai's model.onnx, whose state
     is the manifest's for Gated DeltaNet): one session serves both, with the Python session's tokens and

@@ -149,3 +149,23 @@ def test_fixed_batch_artifact_is_refused(streams_bin, dyn):
     assert "--dynamic-batch" in lines[0]
     # the same artifact decodes stream by stream
     assert run_streams(streams_bin, dyn["fixed"], "-n", 5, "--separate")["steps"] == 4 * 5
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--temperature", "0,1,2"], "--temperature has 3 values for 2 prompts"),
+        (["--bogus"], "unknown option --bogus"),
+        (["--bogus", "1"], "unknown option --bogus"),
+        (["--state-out", "{missing}/st"], "does not exist"),
+        (["--dump-logits", "{missing}/rows"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(streams_bin, tmp_path, args, message):
+    """Extra temperatures were once ignored silently, `--bogus` said "needs a value", and a missing --state-out
+    directory failed only after decoding. The artifact is never opened: the arguments fail first."""
+    args = [a.replace("{missing}", str(tmp_path / "missing")) for a in args]
+    proc = run_streams(streams_bin, tmp_path, *args, prompts=[b"a", b"b"], check=False)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == b"", proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("streams: error: ") and message in lines[0], lines

@@ -90,6 +90,7 @@ def test_text_prompt_on_a_tokenizer_json_artifact_is_refused(setup):
     proc, _ = run(binary, art, "--prompt", "hello", "-n", 3)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and "--prompt-ids" in proc.stderr
+    assert proc.stderr.startswith("generate: error: this artifact's tokenizer is")  # as the C++ README says
 
 
 @pytest.mark.parametrize(

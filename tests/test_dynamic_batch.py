@@ -80,8 +80,13 @@ def test_int8_with_a_dynamic_batch_is_refused(tmp_path):
 
 def test_gqa_softmax_without_a_dynamic_batch_is_refused(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "softmax")
-    with pytest.raises(ValueError, match="GroupQueryAttention.*--target portable"):
+    with pytest.raises(ValueError, match="GroupQueryAttention.*--target portable") as e:
         export_model(ckpt, tmp_path / "art", target="onnxruntime", dynamic_batch=True)
+    # one piece of advice per way out (it once read "...with --target portable for a dynamic batch: export
+    # without --dynamic-batch")
+    assert "for a dynamic batch export with --target portable; else export without --dynamic-batch" in str(
+        e.value
+    )
     assert not (tmp_path / "art").exists()
 
 

@@ -73,6 +73,21 @@ def test_fused_target_uses_the_contrib_op_and_portable_does_not(ckpts, tmp_path)
         assert not {"Loop", "Scan"} & {o for _, o in ops}
 
 
+def test_rwkv_export_prints_no_unused_custom_opset_warning(ckpts, tmp_path, capfd):
+    """torch's C++ exporter printed "Custom opset domain: 'com.microsoft' provided is not used in the model"
+    (twice) for the RWKV export, whose traced graphs have no contrib op: the domain is no longer declared up
+    front (torch declares com.microsoft version 1 when a traced op uses it, as the fused GLA's does)."""
+    capfd.readouterr()
+    art = export_model(ckpts["rwkv"], tmp_path / "rwkv", target="onnxruntime", prefill_chunk=PREFILL)
+    err = capfd.readouterr().err
+    assert "Custom opset domain" not in err and "com.microsoft" not in err, err
+    fused = export_model(ckpts["gla"], tmp_path / "gla", target="onnxruntime", prefill_chunk=PREFILL)
+    assert "Custom opset domain" not in capfd.readouterr().err
+    graph = onnx.load(str(fused / "step.onnx"), load_external_data=False)
+    assert ("com.microsoft", 1) in {(o.domain, o.version) for o in graph.opset_import}
+    assert (art / "edgeattn.json").is_file()
+
+
 @pytest.mark.parametrize("mixer", ["gla", "retnet", "linear"])
 def test_one_head_exports_to_the_fused_op(tmp_path, mixer):
     """Regression: a one-head GLA crashed the torch ONNX exporter's peephole pass on the onnxruntime

@@ -53,6 +53,9 @@ def assert_refused(res, message, *paths):
 def test_an_edgeattn_checkpoint_has_no_model_type_and_a_hf_directory_has_one(hf_dir, tmp_path):
     res = invoke("import", hf_dir, "--out", tmp_path / "ckpt")
     assert res.exit_code == 0, res.output
+    # one line about this model, not the list of every model type the importers support
+    assert res.output.strip().splitlines()[-1].endswith("(4 layers: gated_deltanet, softmax; vocabulary 320)")
+    assert "mamba2" not in res.output and "model types" not in res.output
     assert model_type(hf_dir) == "qwen3_5_text"
     assert model_type(tmp_path / "ckpt") is None
     assert "model_type" not in json.loads((tmp_path / "ckpt" / "config.json").read_text())

@@ -356,6 +356,22 @@ def test_dispatcher_unknown_method_names_the_list():
         assert name in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", METHODS)
+def test_dispatcher_every_method_accepts_every_dtype(name, dtype):
+    """Every method takes the dtypes the others take and returns that dtype, close to its float64 result
+    (performer's projection once stayed float32: `expected m1 and m2 to have the same dtype`)."""
+    q, k, v = qkv(1, 12, 2, 8, 8, scale=0.5, dtype=torch.float64)
+    opts = {"causal": name != "nystrom", **({"n_landmarks": 4} if name == "nystrom" else {})}
+    if name == "hybrid":
+        opts.update(switch_length=4, long_method="performer")  # the long branch, with random features
+    ref = attention(q, k, v, method=name, **opts)
+    o = attention(q.to(dtype), k.to(dtype), v.to(dtype), method=name, **opts)
+    assert o.dtype == dtype and o.shape == ref.shape
+    tol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}[dtype]
+    torch.testing.assert_close(o.double(), ref, rtol=tol, atol=tol)
+
+
 def test_dispatcher_every_method():
     q, k, v = qkv(2, 20, 2, 8, 8, scale=0.5, dtype=torch.float32)
     ref = exact_softmax(q, k, v, torch.ones(20, 20, dtype=torch.bool).tril())

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from edgeattn.runtimes.sampling import sample_next
+from edgeattn.runtimes.sampling import apply_repetition_penalty, sample_next
 
 LOGITS = np.array([0.5, 3.0, -1.0, 2.9, -7.0])  # argmax 1, runner-up 3 close behind
 
@@ -68,3 +68,37 @@ def test_session_generate_checks_arguments_before_running(tmp_path):
     assert sess.generate("hello", 8, temperature=1e-309, seed=1) == greedy
     sess.reset()
     assert sess.generate("hello", 8, temperature=-2.0, seed=1) == greedy
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    """The penalty is transformers' RepetitionPenaltyLogitsProcessor on the same logits and the same previous
+    tokens (repeated ids penalised once; positive logits divided, negative multiplied)."""
+    torch = pytest.importorskip("torch")
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(300) * 3
+    previous = [5, 17, 17, 250, 0, 5, 299, 42]
+    for penalty in (1.3, 0.7, 1.0):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.tensor([previous]), torch.tensor(logits[None], dtype=torch.float64)
+        )[0].numpy()
+        np.testing.assert_allclose(apply_repetition_penalty(logits, previous, penalty), want, rtol=1e-15)
+    assert apply_repetition_penalty(logits, [], 1.3).tolist() == logits.tolist()
+
+
+def test_repetition_penalty_changes_the_choice_before_sampling():
+    # token 1 (3.0) was just emitted: a penalty of 2 leaves it at 1.5, below token 3 (2.9)
+    assert sample_next(LOGITS, temperature=0, previous=[1]) == 1  # no penalty: unchanged
+    assert sample_next(LOGITS, temperature=0, previous=[1], repetition_penalty=2.0) == 3
+    rng = np.random.default_rng(0)
+    picks = [
+        sample_next(LOGITS, temperature=0.5, previous=[1], repetition_penalty=4.0, rng=rng) for _ in range(50)
+    ]
+    assert picks.count(3) > picks.count(1)
+
+
+@pytest.mark.parametrize("penalty", [0.0, -1.0, math.nan, math.inf, "x", True])
+def test_bad_repetition_penalty_is_refused(penalty):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sample_next(LOGITS, repetition_penalty=penalty)

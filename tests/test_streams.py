@@ -174,5 +174,13 @@ def test_bad_input_is_refused(arts, tmp_path):
         Streams(fixed)
     make_checkpoint(tmp_path / "ckpt_sm", "softmax")
     grow = export_model(tmp_path / "ckpt_sm", tmp_path / "sm", target="portable", dynamic_batch=True)
-    with pytest.raises(ValueError, match="grows with every token"):
+    with pytest.raises(
+        ValueError, match=r"every layer holds a KV cache \(softmax; layers 0, 1\).*grows with every token"
+    ):
         Streams(grow)
+    # a hybrid (as Qwen3.5: linear-attention layers and full-attention ones) is named as such, not a "baseline"
+    make_checkpoint(tmp_path / "ckpt_hy", "gla,softmax,gla")
+    hybrid = export_model(tmp_path / "ckpt_hy", tmp_path / "hy", target="portable", dynamic_batch=True)
+    with pytest.raises(ValueError, match=r"1 of its 3 layers hold a KV cache \(softmax; layers 1\)") as e:
+        Streams(hybrid)
+    assert "baseline" not in str(e.value)

@@ -120,30 +120,19 @@ class HFTokenizer(ByteTokenizer):
         return "" if tid is None else (self.tok.id_to_token(int(tid)) or "")
 
     def apply_chat_template(self, prompt: str) -> str:
-        """One user message formatted by the model's chat template, ready for the assistant's reply."""
+        """One user message formatted by the model's chat template, ready for the assistant's reply (rendered
+        in a sandboxed child process with bounded time and output: edgeattn.artifact.chat_template)."""
         if not self.chat_template:
             return super().apply_chat_template(prompt)
-        jinja2 = require("jinja2")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from edgeattn.artifact.chat_template import render_chat_template
 
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        return render_chat_template(
+            self.chat_template,
+            messages=[{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            bos_token=self.token_text(self.bos_token_id),
+            eos_token=self.token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-        try:
-            template = env.from_string(self.chat_template)
-            return template.render(
-                messages=[{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                bos_token=self.token_text(self.bos_token_id),
-                eos_token=self.token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template cannot be applied: {e}") from e
 
 
 def load_tokenizer(manifest) -> ByteTokenizer:
@@ -183,6 +172,22 @@ def _ids(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def _default_template(value) -> str | None:
+    """tokenizer_config.json's ``chat_template``: a string, or (as transformers also accepts) a list of named
+    templates ``[{"name": "default", "template": ...}, ...]``, of which chat uses the ``default`` one."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if (
+                isinstance(entry, dict)
+                and entry.get("name") == "default"
+                and isinstance(entry.get("template"), str)
+            ):
+                return entry["template"]
+    return None
+
+
 def tokenizer_info(src: str | Path, config: dict | None = None) -> dict | None:
     """The manifest's tokenizer entry for a model directory with tokenizer files (None without
     tokenizer.json): special ids from generation_config.json, config.json or tokenizer_config.json's
@@ -215,8 +220,8 @@ def tokenizer_info(src: str | Path, config: dict | None = None) -> dict | None:
     template = None
     if (src / CHAT_TEMPLATE).is_file():
         template = (src / CHAT_TEMPLATE).read_text()
-    elif isinstance(tcfg.get("chat_template"), str):
-        template = tcfg["chat_template"]
+    else:
+        template = _default_template(tcfg.get("chat_template"))
     bos, pad = special("bos"), special("pad")
     return {
         "type": "huggingface",

@@ -59,25 +59,39 @@ def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullLocator
 
     written = []
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110)
+    n_series = max(len(errors) * 2, 1)  # legend rows below the panels: the performer/rff panel has the most
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2 + 0.12 * n_series), dpi=110)
     try:
         for ax, (methods, xlabel) in zip(
             axes,
             ((("performer", "rff"), "random features m"), (("lsh",), "buckets"), (("nystrom",), "landmarks")),
         ):
+            xs, ys = set(), []
             for source, rows in errors.items():
                 for method in methods:
                     pts = sorted((r["value"], r["error"]) for r in rows if r["method"] == method)
                     if pts:
                         ax.plot(*zip(*pts), marker="o", label=f"{method} ({source})")
+                        xs.update(x for x, _ in pts)
+                        ys.extend(y for _, y in pts if y > 0)
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])  # the values measured, as numbers
+            ax.xaxis.set_minor_locator(NullLocator())
+            if ys and max(ys) / min(ys) > 10:  # a log axis labelled at 1, 2, 5 x 10^k, as plain numbers
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_locator(NullLocator())
             ax.set_xlabel(xlabel)
             ax.set_ylabel("relative Frobenius error vs softmax")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize="x-small")
+            # below the panel, so that it never covers a line
+            ax.legend(
+                fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False
+            )
         written.append(_save_png(fig, out / "error_vs_features.png"))
     finally:
         plt.close(fig)

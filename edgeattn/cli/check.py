@@ -41,7 +41,9 @@ def check(
 
     if text is not None and not text.is_file():
         raise ValueError(f"text file {text} does not exist")
-    report = check_artifact(artifact, tokens, tolerance, text.read_bytes() if text else None, threads)
+    report = check_artifact(
+        artifact, tokens, tolerance, text.read_bytes() if text else None, threads, text_name=str(text)
+    )
     console = Console()
     table = Table(title=f"{artifact}: artifact vs PyTorch")
     for col in ("graph", "tokens", "max |diff|", "relative", "ops"):
@@ -51,8 +53,9 @@ def check(
         table.add_row(g, str(r["tokens"]), f"{r['max_abs']:.3g}", f"{r['rel']:.3g}", ops)
     console.print(table)
     console.print(
-        f"bits per byte: torch {report.bpb['torch']:.4f}, artifact {report.bpb['artifact']:.4f} "
-        f"(difference {report.bpb['artifact'] - report.bpb['torch']:+.4f})"
+        f"bits per byte on {escape(report.bpb_text)}: torch {report.bpb['torch']:.4f}, "
+        f"artifact {report.bpb['artifact']:.4f} (difference {report.bpb['artifact'] - report.bpb['torch']:+.4f})",
+        soft_wrap=True,
     )
     if report.tensorrt is not None:
         if report.tensorrt:

@@ -19,7 +19,7 @@ def import_(
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
 ) -> None:
     """Map an imported model's config and weights onto an edgeattn checkpoint (for export and check)."""
-    from edgeattn.convert import CONVERTERS, import_model
+    from edgeattn.convert import import_model
 
     check_output_dir(out, "--out")
     cfg, notes = import_model(source, out, force=force)
@@ -27,7 +27,7 @@ def import_(
         typer.echo(f"note: {note}")
     typer.echo(
         f"imported {source} -> {out} ({len(cfg.mixers)} layers: {', '.join(sorted(set(cfg.mixers)))}; "
-        f"vocabulary {cfg.vocab_size}; model types: {', '.join(sorted(CONVERTERS))})"
+        f"vocabulary {cfg.vocab_size})"
     )
 
 

@@ -45,6 +45,17 @@ def run(
             min=0.0, max=1.0, help="Keep the most likely tokens up to this probability mass (1: all)."
         ),
     ] = TOP_P,
+    repetition_penalty: Annotated[
+        float,
+        typer.Option(
+            help="Divide the positive logits (multiply the negative ones) of tokens already in the text by this "
+            "(transformers' repetition_penalty; 1: none).",
+        ),
+    ] = 1.0,
+    repetition_window: Annotated[
+        int,
+        typer.Option(min=0, help="The repetition penalty looks at the last N tokens (0: all of them)."),
+    ] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampler (default: random).")] = None,
     threads: Annotated[
         int | None, typer.Option(min=1, help="Intra-op threads (default: the runtime's).")
@@ -75,7 +86,14 @@ def run(
     n_prompt, pos0 = len(sess.tokenizer.encode(prompt)), sess.position
     start = time.perf_counter()
     pieces = sess.generate_text(
-        prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        prompt,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        repetition_window=repetition_window,
     )
     # The first piece checks and prefills the prompt (and the length), so a bad prompt prints nothing but
     # its error; then the prompt is echoed so the continuation reads as text, as with `edgeattn sample`.

@@ -16,6 +16,7 @@ from pathlib import Path
 from edgeattn.artifact.sources import CHECKPOINT, HUGGINGFACE, check_output, directory_kind
 from edgeattn.artifact.tokenizer import TOKENIZER_FILES, TOKENIZER_JSON, check_vocabulary
 from edgeattn.convert.hf import Weights, model_type, read_config
+from edgeattn.convert.validate import check_special_ids, check_tokenizer_files
 
 # model_type -> module in edgeattn.convert
 CONVERTERS = {
@@ -56,6 +57,7 @@ def convert_dir(src: str | os.PathLike):
         raise ValueError(
             f"cannot import: config field {e.args[0]} is missing from {src / 'config.json'}"
         ) from e
+    check_special_ids(src, config, cfg.vocab_size)
     model = EdgeLM(cfg)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
@@ -101,6 +103,7 @@ def load_source(path: str | os.PathLike, what: str = "checkpoint") -> Source:
         return Source(EdgeLM.load(path).eval(), path, kind)
     if kind != HUGGINGFACE:
         raise ValueError(f"{path} is an exported {kind}, not a checkpoint or a Hugging Face model directory")
+    check_tokenizer_files(path, TOKENIZER_FILES)
     model, notes = convert_dir(path)
     if (path / TOKENIZER_JSON).is_file():
         from edgeattn.artifact.tokenizer import tokenizer_info

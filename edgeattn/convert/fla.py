@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from edgeattn.convert.hf import Weights, refuse
+from edgeattn.convert.validate import HFConfig
 
 MODEL_TYPES = ("gla", "delta_net", "gated_deltanet", "retnet", "linear_attn")
 MIXER = {
@@ -57,12 +58,44 @@ RETNET_MAPS.update({"linear": "identity", "identity": "identity"})
 LINEAR_MAPS = {"elementwise_product": "hadamard", "elu": "elu1", "relu": "relu", "identity": "identity"}
 
 
-def _mlp_size(c: dict, D: int) -> int:
-    """fla's GatedMLP: intermediate_size, else 2/3 * hidden_ratio * D rounded up to a multiple of 256."""
+# fla's config defaults that differ by model: (num_hidden_layers, num_heads, hidden_ratio)
+DEFAULTS = {
+    "gla": (24, 4, 4),
+    "delta_net": (24, 16, 4),
+    "gated_deltanet": (21, 6, 4),
+    "retnet": (24, 8, 2),
+    "linear_attn": (24, 4, 4),
+}
+
+
+def _mlp_size(c: dict, D: int, default_ratio: float) -> int:
+    """fla's GatedMLP: intermediate_size, else 2/3 * hidden_ratio * D rounded up to a multiple of 256
+    (hidden_ratio absent: the model config's default; null: GatedMLP's 4)."""
     if c.get("intermediate_size") is not None:
         return int(c["intermediate_size"])
-    ratio = c.get("hidden_ratio") or 4
+    ratio = c.get("hidden_ratio", default_ratio) or 4
     return 256 * ((int(D * ratio * 2 / 3) + 255) // 256)
+
+
+def _validate(c: HFConfig, mt: str) -> tuple[int, int, int, int]:
+    """Types and ranges of the fields the converters read (one line naming a bad one); (hidden_size,
+    num_hidden_layers, num_heads, vocab_size), absent ones at fla's defaults."""
+    layers, heads, _ = DEFAULTS[mt]
+    D, L = c.int("hidden_size", 2048), c.int("num_hidden_layers", layers)
+    H, V = c.int("num_heads", heads), c.int("vocab_size", 32000)
+    for key in ("intermediate_size", "num_kv_heads", "num_v_heads"):
+        c.int(key, None, nullable=True)
+    for key in ("expand_k", "expand_v", "hidden_ratio"):
+        c.float(key, None, positive=True, nullable=True)
+    c.int("conv_size", 4, min=2)
+    c.int("head_dim", 256)
+    c.int("max_position_embeddings", 2048)
+    c.float("norm_eps", 1e-6, positive=True)
+    for key in ("use_short_conv", "use_output_gate", "use_gate", "use_beta", "use_output_norm", "use_gk"):
+        c.bool(key, None, nullable=True)
+    for key in ("use_gv", "allow_neg_eigval", "norm_q", "norm_k", "norm_feature_map", "tie_word_embeddings"):
+        c.bool(key, None, nullable=True)
+    return D, L, H, V
 
 
 def _expect(c: dict, field: str, allowed: tuple, default, why: str):
@@ -195,9 +228,9 @@ def convert(config: dict, weights: Weights):
 
     mt = config["model_type"]
     c = config
+    D, L, H, Vocab = _validate(HFConfig(c), mt)
     _common(c)
-    D, L, H = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_heads"])
-    Vocab, I = int(c["vocab_size"]), _mlp_size(c, D)  # noqa: E741
+    I = _mlp_size(c, D, DEFAULTS[mt][2])  # noqa: E741
     layer = {
         "gla": _gla_layer,
         "delta_net": _deltanet_layer,

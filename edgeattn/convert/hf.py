@@ -11,6 +11,7 @@ from pathlib import Path
 from edgeattn._deps import require
 from edgeattn.artifact.sources import CONFIG, hf_model_type
 from edgeattn.artifact.tokenizer import TOKENIZER_FILES  # noqa: F401  (its old import path)
+from edgeattn.convert.validate import checked_float32, show
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -41,6 +42,11 @@ def shard_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(
+                f"{index} is not a valid safetensors index: weight_map must map tensor names to shard "
+                f"file names, got {show(weight_map)}"
+            )
         files = sorted(set(weight_map.values()))
         for f in files:
             if not (path / f).is_file():
@@ -72,8 +78,9 @@ class Weights:
         return name in self.tensors
 
     def take(self, name: str, shape: tuple[int, ...], field: str = ""):
-        """The tensor ``name`` as float32; ValueError when it is absent or its shape is not ``shape``
-        (the shape the config implies; ``field`` names the config fields it comes from)."""
+        """The tensor ``name`` as float32; ValueError when it is absent, its shape is not ``shape`` (the shape
+        the config implies; ``field`` names the config fields it comes from), it is not stored as floats or
+        it holds NaN or infinity (``edgeattn.convert.validate.checked_float32``)."""
         if name not in self.tensors:
             raise ValueError(f"weight {name} is missing from the checkpoint")
         t = self.tensors[name]
@@ -84,7 +91,7 @@ class Weights:
                 f"the config implies {list(shape)}{why}"
             )
         self.used.add(name)
-        return t.to(self.torch.float32)
+        return checked_float32(name, t)
 
     def unused(self, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
         return sorted(k for k in self.tensors if k not in self.used and not k.startswith(skip_prefixes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from edgeattn.convert.hf import Weights, refuse
+from edgeattn.convert.validate import HFConfig
 
 MODEL_TYPES = ("mamba2",)
 
@@ -18,26 +19,36 @@ def _float(v) -> float:
     return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
 
 
+def _time_step_limit(c: HFConfig) -> None:
+    """Refuse a clamped time step (transformers clamps dt to time_step_limit unless it is (0, inf))."""
+    limit = c.raw("time_step_limit", [0.0, math.inf])
+    try:
+        lo, hi = (_float(v) for v in limit)
+    except (TypeError, ValueError, KeyError):
+        raise c.error("time_step_limit", "a list of two numbers", limit) from None
+    if math.isnan(lo) or math.isnan(hi) or lo > 0 or hi != math.inf:
+        raise refuse("time_step_limit", [lo, hi], "a clamped time step")
+
+
 def convert(config: dict, weights: Weights):
     from edgeattn.models import EdgeConfig
 
-    if config.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", config.get("hidden_act"), "only silu is supported")
-    if config.get("use_bias"):
-        raise refuse("use_bias", config["use_bias"], "biased in_proj/out_proj")
-    limit = [_float(v) for v in (config.get("time_step_limit") or (0.0, math.inf))]
-    if limit[0] > 0 or limit[1] != math.inf:
-        raise refuse("time_step_limit", list(limit), "a clamped time step")
-    D, L, V = int(config["hidden_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
-    expand = config.get("expand", 2)
-    if int(expand) != expand:
-        raise refuse("expand", expand, "a whole number")
-    I = int(expand) * D  # noqa: E741
-    Hm, P = int(config["num_heads"]), int(config["head_dim"])
+    c = HFConfig(config)  # absent fields take Mamba2Config's defaults
+    if c.str("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", c.raw("hidden_act"), "only silu is supported")
+    if c.bool("use_bias", False):
+        raise refuse("use_bias", True, "biased in_proj/out_proj")
+    _time_step_limit(c)
+    D, L, V = c.int("hidden_size", 4096), c.int("num_hidden_layers", 64), c.int("vocab_size", 32768)
+    expand = c.int("expand", 2)
+    I = expand * D  # noqa: E741
+    Hm, P = c.int("num_heads", 128), c.int("head_dim", 64)
     if Hm * P != I:
         raise refuse("num_heads", Hm, f"num_heads * head_dim must be expand * hidden_size = {I}")
-    N, G, W = int(config["state_size"]), int(config.get("n_groups", 1)), int(config.get("conv_kernel", 4))
-    tie = bool(config.get("tie_word_embeddings", False))
+    N, G, W = c.int("state_size", 128), c.int("n_groups", 8), c.int("conv_kernel", 4, min=2)
+    c.multiple("num_heads", Hm, "n_groups", G)
+    use_conv_bias = c.bool("use_conv_bias", True)
+    tie = c.bool("tie_word_embeddings", False)
     cfg = EdgeConfig(
         vocab_size=V,
         d_model=D,
@@ -45,12 +56,12 @@ def convert(config: dict, weights: Weights):
         n_heads=1,
         mixer="mamba2",
         tie_embeddings=tie,
-        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=c.float("layer_norm_epsilon", 1e-5, positive=True),
         intermediate_size=-1,
         conv_size=W,
         ssm_state_size=N,
         mamba_head_dim=P,
-        mamba_expand=int(expand),
+        mamba_expand=expand,
         mamba_n_groups=G,
     )
     C = I + 2 * G * N
@@ -63,7 +74,7 @@ def convert(config: dict, weights: Weights):
             a + "in_proj.weight", (I + C + Hm, D), "expand, state_size, n_groups, num_heads"
         )
         sd[m + "conv_weight"] = weights.take(a + "conv1d.weight", (C, 1, W), "conv_kernel")[:, 0]
-        if config.get("use_conv_bias", True):
+        if use_conv_bias:
             sd[m + "conv_bias"] = weights.take(a + "conv1d.bias", (C,), "state_size, n_groups")
         else:
             sd[m + "conv_bias"] = weights.torch.zeros(C)

@@ -15,54 +15,90 @@ A ``qwen3_5`` checkpoint (the vision-language model) keeps its text model under
 from __future__ import annotations
 
 from edgeattn.convert.hf import Weights, refuse
+from edgeattn.convert.validate import HFConfig
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
-def text_config(config: dict) -> tuple[dict, str, list[str]]:
+def text_config(config: dict) -> tuple[HFConfig, str, list[str]]:
     """(text config, weight prefix, notes)."""
     notes = []
     if config.get("model_type") == "qwen3_5":
-        tc = config.get("text_config")
-        if not isinstance(tc, dict):
-            raise refuse("text_config", tc, "a qwen3_5 config must hold its text model's config")
+        tc = HFConfig(config).sub("text_config")
+        if tc is None:
+            raise refuse("text_config", None, "a qwen3_5 config must hold its text model's config")
         if config.get("vision_config") is not None:
             notes.append("the vision tower (model.visual) is skipped: text input only")
         return tc, "model.language_model.", notes
-    return config, "model.", notes
+    return HFConfig(config), "model.", notes
+
+
+def rope(c: HFConfig, head_dim: int) -> tuple[float, int]:
+    """(rope_theta, rotary dims) as transformers reads them: the legacy ``rope_scaling`` object replaces
+    ``rope_parameters`` when both are given; ``rope_theta`` and ``partial_rotary_factor`` come from that
+    object, else from the top level, else transformers' defaults (10000, and 0.25 for Qwen3.5). Only plain
+    RoPE is implemented: any scaled ``rope_type`` (yarn, linear, dynamic, longrope, llama3...) is refused."""
+    key = "rope_scaling" if c.raw("rope_scaling") else "rope_parameters"
+    params = c.sub(key) or HFConfig({}, c.name(key) + ".")
+    if any(isinstance(v, dict) for v in params.data.values()):
+        raise refuse(c.name(key), params.data, "RoPE parameters per layer type are not supported")
+    kind = params.str("rope_type", params.str("type", "default"))
+    if kind != "default":
+        raise refuse(
+            params.name("rope_type"), kind, "only plain RoPE is implemented (transformers would scale it)"
+        )
+
+    def source(name: str) -> HFConfig:  # the rope object's value first, then the top level's
+        return params if name in params else c
+
+    c.float("rope_theta", None, positive=True, nullable=True)  # a bad value is refused even where unused
+    c.float("partial_rotary_factor", None, positive=True, max=1.0, nullable=True)
+
+    theta = source("rope_theta").float("rope_theta", 10000.0, positive=True)
+    factor = source("partial_rotary_factor").float("partial_rotary_factor", 0.25, positive=True, max=1.0)
+    dims = int(head_dim * factor)  # transformers rotates int(head_dim * partial_rotary_factor) dims
+    if dims < 2 or dims % 2:
+        raise source("partial_rotary_factor").error(
+            "partial_rotary_factor", f"such that head_dim {head_dim} * it is an even number >= 2", factor
+        )
+    return theta, dims
 
 
 def convert(config: dict, weights: Weights):
     from edgeattn.models import EdgeConfig
 
-    tc, p, notes = text_config(config)
-    if tc.get("num_experts") or tc.get("num_local_experts"):
-        raise refuse(
-            "num_experts", tc.get("num_experts") or tc.get("num_local_experts"), "mixture of experts"
-        )
-    if tc.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", tc.get("hidden_act"), "only silu is supported")
-    if tc.get("attention_bias"):
-        raise refuse("attention_bias", tc["attention_bias"], "biased attention projections")
-    rope = tc.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "only default RoPE")
-    D, L = int(tc["hidden_size"]), int(tc["num_hidden_layers"])
-    H, Hkv = int(tc["num_attention_heads"]), int(tc.get("num_key_value_heads") or tc["num_attention_heads"])
-    Dh = int(tc.get("head_dim") or D // H)
-    kinds = tc.get("layer_types") or [
-        "linear_attention" if (i + 1) % int(tc.get("full_attention_interval", 4)) else "full_attention"
-        for i in range(L)
-    ]
+    c, p, notes = text_config(config)
+    # Absent fields take Qwen3_5TextConfig's defaults (what transformers computes with).
+    experts = c.raw("num_experts") or c.raw("num_local_experts")
+    if experts:
+        raise refuse("num_experts", experts, "mixture of experts")
+    if c.str("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", c.raw("hidden_act"), "only silu is supported")
+    if c.bool("attention_bias", False):
+        raise refuse("attention_bias", True, "biased attention projections")
+    D, L = c.int("hidden_size", 4096), c.int("num_hidden_layers", 32)
+    H, Hkv = c.int("num_attention_heads", 16), c.int("num_key_value_heads", 4)
+    c.multiple("num_attention_heads", H, "num_key_value_heads", Hkv)
+    Dh = c.int("head_dim", 256)
+    theta, rotary_dim = rope(c, Dh)
+    if "layer_types" in c:
+        kinds = c.list("layer_types")
+        if len(kinds) != L:
+            raise c.error("layer_types", f"a list of num_hidden_layers ({L}) layer types", kinds)
+    else:
+        interval = c.int("full_attention_interval", 4)
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(L)]
     mixers = []
     for kind in kinds:
         if kind not in ("linear_attention", "full_attention"):
-            raise refuse("layer_types", kind, "expected linear_attention or full_attention")
+            raise refuse(c.name("layer_types"), kind, "expected linear_attention or full_attention")
         mixers.append("gated_deltanet" if kind == "linear_attention" else "softmax")
-    Hk, Hv = int(tc["linear_num_key_heads"]), int(tc["linear_num_value_heads"])
-    Kd, Vd = int(tc["linear_key_head_dim"]), int(tc["linear_value_head_dim"])
-    V = int(tc["vocab_size"])
-    tie = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    Hk, Hv = c.int("linear_num_key_heads", 16), c.int("linear_num_value_heads", 32)
+    c.multiple("linear_num_value_heads", Hv, "linear_num_key_heads", Hk)
+    Kd, Vd = c.int("linear_key_head_dim", 128), c.int("linear_value_head_dim", 128)
+    V = c.int("vocab_size", 248320)
+    top = HFConfig(config)
+    tie = c.bool("tie_word_embeddings", top.bool("tie_word_embeddings", False))
     cfg = EdgeConfig(
         vocab_size=V,
         d_model=D,
@@ -70,16 +106,16 @@ def convert(config: dict, weights: Weights):
         n_heads=H,
         mixer=mixers,
         tie_embeddings=tie,
-        norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(tc.get("max_position_embeddings", 2048)),
+        norm_eps=c.float("rms_norm_eps", 1e-6, positive=True),
+        max_seq_len=c.int("max_position_embeddings", 32768),
         head_size=Dh,
         n_kv_heads=Hkv,
-        rope_theta=float(rope.get("rope_theta", tc.get("rope_theta", 10000.0))),
-        rotary_dim=int(Dh * float(rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 1.0)))),
+        rope_theta=theta,
+        rotary_dim=rotary_dim,
         qk_norm=True,
         attn_output_gate=True,
-        intermediate_size=int(tc["intermediate_size"]),
-        conv_size=int(tc.get("linear_conv_kernel_dim", 4)),
+        intermediate_size=c.int("intermediate_size", 12288),
+        conv_size=c.int("linear_conv_kernel_dim", 4, min=2),
         linear_n_heads=Hk,
         linear_key_dim=Kd,
         linear_value_dim=Vd,

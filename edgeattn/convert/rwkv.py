@@ -9,6 +9,7 @@ match: the same function up to the LayerNorms' epsilon, so the weights are impor
 from __future__ import annotations
 
 from edgeattn.convert.hf import Weights, refuse
+from edgeattn.convert.validate import HFConfig
 
 MODEL_TYPES = ("rwkv",)
 
@@ -16,12 +17,14 @@ MODEL_TYPES = ("rwkv",)
 def convert(config: dict, weights: Weights):
     from edgeattn.models import EdgeConfig
 
-    D, L, V = int(config["hidden_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
-    A = config.get("attention_hidden_size") or D
+    c = HFConfig(config)  # absent fields take RwkvConfig's defaults
+    D, L, V = c.int("hidden_size", 4096), c.int("num_hidden_layers", 32), c.int("vocab_size", 50277)
+    A = c.int("attention_hidden_size", D, nullable=True)
     if A != D:
         raise refuse("attention_hidden_size", A, f"must equal hidden_size ({D})")
-    hidden = int(config.get("intermediate_size") or 4 * D)
-    tie = bool(config.get("tie_word_embeddings", False))
+    hidden = c.int("intermediate_size", 4 * D, nullable=True)
+    rescale_every = c.int("rescale_every", 6, min=0)
+    tie = c.bool("tie_word_embeddings", False)
     cfg = EdgeConfig(
         vocab_size=V,
         d_model=D,
@@ -29,11 +32,11 @@ def convert(config: dict, weights: Weights):
         n_heads=1,
         mixer="rwkv",
         tie_embeddings=tie,
-        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=c.float("layer_norm_epsilon", 1e-5, positive=True),
         intermediate_size=hidden,
         norm="layer",
         embed_norm=True,
-        max_seq_len=int(config.get("context_length", 1024)),
+        max_seq_len=c.int("context_length", 1024),
     )
 
     def ln(src, dst):
@@ -70,6 +73,6 @@ def convert(config: dict, weights: Weights):
             f"cannot import: the checkpoint has weights this mapping does not use, e.g. {leftover[0]}"
         )
     notes = []
-    if int(config.get("rescale_every") or 0) > 0 and L >= int(config["rescale_every"]):
+    if rescale_every > 0 and L >= rescale_every:
         notes.append("rescale_every is an inference-time rescaling in transformers: imported unscaled")
     return cfg, sd, notes

@@ -31,6 +31,7 @@ def bits_per_byte(logits: np.ndarray, targets: np.ndarray) -> float:
 class CheckReport:
     graphs: dict[str, dict] = field(default_factory=dict)  # name -> {max_abs, rel, ops}
     bpb: dict[str, float] = field(default_factory=dict)  # "torch" / "artifact"
+    bpb_text: str = ""  # what the bits per byte measured: which text, how many tokens and bytes
     tensorrt: list[str] | None = None
     tolerance: float = 0.0
 
@@ -52,13 +53,43 @@ def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
 
 
+def _compare(a: np.ndarray, b: np.ndarray, graph_path) -> dict:
+    """A graph's logits ``a`` against the PyTorch model's ``b`` ([B, T, V]) and the graph's op counts."""
+    import onnx
+
+    diff = float(np.abs(a - b).max()) if a.size else 0.0
+    scale = float(np.abs(b).max()) if b.size else 1.0
+    ops = Counter(n.op_type for n in onnx.load(str(graph_path), load_external_data=False).graph.node)
+    return {"tokens": a.shape[1], "max_abs": diff, "rel": diff / max(scale, 1e-12), "ops": dict(ops)}
+
+
+def genai_logits(manifest, ids: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """Logits of every position of ``ids [B, T]`` from the artifact's onnxruntime-genai graph
+    (``export --genai``'s model.onnx: any number of tokens per call), in one call from the zero state."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    path = manifest.root / manifest.data["genai"]["graph"]
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feeds = {manifest.input_ids_name: ids}
+    for i in sess.get_inputs():
+        if i.name != manifest.input_ids_name:  # conv_state / recurrent_state, static shapes
+            feeds[i.name] = np.zeros(i.shape, np.float32)
+    return sess.run([manifest.logits_name], feeds)[0]
+
+
 def check_artifact(
     artifact,
     tokens: int = 300,
     tolerance: float | None = None,
     text: bytes | None = None,
     threads: int | None = None,
+    text_name: str | None = None,
 ) -> CheckReport:
+    """``text`` (named ``text_name`` in the report; default: the start of Python's os.py) is fed as
+    ``tokens + 1`` tokens; the report's bits per byte are those of its last ``tokens`` tokens."""
     import onnx
 
     from edgeattn.export.compat import tensorrt_report
@@ -91,16 +122,10 @@ def check_artifact(
     got, want = run_logits(art, inp), run_logits(ref, inp)
     report = CheckReport(tolerance=DEFAULT_TOLERANCE[m.precision] if tolerance is None else tolerance)
     for g in ("prefill", "step"):
-        ops = Counter(n.op_type for n in onnx.load(str(m.graph_path(g)), load_external_data=False).graph.node)
-        a, b = got[g], want[g]
-        diff = float(np.abs(a - b).max()) if a.size else 0.0
-        scale = float(np.abs(b).max()) if b.size else 1.0
-        report.graphs[g] = {
-            "tokens": a.shape[1],
-            "max_abs": diff,
-            "rel": diff / max(scale, 1e-12),
-            "ops": dict(ops),
-        }
+        report.graphs[g] = _compare(got[g], want[g], m.graph_path(g))
+    if m.data.get("genai"):  # export --genai: onnxruntime-genai's graph, the whole text in one call
+        b = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)
+        report.graphs["genai"] = _compare(genai_logits(m, inp, threads), b, m.root / m.data["genai"]["graph"])
     full_got = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
     full_want = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)[0]
     per_byte = (
@@ -110,6 +135,11 @@ def check_artifact(
         "torch": bits_per_byte(full_want, targets) * per_byte,
         "artifact": bits_per_byte(full_got, targets) * per_byte,
     }
+    n_bytes = round(len(targets) / per_byte)
+    name = text_name if text is not None else os.__file__
+    report.bpb_text = f"{len(targets)} tokens ({n_bytes} bytes) predicted from the start of {name}" + (
+        "" if text is not None else ", not the training text"
+    )
     if m.target == "portable":
         report.tensorrt = sorted(
             set(tensorrt_report(onnx.load(str(m.graph_path("step")), load_external_data=False)))

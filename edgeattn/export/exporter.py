@@ -151,7 +151,7 @@ def fixed_batch_reason(model, target: str) -> str | None:
     if model.kv_buffer_layers():
         return (
             "mixer 'softmax' on the onnxruntime target uses GroupQueryAttention, whose prefill takes batch 1 "
-            "only once the cache holds tokens; export it with --target portable for a dynamic batch"
+            "only once the cache holds tokens"
         )
     return None
 
@@ -219,7 +219,6 @@ def _export_graph(
             input_names=["input_ids", *[e["input"] for e in entries]],
             output_names=["logits", *[e["output"] for e in entries]],
             dynamic_axes=dynamic or None,
-            custom_opsets={"com.microsoft": 1} if target == "onnxruntime" else None,
             do_constant_folding=True,
         )
 
@@ -369,7 +368,10 @@ class ExportPlan:
         self.kv_buffers = use_kv_buffers(model, target, self.length)
         reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
         if reason:
-            raise ValueError(f"{reason}: export without --dynamic-batch (--batch N fixes the batch)")
+            raise ValueError(
+                f"{reason}: for a dynamic batch export with --target portable; else export without "
+                "--dynamic-batch (--batch N fixes the batch)"
+            )
         self.entries = state_entries(model, self.batch_size)
         self.shapes = (
             [("step.onnx", None)] if self.one else [("step.onnx", 1), ("prefill.onnx", self.prefill_chunk)]
@@ -543,6 +545,10 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     tokenizer = _carry_tokenizer(source.root, cfg, tmp)
     if tokenizer is not None:
         files += [tokenizer["path"]] + ([tokenizer["chat_template"]] if tokenizer["chat_template"] else [])
+        if plan.genai:  # genai's Tokenizer reads tokenizer_config.json beside tokenizer.json
+            from edgeattn.export.genai import carry_tokenizer_config
+
+            files.append(carry_tokenizer_config(source.root, tmp, plan.length))
     if plan.include_checkpoint:
         files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
     import onnxruntime

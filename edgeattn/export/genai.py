@@ -20,6 +20,8 @@ KV cache is a GQA buffer it fills itself).
 
 Byte-level artifacts get a byte-level ``tokenizer.json`` (token id = byte value) so that genai's
 Tokenizer works; genai stops at an end-of-sequence token that must lie in the vocabulary: byte 0 (NUL).
+Imported models carry their own tokenizer.json and tokenizer_config.json, and genai_config.json their
+special ids (``special_ids``), so that genai stops where the sessions stop.
 """
 
 from __future__ import annotations
@@ -176,19 +178,35 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+def special_ids(cfg) -> tuple[int, list[int], int]:
+    """(bos, eos, pad) for genai_config.json. An imported model's ids as recorded at import
+    (``cfg.extra["tokenizer"]``, what the manifest and the sessions use): no EOS gives an empty list (genai
+    then stops at the length only, as the sessions do), a missing pad falls back to the first EOS, a
+    missing BOS to the pad. A byte-level model without a tokenizer stops at byte 0 (NUL)."""
+    tok = cfg.extra.get("tokenizer")
+    if not tok:
+        return EOS_BYTE, [EOS_BYTE], EOS_BYTE
+    eos = [int(i) for i in tok.get("eos_token_ids") or ()]
+    pad = tok.get("pad_token_id")
+    pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+    bos = tok.get("bos_token_id")
+    return (int(bos) if bos is not None else pad), eos, pad
+
+
 def genai_config(cfg, entries: list[dict], *, max_length: int, threads: int | None = None) -> dict:
     """genai_config.json for the graph ``model.onnx`` (greedy search by default; callers may change it)."""
     opts = {"log_id": "onnxruntime-genai", "provider_options": []}
     if threads:
         opts.update(intra_op_num_threads=threads, inter_op_num_threads=1)
+    bos, eos, pad = special_ids(cfg)
     return {
         "model": {
             "type": "decoder",
             "vocab_size": cfg.vocab_size,
             "context_length": max_length,
-            "bos_token_id": EOS_BYTE,
-            "eos_token_id": [EOS_BYTE],
-            "pad_token_id": EOS_BYTE,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
             "decoder": {
                 "session_options": opts,
                 "filename": GENAI_GRAPH,
@@ -231,9 +249,23 @@ def write_genai_files(
     conf = genai_config(model.cfg, entries, max_length=max_length)
     (root / GENAI_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
     files = [GENAI_GRAPH, GENAI_CONFIG]
-    if model.cfg.vocab_size == 256 and not (root / TOKENIZER).exists():
+    if (
+        model.cfg.vocab_size == 256
+        and not model.cfg.extra.get("tokenizer")
+        and not (root / TOKENIZER).exists()
+    ):
         (root / TOKENIZER).write_text(byte_tokenizer_json())
+        files += [TOKENIZER, carry_tokenizer_config(None, root, max_length)]
+    return files
+
+
+def carry_tokenizer_config(checkpoint: Path | None, root: Path, max_length: int) -> str:
+    """Write ``tokenizer_config.json`` into ``root`` (onnxruntime-genai's Tokenizer reads it beside
+    tokenizer.json): the checkpoint's own (an imported model's, copied at import), else a minimal one."""
+    src = None if checkpoint is None else Path(checkpoint) / TOKENIZER_CONFIG
+    if src is not None and src.is_file():
+        (root / TOKENIZER_CONFIG).write_bytes(src.read_bytes())
+    else:
         tok_conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
         (root / TOKENIZER_CONFIG).write_text(json.dumps(tok_conf, indent=2) + "\n")
-        files += [TOKENIZER, TOKENIZER_CONFIG]
-    return files
+    return TOKENIZER_CONFIG

@@ -191,6 +191,8 @@ class EdgeLM(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike, map_location: str = "cpu") -> EdgeLM:
+        """The checkpoint directory ``path``; ValueError when it is incomplete, corrupt, does not match its
+        config or holds a NaN or infinite weight."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -206,6 +208,9 @@ class EdgeLM(nn.Module):
             tensors = load_file(str(path / WEIGHTS), device=map_location)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{path / WEIGHTS} is corrupt: {e}") from e
+        for name, t in tensors.items():  # a NaN weight would export and run, sampling from NaN logits
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{path / WEIGHTS}: weight {name} holds non-finite values (NaN or infinity)")
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
         if missing or unexpected:

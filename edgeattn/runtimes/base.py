@@ -169,6 +169,8 @@ class Session(ABC):
             )
             if not ok:
                 raise ValueError(f"state {name!r} must have shape {list(e.shape)}, got {list(arr.shape)}")
+            if not np.isfinite(arr).all():  # the model would compute NaN logits from it
+                raise ValueError(f"state {name!r} holds NaN or infinity")
         self._set_state({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
         if position is not None:
             self.position = int(position)
@@ -200,11 +202,14 @@ class Session(ABC):
         top_p: float = 1.0,
         seed: int | None = None,
         stop_ids=None,
+        repetition_penalty: float = 1.0,
+        repetition_window: int = 0,
     ) -> Iterator[int]:
         """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
         stops before a token of ``stop_ids`` (default: the tokenizer's end-of-sequence ids), which is
         consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
-        ``edgeattn.runtimes.sampling.sample_next``."""
+        ``edgeattn.runtimes.sampling.sample_next``. ``repetition_penalty`` applies to the tokens of this
+        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers)."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         dec = Decoder(  # checks the sampling arguments before any work
@@ -214,6 +219,8 @@ class Session(ABC):
             seed=seed,
             stop_ids=self.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
             max_new_tokens=max_new_tokens,
+            repetition_penalty=repetition_penalty,
+            repetition_window=repetition_window,
         )
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length
@@ -227,6 +234,7 @@ class Session(ABC):
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:
             raise ValueError("the prompt is empty")
+        dec.context = [int(t) for t in ids[0]]  # the tokens the repetition penalty looks at
         while (nxt := dec.next(logits[0])) is not None:
             yield nxt
             logits = self.step(np.array([[nxt]], dtype=np.int64))  # the lock is taken per step

@@ -30,6 +30,7 @@ import numpy as np
 
 from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.decode import Decoder
+from edgeattn.runtimes.sampling import finite_logits
 
 
 @dataclass
@@ -38,6 +39,14 @@ class _Stream:
     logits: np.ndarray  # [V], the logits of the next token
     position: int
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
+
+
+def _layer_mixers(model: dict) -> list[str]:
+    """The manifest's model config's mixer per layer (``EdgeConfig.mixers``, without importing the model)."""
+    mixer, n = model.get("mixer", ""), int(model.get("n_layers", 0) or 0)
+    if isinstance(mixer, list):
+        return [str(x) for x in mixer]
+    return [x.strip() for x in mixer.split(",")] if "," in mixer else [mixer] * n
 
 
 class Streams:
@@ -62,12 +71,20 @@ class Streams:
                 f"{m.root} was exported with a fixed batch of {m.batch_size}: streams need graphs that take "
                 "any batch; export again with --dynamic-batch (and --batch 1)"
             )
-        grow = [e.input for e in m.state if any(isinstance(d, str) for d in e.shape[1:])]
-        if grow or any(e.shared for e in m.state):
+        cache = [e for e in m.state if e.shared or any(isinstance(d, str) for d in e.shape[1:])]
+        if cache:
+            layers = sorted({e.layer for e in cache})
+            mixers = _layer_mixers(m.data.get("model", {}))
+            kinds = sorted({mixers[i] for i in layers if i < len(mixers)}) or ["softmax"]
+            which = (
+                "every layer holds"
+                if len(layers) == len(mixers)
+                else f"{len(layers)} of its {len(mixers)} layers hold"
+            )
             raise ValueError(
-                f"{m.root} is a softmax KV-cache baseline (state {(grow or [m.state[0].input])[0]!r} grows "
-                "with every token, to a different length per stream): streams take fixed-size states only; "
-                "use a linear-attention model (or mixer 'swa')"
+                f"{m.root}: {which} a KV cache ({', '.join(kinds)}; layers {', '.join(map(str, layers))}), whose "
+                f"state ({cache[0].input!r}) grows with every token, to a different length per stream: streams take "
+                "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa')"
             )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
@@ -157,7 +174,8 @@ class Streams:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
-        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``."""
+        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
+        state or logits holding NaN or infinity is a ValueError naming the argument."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -165,7 +183,7 @@ class Streams:
                 top_p=top_p,
                 seed=seed,
                 stop_ids=self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
-                max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
+                max_new_tokens=max_new_tokens,
             )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")
@@ -184,6 +202,8 @@ class Streams:
                 raise ValueError(
                     "give logits only without prompt_ids (the prompt's last logits come from prefill)"
                 )
+            if logits is not None:
+                finite_logits(logits, "logits")
             sess = self._single
             with sess.lock:
                 sess.reset()
@@ -283,6 +303,8 @@ class Streams:
             if n == 0:
                 return {}
             out, stopped = {}, []
+            for sid in self._rows:  # non-finite logits stop the step before any stream changes
+                finite_logits(self._streams[sid].logits, f"stream {sid}'s logits")
             for i, sid in enumerate(self._rows):
                 dec = self._streams[sid].decoder
                 tok = dec.next(self._streams[sid].logits)

@@ -2,6 +2,9 @@
 // messages and the process's resident memory.
 #pragma once
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <exception>
 #include <fstream>
@@ -39,6 +42,20 @@ inline std::string one_line(std::string s) {
   for (char& c : s)
     if (c == '\n' || c == '\r') c = ' ';
   return s;
+}
+
+// A file that will be written (replaced if it exists): not a directory, in an existing writable directory, as
+// edgeattn.cli's check_output_file. A UsageError naming `flag` otherwise.
+inline void check_output_file(const std::string& path, const std::string& flag) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    throw UsageError(flag + " " + path + " is a directory; give a file name");
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw UsageError(flag + " " + path + ": directory " + dir + " does not exist");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw UsageError(flag + " " + path + ": directory " + dir + " is not writable");
 }
 
 // Resident memory of this process in bytes (VmRSS), or -1 where /proc/self/status is not available.

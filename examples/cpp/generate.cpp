@@ -25,6 +25,7 @@
 #include <exception>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -41,10 +42,16 @@ const char* kUsage =
 
 bool g_printed = false;  // stdout has text without a final newline
 
+using example::check_output_file;
 using example::one_line;
 using example::parse_number;
 using example::resident_bytes;
 using example::UsageError;
+
+// The options that take a value (--flag VALUE or --flag=VALUE); any other option is unknown.
+const std::set<std::string> kValueOptions = {"--prompt",      "--prompt-ids", "-n",        "--temperature",
+                                             "--top-k",       "--top-p",      "--seed",    "--state-in",
+                                             "--state-out",   "--threads",    "--dump-logits"};
 
 struct Args {
   std::string artifact, prompt, state_in, state_out, dump_logits;
@@ -90,7 +97,9 @@ Args parse_args(int argc, char** argv) {
       a.artifact = flag;
       continue;
     }
-    if (auto eq = flag.find('='); eq != std::string::npos && flag.rfind("--", 0) == 0) {
+    const auto eq = flag.rfind("--", 0) == 0 ? flag.find('=') : std::string::npos;
+    if (!kValueOptions.count(flag.substr(0, eq))) throw UsageError("unknown option " + flag.substr(0, eq));
+    if (eq != std::string::npos) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
     } else {
@@ -108,7 +117,6 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--state-out") a.state_out = value;
     else if (flag == "--threads") a.threads = parse_number<int>(flag, value);
     else if (flag == "--dump-logits") a.dump_logits = value;
-    else throw UsageError("unknown option " + flag);
   }
   if (a.artifact.empty()) throw UsageError("missing ARTIFACT_DIR");
   if (a.has_prompt && !a.prompt_ids.empty()) throw UsageError("give --prompt or --prompt-ids, not both");
@@ -116,6 +124,9 @@ Args parse_args(int argc, char** argv) {
     throw UsageError("--prompt TEXT or --prompt-ids IDS is required (generation starts from the logits of its last token)");
   if (a.n < 1) throw UsageError("-n must be >= 1");
   if (a.threads < 0) throw UsageError("--threads must be >= 0");
+  // output files are checked before anything runs, so a typo does not cost the whole generation
+  if (!a.state_out.empty()) check_output_file(a.state_out, "--state-out");
+  if (!a.dump_logits.empty()) check_output_file(a.dump_logits, "--dump-logits");
   return a;
 }
 
@@ -269,7 +280,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "generate: %s (see --help)\n", one_line(e.what()).c_str());
+    std::fprintf(stderr, "generate: error: %s (see --help)\n", one_line(e.what()).c_str());
     return 2;
   } catch (const std::exception& e) {
     if (g_printed) std::fputc('\n', stdout);  // end the partial text line

@@ -4,7 +4,8 @@
 //           [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX]
 //           [--state-out PREFIX]
 //
-// Stream i decodes prompt i with its own sampler: seed S + i and the i-th temperature of the list (cycled), up to
+// Stream i decodes prompt i with its own sampler: seed S + i and the i-th temperature of the list (cycled; more
+// temperatures than prompts are refused), up to
 // -n tokens. --join-every K adds prompt i after i*K batch steps (0: all before the first); --drop I:STEP drops
 // stream I after batch step STEP (repeatable). --separate decodes each prompt with its own Session instead, one after
 // another, with the same samplers: the reference that Streams must equal. The artifact must be exported with
@@ -22,6 +23,7 @@
 #include <exception>
 #include <fstream>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -37,10 +39,16 @@ const char* kUsage =
     "[--top-p P] [--seed S] [--threads N] [--join-every K] [--drop I:STEP] [--separate] [--dump-logits PREFIX] "
     "[--state-out PREFIX]";
 
+using example::check_output_file;
 using example::one_line;
 using example::parse_number;
 using example::resident_bytes;
 using example::UsageError;
+
+// The options that take a value; any other option is unknown.
+const std::set<std::string> kValueOptions = {"--prompt", "-n",        "--temperature", "--top-k",       "--top-p",
+                                             "--seed",   "--threads", "--join-every",  "--drop",        "--dump-logits",
+                                             "--state-out"};
 
 struct Args {
   std::string artifact, dump_logits, state_out;
@@ -73,6 +81,7 @@ Args parse_args(int argc, char** argv) {
       a.artifact = flag;
       continue;
     }
+    if (!kValueOptions.count(flag)) throw UsageError("unknown option " + flag);
     if (i + 1 >= argc) throw UsageError(flag + " needs a value");
     const std::string value = argv[++i];
     if (flag == "--prompt") {
@@ -111,6 +120,11 @@ Args parse_args(int argc, char** argv) {
   if (a.prompts.empty()) throw UsageError("give at least one --prompt");
   for (const auto& p : a.prompts)
     if (p.empty()) throw UsageError("--prompt must not be empty");
+  if (a.temperatures.size() > a.prompts.size())
+    throw UsageError("--temperature has " + std::to_string(a.temperatures.size()) + " values for " +
+                     std::to_string(a.prompts.size()) + " prompts: give at most one per prompt");
+  if (!a.state_out.empty()) check_output_file(a.state_out + ".0.state", "--state-out");
+  if (!a.dump_logits.empty()) check_output_file(a.dump_logits + ".0.f32", "--dump-logits");
   if (a.n < 1) throw UsageError("-n must be >= 1");
   if (a.threads < 0 || a.join_every < 0) throw UsageError("--threads and --join-every must be >= 0");
   for (const auto& [stream, step] : a.drops)
@@ -246,7 +260,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "streams: %s (see --help)\n", one_line(e.what()).c_str());
+    std::fprintf(stderr, "streams: error: %s (see --help)\n", one_line(e.what()).c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "streams: error: %s\n", one_line(e.what()).c_str());

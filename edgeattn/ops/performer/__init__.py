@@ -36,7 +36,7 @@ def favor_features(x, projection, *, is_query: bool = False):
     """Positive random features of x: [..., K] with projection [m, K] -> [..., m]."""
     K = x.shape[-1]
     x = x * K**-0.25
-    wx = x @ projection.T  # [..., m]
+    wx = x @ projection.T.to(x.dtype)  # [..., m]; the projection follows x's dtype, as in rff_features
     sq = 0.5 * (x * x).sum(-1, keepdim=True)
     expo = wx - sq
     if is_query:

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "edgeattn/session.hpp"
+#include "state_file.hpp"
 
 namespace edgeattn {
 namespace {
@@ -154,6 +155,7 @@ std::vector<int64_t> StateEntry::fixed_shape() const {
 
 Manifest Manifest::load(const std::string& dir, bool verify) {
   const std::string path = join_path(dir, "edgeattn.json");
+  if (detail::is_special_file(path)) throw ManifestError(path + " is not a regular file (a FIFO or device?)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ManifestError("no manifest at " + path + ": not an exported edgeattn artifact");
   std::stringstream text;

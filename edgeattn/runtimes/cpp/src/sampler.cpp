@@ -15,6 +15,12 @@ Sampler::Sampler(const SamplingOptions& options) : opt_(options), rng_(options.s
 
 int64_t Sampler::sample(const std::vector<float>& logits) {
   if (logits.empty()) throw InputError("cannot sample from empty logits");
+  // NaN would be argmax'ed or sampled as some token, inf as always the same one: a model whose weights or state
+  // are not finite is refused, never decoded.
+  for (size_t i = 0; i < logits.size(); ++i)
+    if (!std::isfinite(logits[i]))
+      throw RuntimeError("the model's logits are not finite (" + std::to_string(logits[i]) + " at token id " +
+                         std::to_string(i) + "): its weights or state hold NaN or inf; nothing was sampled");
   if (opt_.temperature <= 0.0f)  // greedy; std::max_element keeps the first maximum, like numpy.argmax
     return std::max_element(logits.begin(), logits.end()) - logits.begin();
 

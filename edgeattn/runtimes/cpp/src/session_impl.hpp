@@ -51,9 +51,14 @@ Ort::Value zeros(Ort::Allocator& allocator, const std::vector<int64_t>& shape) {
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO returns at once (it would wait for a writer), and fstat refuses it below
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw IntegrityError("cannot open " + path + ": " + std::strerror(errno));
     struct stat st {};
+    if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw IntegrityError(path + " is not a regular file (a FIFO or device?)");
+    }
     if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
       ::close(fd);
       throw IntegrityError("cannot read " + path + " (empty or unreadable)");

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "edgeattn/session.hpp"
 #include "state_file.hpp"
 
@@ -81,6 +83,7 @@ class Sha256 {
 }  // namespace
 
 std::string sha256_hex(const std::string& path) {
+  if (detail::is_special_file(path)) throw IntegrityError(path + " is not a regular file (a FIFO or device?)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IntegrityError(path + " is missing or unreadable");
   Sha256 sha;
@@ -94,6 +97,11 @@ std::string sha256_hex(const std::string& path) {
 }
 
 namespace detail {
+
+bool is_special_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
+}
 
 std::string sha256_hex(const void* data, size_t size) {
   Sha256 sha;

@@ -82,6 +82,7 @@ void write_state_file(const std::string& path, const std::vector<StateTensorView
 }
 
 LoadedState read_state_file(const std::string& path) {
+  if (is_special_file(path)) throw StateFileError("state file " + path + " is not a regular file (a FIFO or device?)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw StateFileError("cannot read state file " + path + ": " + std::strerror(errno));
   std::stringstream ss;

@@ -15,6 +15,10 @@ constexpr int kStateFormatVersion = 2;
 // Lower-case hex sha256 of a buffer (sha256.cpp).
 std::string sha256_hex(const void* data, size_t size);
 
+// True when `path` exists and is not a regular file (a FIFO, socket or device; sha256.cpp): reading one can block
+// forever or never end, so every reader of artifact and state files refuses it before opening it, as Python does.
+bool is_special_file(const std::string& path);
+
 struct StateTensorView {
   std::string name;
   std::vector<int64_t> shape;

@@ -191,7 +191,7 @@ struct SamplingOptions {
 class Sampler {
  public:
   explicit Sampler(const SamplingOptions& options = {});
-  int64_t sample(const std::vector<float>& logits);
+  int64_t sample(const std::vector<float>& logits);  // RuntimeError for NaN or inf logits: never sampled
 
  private:
   SamplingOptions opt_;

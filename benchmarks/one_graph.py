@@ -51,7 +51,7 @@ def build(root: Path, size: str) -> dict[str, Path]:
 def main() -> None:
     import numpy as np
 
-    from edgeattn.export.manifest import Manifest
+    from edgeattn.artifact.manifest import Manifest
     from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -182,3 +182,17 @@ def test_sigkill_mid_write_leaves_a_whole_output_and_the_next_write_cleans_up(ki
         ns["write"](99)
         assert [p.name for p in tmp_path.iterdir()] == [out.name]
         _check_written(kind, out)
+
+
+def test_write_bytes(tmp_path):
+    """The one atomic-write helper (the TensorRT engine cache, bench results and plots use it)."""
+    from edgeattn._atomic import write_bytes
+
+    path = tmp_path / "sub" / "x.engine"
+    write_bytes(path, b"one")
+    write_bytes(path, b"two")
+    assert path.read_bytes() == b"two" and os.listdir(path.parent) == ["x.engine"]
+
+    with pytest.raises(TypeError):
+        write_bytes(path, object())  # a failed write leaves the old file and no temporary one
+    assert path.read_bytes() == b"two" and os.listdir(path.parent) == ["x.engine"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,3 +26,15 @@ def _ruff() -> list[str]:
 def test_ruff_is_clean(args):
     res = subprocess.run([*_ruff(), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_import_layers_hold():
+    """The import-linter contracts of pyproject.toml (the layers of docs/architecture.md, no torch in the
+    base install's packages) are kept."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        pytest.skip("import-linter is not installed (it comes with the `dev` extra)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's edgeattn, not an installed one
+    res = subprocess.run([str(exe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout

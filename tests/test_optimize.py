@@ -248,7 +248,7 @@ def test_pass_on_a_hand_built_l2_norm(scale):
 def test_probe_of_large_weights_gives_the_same_graph(tmp_path, monkeypatch):
     """Over 2 GB the probe cannot serialize the model: its large weights become inputs fed zeros. Routing
     every weight of a small model that way must fold the token shapes exactly as the full model does."""
-    import edgeattn.export.optimize as opt
+    import edgeattn.export.graph as graph_helpers
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "gated_deltanet")
     plain = export_model(ckpt, tmp_path / "a", optimize=False, include_checkpoint=False, shared_weights=False)
@@ -257,7 +257,7 @@ def test_probe_of_large_weights_gives_the_same_graph(tmp_path, monkeypatch):
     ref.CopyFrom(graph)
     got.CopyFrom(graph)
     done_ref = optimize_graph(ref)
-    monkeypatch.setattr(opt, "LARGE_ELEMENTS", 0)  # every initializer counts as large
+    monkeypatch.setattr(graph_helpers, "LARGE_ELEMENTS", 0)  # every initializer counts as large
     done_got = optimize_graph(got)
     assert done_ref["token_shapes"] > 0
     assert done_got == done_ref

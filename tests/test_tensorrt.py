@@ -52,7 +52,6 @@ from edgeattn.runtimes.tensorrt import (
     io_spec,
     numpy_dtype,
     parse_device,
-    write_atomic,
 )
 
 SHA = "0123456789abcdef" * 4
@@ -671,17 +670,6 @@ def test_default_cache_dir(tmp_path, monkeypatch):
     assert default_cache_dir(tmp_path) == tmp_path / "xdg" / "edgeattn" / "tensorrt"
     monkeypatch.setenv(rt.CACHE_ENV, str(tmp_path / "env"))
     assert default_cache_dir(tmp_path) == tmp_path / "env"
-
-
-def test_write_atomic(tmp_path):
-    path = tmp_path / "sub" / "x.engine"
-    write_atomic(path, b"one")
-    write_atomic(path, b"two")
-    assert path.read_bytes() == b"two" and os.listdir(path.parent) == ["x.engine"]
-
-    with pytest.raises(TypeError):
-        write_atomic(path, object())  # a failed write leaves the old file and no temporary one
-    assert path.read_bytes() == b"two" and os.listdir(path.parent) == ["x.engine"]
 
 
 def test_numpy_dtype_and_parse_device():

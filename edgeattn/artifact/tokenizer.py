@@ -19,7 +19,29 @@ from pathlib import Path
 from edgeattn._deps import require
 
 TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
+# Files an imported model's checkpoint and artifact carry for its tokenizer and chat template (those
+# that exist in the source directory).
+TOKENIZER_FILES = (
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    GENERATION_CONFIG,
+    CHAT_TEMPLATE,
+    "chat_template.json",
+)
+
+
+def check_vocabulary(n_tokens: int, vocab_size: int, field: str = "") -> None:
+    """The one check that a tokenizer's ids all fit the model's vocabulary (ValueError in one line);
+    ``field`` names where the vocabulary size comes from."""
+    if n_tokens > vocab_size:
+        where = f" ({field})" if field else ""
+        raise ValueError(
+            f"the tokenizer has {n_tokens} tokens but the model's vocabulary{where} is {vocab_size}"
+        )
 
 
 def load_hf_tokenizer(path: str | Path):
@@ -165,10 +187,7 @@ def checkpoint_tokenizer(checkpoint: str | Path, cfg) -> ByteTokenizer:
         return ByteTokenizer()
     info = tokenizer_info(checkpoint)
     info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
-    if info["vocab_size"] > cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
-        )
+    check_vocabulary(info["vocab_size"], cfg.vocab_size)
     return HFTokenizer(checkpoint / TOKENIZER_JSON, info, info["chat_template"])
 
 
@@ -210,7 +229,7 @@ def tokenizer_info(src: str | Path, config: dict | None = None) -> dict | None:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{p} is not valid JSON: {e}") from e
 
-    gen, tcfg, config = read("generation_config.json"), read("tokenizer_config.json"), config or {}
+    gen, tcfg, config = read(GENERATION_CONFIG), read(TOKENIZER_CONFIG), config or {}
     text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
     def special(key):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from edgeattn.bench.report import MiB, atomic_write
+from edgeattn._atomic import write_bytes
+from edgeattn.bench.schema import MiB
 
 
 def _series(doc: dict, key: str, scale: float):
@@ -72,5 +73,5 @@ def write_plots(doc: dict, out: Path) -> tuple[list[Path], str | None]:
     ):
         png = _plot(doc, key, scale, ylabel, f"{ylabel.split(' (')[0]} vs context, {cpu}")
         if png is not None:
-            written.append(atomic_write(Path(out) / name, png))
+            written.append(write_bytes(Path(out) / name, png))
     return written, None

@@ -8,10 +8,9 @@ import io
 import json
 from pathlib import Path
 
+from edgeattn._atomic import write_bytes
 from edgeattn.bench import schema
-
-MiB = 2**20
-
+from edgeattn.bench.schema import MiB
 
 # ---- small formatting helpers ------------------------------------------------------------------------
 
@@ -42,15 +41,6 @@ def _cells(*cells: str):
 
 def _measured(result: dict) -> list[dict]:
     return [c for c in result["contexts"] if not c["skipped"]]
-
-
-# ---- atomic files ------------------------------------------------------------------------------------
-
-
-def atomic_write(path: Path, data: bytes) -> Path:
-    from edgeattn._atomic import write_bytes
-
-    return write_bytes(path, data)
 
 
 def csv_rows(doc: dict) -> list[dict]:
@@ -114,8 +104,8 @@ def write_outputs(doc: dict, out: Path) -> list[Path]:
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["name"], lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write(out / "results.csv", buf.getvalue().encode())
-    atomic_write(out / "results.json", (json.dumps(doc, indent=2) + "\n").encode())
+    write_bytes(out / "results.csv", buf.getvalue().encode())
+    write_bytes(out / "results.json", (json.dumps(doc, indent=2) + "\n").encode())
     return files + plots
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.bench import machine, schema, theory
-from edgeattn.export.manifest import Manifest
 
 BACKENDS = ("onnxruntime", "torch", "tensorrt")
 

@@ -12,6 +12,7 @@ A figure measured on every repeat is a *stat*: ``{"median", "min", "max", "value
 from __future__ import annotations
 
 FORMAT = "edgeattn-bench"
+MiB = 2**20  # the unit of the memory columns of tables and plots
 VERSION = 1
 
 _NUM = {"type": "number"}

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 
 BYTES_PER_PARAM = {"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}
 

@@ -46,12 +46,12 @@ def _save_png(fig, path) -> str:
     """``fig`` laid out and written to ``path`` as PNG in one atomic write; returns the path."""
     import io
 
-    from edgeattn.bench.report import atomic_write
+    from edgeattn._atomic import write_bytes
 
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    return str(atomic_write(path, buf.getvalue()))
+    return str(write_bytes(path, buf.getvalue()))
 
 
 def _plots(out: Path, errors: dict, cost: list[dict]) -> list[str]:

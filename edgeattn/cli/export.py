@@ -88,8 +88,6 @@ def export(
     """Export a checkpoint as ONNX step and prefill graphs with explicit state, plus edgeattn.json."""
     from edgeattn.export.exporter import export_model
 
-    if not checkpoint.exists():
-        raise ValueError(f"checkpoint {checkpoint} does not exist")
     check_output_dir(out, "--out")
     options = dict(
         target=target.value,
@@ -105,36 +103,7 @@ def export(
         genai=genai,
         max_length=max_length,
     )
-    from edgeattn.convert.hf import model_type
-
-    if model_type(checkpoint) is None:
-        _note_kv_buffers(checkpoint, options)
-        path = export_model(checkpoint, out, **options)
-    else:  # a Hugging Face model directory: import into a temporary checkpoint, export that
-        import shutil
-        import tempfile
-
-        from edgeattn.convert import import_model
-
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-            raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
-        tmp = Path(tempfile.mkdtemp(prefix=".edgeattn-import."))
-        try:
-            _, notes = import_model(checkpoint, tmp / "checkpoint")
-            for note in notes:
-                typer.echo(f"note: {note}")
-            _note_kv_buffers(tmp / "checkpoint", options)
-            path = export_model(tmp / "checkpoint", out, **options)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if max_length is not None and not genai:
-        from edgeattn.export.exporter import read_manifest_json
-
-        if read_manifest_json(path)["max_length"] is None:
-            typer.echo(
-                f"note: --max-length {max_length} ignored: every layer of this model keeps a fixed-size state, "
-                "so its artifact has no length limit"
-            )
+    path = export_model(checkpoint, out, **options, on_plan=_print_notes)
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"
@@ -158,24 +127,15 @@ def export(
 LARGE_KV_BUFFERS = 2**30  # bytes of preallocated KV buffers above which export prints a note
 
 
-def _note_kv_buffers(checkpoint: Path, options: dict) -> None:
-    """Without --max-length, say how large the softmax layers' preallocated KV buffers will be when large."""
-    from edgeattn.export.exporter import kv_buffer_bytes
-
-    if options["max_length"] is not None:
-        return
-    import json
-
-    from edgeattn.models import EdgeConfig
-
-    try:
-        size = kv_buffer_bytes(checkpoint, options["target"], options["batch_size"])
-        tokens = EdgeConfig.from_dict(json.loads((checkpoint / "config.json").read_text())).max_seq_len
-    except (ValueError, TypeError, OSError):  # not a valid checkpoint: export_model says what is wrong
-        return
-    if size > LARGE_KV_BUFFERS:
+def _print_notes(plan) -> None:
+    """The plan's notes, and without --max-length the size of large preallocated KV buffers (before the
+    export's long part runs)."""
+    for note in plan.notes():
+        typer.echo(f"note: {note}")
+    size = plan.kv_buffer_bytes
+    if plan.max_length is None and size > LARGE_KV_BUFFERS:
         typer.echo(
-            f"note: the softmax layers' preallocated KV buffers will take {size / 2**30:.1f} GiB ({tokens} "
+            f"note: the softmax layers' preallocated KV buffers will take {size / 2**30:.1f} GiB ({plan.length} "
             "tokens, the model's max_seq_len); --max-length N reduces them to the N tokens a stream needs"
         )
 

@@ -21,10 +21,6 @@ def import_(
     """Map an imported model's config and weights onto an edgeattn checkpoint (for export and check)."""
     from edgeattn.convert import import_model
 
-    if not source.exists():
-        raise ValueError(f"{source} does not exist")
-    if not source.is_dir():
-        raise ValueError(f"{source} is not a directory")
     check_output_dir(out, "--out")
     cfg, notes = import_model(source, out, force=force)
     for note in notes:

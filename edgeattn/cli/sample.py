@@ -72,12 +72,10 @@ def sample(
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        stop_ids=tok.eos_token_ids,
     )
     first = next(tokens, None)  # checks the lengths and prefills the prompt before anything is printed
-    eos = set(tok.eos_token_ids)
-    ids = itertools.takewhile(
-        lambda t: t not in eos, itertools.chain([] if first is None else [first], tokens)
-    )
+    ids = itertools.chain([] if first is None else [first], tokens)
     # Print characters as soon as they are complete; invalid byte sequences print as U+FFFD.
     sys.stdout.write(prompt)
     try:

@@ -71,7 +71,7 @@ def serve(
     Requests are decoded together (continuous batching: one step-graph call for every live stream) on an
     artifact exported with --dynamic-batch; any other artifact is served one request at a time. The state
     after every prompt and reply is cached, so a conversation's next turn prefills only its new tokens."""
-    from edgeattn.export.manifest import Manifest
+    from edgeattn.artifact.manifest import Manifest
 
     if replicas > 1 and not ray:
         raise CLIError("--replicas needs --ray")

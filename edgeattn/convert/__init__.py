@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgeattn.convert.hf import TOKENIZER_FILES, Weights, model_type, read_config
+from edgeattn.artifact.sources import CHECKPOINT, HUGGINGFACE, check_output, directory_kind
+from edgeattn.artifact.tokenizer import TOKENIZER_FILES, TOKENIZER_JSON, check_vocabulary
+from edgeattn.convert.hf import Weights, model_type, read_config
 from edgeattn.convert.validate import check_special_ids, check_tokenizer_files
 
 # model_type -> module in edgeattn.convert
@@ -63,50 +66,74 @@ def convert_dir(src: str | os.PathLike):
     return model, notes
 
 
-def check_tokenizer(src: Path, vocab_size: int) -> None:
-    """Refuse a tokenizer whose ids do not all fit the model's vocabulary."""
-    path = src / "tokenizer.json"
-    if not path.is_file():
-        return
-    from edgeattn.artifact.tokenizer import load_hf_tokenizer
+@dataclass
+class Source:
+    """A model to export or save, in memory: ``model`` (an ``EdgeLM``, eval mode), the directory it came from
+    (``root``: its tokenizer files, and an edgeattn checkpoint's files), what that directory is (``kind``,
+    ``edgeattn.artifact.sources``) and the converter's notes for the user."""
 
-    n = load_hf_tokenizer(path).get_vocab_size(with_added_tokens=True)
-    if n > vocab_size:
-        raise ValueError(
-            f"the tokenizer has {n} tokens but the model's vocabulary (config field vocab_size) is {vocab_size}"
-        )
+    model: object
+    root: Path
+    kind: str
+    notes: list[str] = field(default_factory=list)
+
+    def write_checkpoint(self, directory: Path) -> None:
+        """The model as an edgeattn checkpoint in the new directory ``directory`` (not atomic: the caller
+        writes into its temporary): an edgeattn checkpoint's own files (less its trainer state), or the
+        converted model's weights and config plus the source's tokenizer files."""
+        if self.kind == CHECKPOINT:
+            shutil.copytree(self.root, directory, ignore=shutil.ignore_patterns("trainer_state*"))
+            return
+        directory.mkdir()
+        self.model.save_files(directory)
+        for name in TOKENIZER_FILES:
+            if (self.root / name).is_file():
+                shutil.copy2(self.root / name, directory / name)
+
+
+def load_source(path: str | os.PathLike, what: str = "checkpoint") -> Source:
+    """The model in the directory ``path``: an edgeattn checkpoint loaded, or a Hugging Face model converted
+    in memory (no checkpoint on disk) with its tokenizer checked against the vocabulary and its special
+    ids recorded in ``cfg.extra``. One line (ValueError) for any other directory."""
+    from edgeattn.models import EdgeLM
+
+    path = Path(path)
+    kind = directory_kind(path, what)
+    if kind == CHECKPOINT:
+        return Source(EdgeLM.load(path).eval(), path, kind)
+    if kind != HUGGINGFACE:
+        raise ValueError(f"{path} is an exported {kind}, not a checkpoint or a Hugging Face model directory")
+    check_tokenizer_files(path, TOKENIZER_FILES)
+    model, notes = convert_dir(path)
+    if (path / TOKENIZER_JSON).is_file():
+        from edgeattn.artifact.tokenizer import tokenizer_info
+
+        info = tokenizer_info(path, read_config(path))
+        check_vocabulary(info["vocab_size"], model.cfg.vocab_size, "config field vocab_size")
+        # keys sorted, as a saved config reads back: the manifest is the same from a checkpoint as from here
+        keys = ("bos_token_id", "eos_token_ids", "pad_token_id")
+        model.cfg.extra["tokenizer"] = {k: info[k] for k in keys}
+    return Source(model.eval(), path, kind, notes)
 
 
 def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = False):
     """Convert ``src`` into the edgeattn checkpoint directory ``out`` (written whole or not at all),
-    carrying its tokenizer files. Returns (EdgeConfig, notes)."""
+    carrying its tokenizer files: export's converter plus the checkpoint's files. Returns (EdgeConfig, notes)."""
     from edgeattn._atomic import make_temp_dir, replace_dir
 
     src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise ValueError(f"{src} is not a directory")
-    if model_type(src) is None:
+    kind = directory_kind(src)
+    if kind != HUGGINGFACE:
         raise ValueError(f"{src}/config.json has no model_type: not a Hugging Face model directory")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
-    check_tokenizer_files(src, TOKENIZER_FILES)
-    model, notes = convert_dir(src)
-    check_tokenizer(src, model.cfg.vocab_size)
-    if (src / "tokenizer.json").is_file():
-        from edgeattn.artifact.tokenizer import tokenizer_info
-
-        info = tokenizer_info(src, read_config(src))
-        model.cfg.extra["tokenizer"] = {k: info[k] for k in ("eos_token_ids", "bos_token_id", "pad_token_id")}
+    check_output(out, {src: kind}, force)
+    source = load_source(src)
     tmp = make_temp_dir(out)  # the shared temporary naming: the next write cleans what a killed import left
     try:
-        model.save(tmp / "ckpt")
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / "ckpt" / name)
+        source.write_checkpoint(tmp / "ckpt")
         replace_dir(tmp / "ckpt", out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return model.cfg, notes
+    return source.model.cfg, source.notes
 
 
-__all__ = ["CONVERTERS", "convert_dir", "import_model", "model_type"]
+__all__ = ["CONVERTERS", "Source", "convert_dir", "import_model", "load_source", "model_type"]

@@ -9,34 +9,17 @@ import json
 from pathlib import Path
 
 from edgeattn._deps import require
+from edgeattn.artifact.sources import CONFIG, hf_model_type
+from edgeattn.artifact.tokenizer import TOKENIZER_FILES  # noqa: F401  (its old import path)
 from edgeattn.convert.validate import checked_float32, show
 
-CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Files the artifact carries for its tokenizer and chat template (those that exist).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def model_type(path: str | Path) -> str | None:
-    """``config.json``'s ``model_type`` (a Hugging Face model directory), or None (an edgeattn checkpoint,
-    whose config.json has no model_type, or no config at all)."""
-    p = Path(path) / CONFIG
-    if not p.is_file():
-        return None
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from e
-    mt = data.get("model_type") if isinstance(data, dict) else None
-    return mt if isinstance(mt, str) else None
+    """``config.json``'s ``model_type``, or None: ``edgeattn.artifact.sources.hf_model_type``."""
+    return hf_model_type(path)
 
 
 def read_config(path: str | Path) -> dict:

@@ -1,6 +1,6 @@
 """Export to ONNX (``export_model``, needs the train extra) and the artifact manifest (base install)."""
 
-from edgeattn.export.manifest import FORMAT_VERSION, MANIFEST, Manifest, StateEntry
+from edgeattn.artifact.manifest import FORMAT_VERSION, MANIFEST, Manifest, StateEntry
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "Manifest", "StateEntry", "export_model"]
 

@@ -12,25 +12,33 @@ Targets:
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
 import os
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
-from edgeattn.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+from edgeattn.artifact.manifest import (
+    MANIFEST,
+    PRECISIONS,
+    TARGETS,
+    build_manifest,
+    sha256_file,
+    write_manifest,
+)
+from edgeattn.artifact.sources import CHECKPOINT
+from edgeattn.export.genai import GENAI_CONFIG, GENAI_GRAPH
+from edgeattn.export.graph import release_memory
 from edgeattn.export.optimize import TOKEN_AXIS  # the one graph's dynamic token dimension
 
 torch = require("torch")
 
-TARGETS = ("onnxruntime", "portable")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
 OPSET = 17
 FUSED_MIN_ORT = "1.31.0"
 # LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
@@ -65,9 +73,9 @@ class GraphModule(torch.nn.Module):
 def state_entries(model, batch_size: int) -> list[dict]:
     """The manifest's state list; ``"shared": true`` marks a preallocated KV buffer that the runtime binds
     as both the past input and the present output (the graph updates it in place)."""
-    out = []
+    out, kv_layers = [], set(model.kv_buffer_layers())
     for layer, specs in enumerate(model.state_spec(batch_size)):
-        buffered = bool(getattr(model.blocks[layer].mixer, "kv_buffer", None))
+        buffered = layer in kv_layers
         for s in specs:
             e = {
                 "input": f"past_key_values.{layer}.{s.name}",
@@ -87,16 +95,8 @@ def use_kv_buffers(model, target: str, max_length: int | None = None) -> bool:
     """On the onnxruntime target, softmax layers keep a preallocated KV buffer of ``max_length`` tokens
     (default ``cfg.max_seq_len``; ONNX Runtime's GroupQueryAttention, past and present in one buffer); the
     portable target keeps the growing cache. Returns whether any layer does."""
-    from edgeattn.layers.softmax import SoftmaxAttention
-
     length = model.cfg.max_seq_len if max_length is None else max_length
-    used = False
-    for block in model.blocks:
-        if isinstance(block.mixer, SoftmaxAttention):
-            buffered = target == "onnxruntime" and block.mixer.supports_kv_buffer
-            block.mixer.kv_buffer = length if buffered else None
-            used |= buffered
-    return used
+    return bool(model.set_kv_buffers(length if target == "onnxruntime" else None))
 
 
 def check_max_length(max_length) -> None:
@@ -122,7 +122,11 @@ def kv_buffer_bytes(
         model = EdgeLM(cfg)
     if not use_kv_buffers(model, target, max_length):
         return 0
-    entries = state_entries(model, batch_size)
+    return shared_state_bytes(state_entries(model, batch_size))
+
+
+def shared_state_bytes(entries: list[dict]) -> int:
+    """Bytes of the state entries marked ``"shared"`` (the preallocated KV buffers)."""
     return sum(
         math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in entries if e.get("shared")
     )
@@ -225,7 +229,7 @@ def _finish_graph(path: Path, target: str, optimize: bool = True, tie: bool = Fa
     if target == "onnxruntime" or tie:
         import onnx
 
-        from edgeattn.ops.common.fused_delta import fix_optional_inputs
+        from edgeattn.export.graph import fix_optional_inputs
 
         graph = onnx.load(str(path), load_external_data=False)
         # Over 2 GB torch writes each weight to its own file beside the graph: read them in, then remove
@@ -256,20 +260,17 @@ def _finish_graph(path: Path, target: str, optimize: bool = True, tie: bool = Fa
             onnx.save(graph, str(path), save_as_external_data=big, location=f"{path.name}.data")
 
 
-def _carry_tokenizer(checkpoint: Path, cfg, tmp: Path) -> dict | None:
-    """Copy an imported model's tokenizer.json (and chat template) into the artifact; its manifest entry.
-    None for byte-level models (no tokenizer.json in the checkpoint)."""
-    if not (checkpoint / "tokenizer.json").is_file():
-        return None
-    from edgeattn.artifact.tokenizer import CHAT_TEMPLATE, TOKENIZER_JSON, tokenizer_info
+def _carry_tokenizer(root: Path, cfg, tmp: Path) -> dict | None:
+    """Copy a model's tokenizer.json (and chat template) from its directory ``root`` into the artifact; its
+    manifest entry. None for byte-level models (no tokenizer.json there)."""
+    from edgeattn.artifact.tokenizer import CHAT_TEMPLATE, TOKENIZER_JSON, check_vocabulary, tokenizer_info
 
-    info = tokenizer_info(checkpoint)
+    if not (root / TOKENIZER_JSON).is_file():
+        return None
+    info = tokenizer_info(root)
     info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
-    if info["vocab_size"] > cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {info['vocab_size']} tokens but the model's vocabulary is {cfg.vocab_size}"
-        )
-    shutil.copy2(checkpoint / TOKENIZER_JSON, tmp / TOKENIZER_JSON)
+    check_vocabulary(info["vocab_size"], cfg.vocab_size)
+    shutil.copy2(root / TOKENIZER_JSON, tmp / TOKENIZER_JSON)
     if info["chat_template"]:
         (tmp / CHAT_TEMPLATE).write_text(info["chat_template"])
         info["chat_template"] = CHAT_TEMPLATE
@@ -290,17 +291,120 @@ def fingerprint(checkpoint: Path) -> str:
     return h.hexdigest()
 
 
-def check_apart(checkpoint: Path, out: Path) -> None:
-    """Refuse an output that is, contains or lies inside the checkpoint (it would copy itself into
-    itself, or ``force`` would delete the checkpoint's training state)."""
-    c, o = checkpoint.resolve(), out.resolve()
-    if o == c or c in o.parents or o in c.parents:
-        where = "is" if o == c else ("lies inside" if c in o.parents else "contains")
-        raise ValueError(f"--out {out} {where} the checkpoint {checkpoint}; choose a directory outside it")
+@dataclass
+class ExportPlan:
+    """Every option of an export, checked, and every choice it makes for a model: one graph or two, KV
+    buffers, the state list, the tokens each graph takes. ``check()`` needs only the options (it runs before
+    any model is loaded); ``decide(model)`` checks the model against them and configures its softmax layers'
+    KV buffers. ``notes()`` says what the user should know about the choices."""
+
+    target: str = "onnxruntime"
+    precision: str = "fp32"
+    batch_size: int = 1
+    dynamic_batch: bool = False
+    prefill_chunk: int = 64
+    include_checkpoint: bool = True
+    shared_weights: bool = True
+    quantization: dict | None = None
+    genai: bool = False
+    optimize: bool = True
+    one_graph: bool | None = None
+    max_length: int | None = None
+    # decided for the model by decide()
+    one: bool = False
+    length: int = 0
+    kv_buffers: bool = False
+    entries: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)  # (file name, tokens or None for a dynamic token axis)
+    tie: bool = False
+    source_notes: list = field(default_factory=list)
+
+    def check(self) -> None:
+        """ValueError in one line for options that cannot go together (no model needed)."""
+        target, precision = self.target, self.precision
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "int4" and target != "onnxruntime":
+            raise ValueError(
+                "precision int4 uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
+            )
+        if self.genai and (target != "onnxruntime" or precision != "fp32"):
+            raise ValueError(
+                "--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)"
+            )
+        if self.batch_size < 1 or self.prefill_chunk < 2:
+            raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
+        check_max_length(self.max_length)
+        if self.dynamic_batch and precision == "int8":
+            raise ValueError(
+                "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
+                "DynamicQuantizeLinear), across the whole batch, so sequences batched together would change "
+                "each other's results: use --dynamic-batch with fp32, fp16 or int4"
+            )
+        if self.dynamic_batch and self.genai:
+            raise ValueError(
+                "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
+            )
+
+    def decide(self, model) -> None:
+        """Check ``model`` against the options and make the choices (sets its softmax layers' KV buffers)."""
+        target, precision, cfg = self.target, self.precision, model.cfg
+        check_exportable(model)
+        if self.genai:
+            from edgeattn.export.genai import check_genai
+
+            check_genai(model)
+        if self.one_graph and not one_graph_ok(model, target, precision):
+            raise ValueError(
+                f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every "
+                f"layer's mixer among {sorted(ONE_GRAPH_MIXERS)} or a plain softmax (got target {target!r}, "
+                f"precision {precision!r}, mixers {cfg.mixers})"
+            )
+        self.one = one_graph_ok(model, target, precision) if self.one_graph is None else self.one_graph
+        self.length = cfg.max_seq_len if self.max_length is None else self.max_length  # cfg keeps its own
+        self.kv_buffers = use_kv_buffers(model, target, self.length)
+        reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
+        if reason:
+            raise ValueError(
+                f"{reason}: for a dynamic batch export with --target portable; else export without "
+                "--dynamic-batch (--batch N fixes the batch)"
+            )
+        self.entries = state_entries(model, self.batch_size)
+        self.shapes = (
+            [("step.onnx", None)] if self.one else [("step.onnx", 1), ("prefill.onnx", self.prefill_chunk)]
+        )
+        # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart. An fp32
+        # graph that ONNX Runtime loads once keeps E for the Gather beside the head's E^T: ONNX Runtime maps
+        # the weights file, prepacks E^T and unmaps it when nothing else reads it, and a row Gather on E
+        # faults in only the rows it reads, where one shared E^T stays resident whole (Qwen3.5-0.8B: 930 MiB
+        # less memory for 970 MiB more file, benchmarks/RESULTS.md)
+        rows = self.one and target == "onnxruntime" and precision == "fp32"
+        self.tie = self.optimize and precision != "int4" and cfg.tie_embeddings and not rows
+
+    @property
+    def limited(self) -> bool:
+        """Whether the artifact has a length limit (KV buffers or a growing cache): its ``max_length``."""
+        return self.kv_buffers or any(isinstance(d, str) for e in self.entries for d in e["shape"])
+
+    @property
+    def kv_buffer_bytes(self) -> int:
+        return shared_state_bytes(self.entries)
+
+    def notes(self) -> list[str]:
+        """What the user should know: the converter's notes, and a --max-length that has nothing to limit."""
+        out = list(self.source_notes)
+        if self.max_length is not None and not self.genai and not self.limited:
+            out.append(
+                f"--max-length {self.max_length} ignored: every layer of this model keeps a fixed-size state, "
+                "so its artifact has no length limit"
+            )
+        return out
 
 
 def export_model(
-    checkpoint: str | os.PathLike,
+    checkpoint,
     out: str | os.PathLike,
     *,
     target: str = "onnxruntime",
@@ -316,8 +420,10 @@ def export_model(
     optimize: bool = True,
     one_graph: bool | None = None,
     max_length: int | None = None,
+    on_plan=None,
 ) -> Path:
-    """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
+    """Export ``checkpoint`` (an edgeattn checkpoint directory, a Hugging Face model directory converted in
+    memory on the way, or a ``Source`` of ``edgeattn.convert.load_source``) to the artifact directory ``out``.
 
     ``shared_weights``: both graphs read their initializers from one ``weights.bin`` (stored once);
     False keeps each graph self-contained (two copies). ``include_checkpoint``: copy the torch checkpoint
@@ -340,151 +446,137 @@ def export_model(
     whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
 
-    The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
-    complete, so an interrupted export leaves no ``out`` behind.
+    ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
+    the graphs are traced (the CLI prints its notes there).
+
+    Stages: plan (``ExportPlan``: every check and choice) -> trace (one graph per shape) -> passes (optional
+    inputs, optimizer, tied embedding, precision, weight sharing) -> package. The artifact is assembled in
+    a temporary directory beside ``out`` and renamed into place when complete, so an interrupted export
+    leaves no ``out`` behind and nothing elsewhere (the next write of ``out`` removes a killed one's
+    temporary).
     """
-    from edgeattn.models import EdgeLM
+    from edgeattn.artifact.sources import check_output, directory_kind
+    from edgeattn.convert import Source, load_source
 
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "int4" and target != "onnxruntime":
-        raise ValueError(
-            "precision int4 uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
-        )
-    if genai and (target != "onnxruntime" or precision != "fp32"):
-        raise ValueError("--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)")
-    if batch_size < 1 or prefill_chunk < 2:
-        raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
-    check_max_length(max_length)
-    if dynamic_batch and precision == "int8":
-        raise ValueError(
-            "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
-            "DynamicQuantizeLinear), across the whole batch, so sequences batched together would change each "
-            "other's results: use --dynamic-batch with fp32, fp16 or int4"
-        )
-    if dynamic_batch and genai:
-        raise ValueError(
-            "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
-        )
-    checkpoint, out = Path(checkpoint), Path(out)
-    check_apart(checkpoint, out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
-    model = EdgeLM.load(checkpoint).eval()
-    check_exportable(model)
-    if genai:
-        from edgeattn.export.genai import check_genai
-
-        check_genai(model)
-    cfg = model.cfg
-    if one_graph and not one_graph_ok(model, target, precision):
-        raise ValueError(
-            f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every layer's "
-            f"mixer among {sorted(ONE_GRAPH_MIXERS)} or a plain softmax (got target {target!r}, precision "
-            f"{precision!r}, mixers {cfg.mixers})"
-        )
-    one = one_graph_ok(model, target, precision) if one_graph is None else one_graph
-    length = cfg.max_seq_len if max_length is None else max_length  # cfg itself keeps max_seq_len
-    kv_buffers = use_kv_buffers(model, target, length)
-    reason = fixed_batch_reason(model, target) if dynamic_batch else None
-    if reason:
-        raise ValueError(
-            f"{reason}: for a dynamic batch export with --target portable; else export without --dynamic-batch "
-            "(--batch N fixes the batch)"
-        )
-    entries = state_entries(model, batch_size)
-    softmax_like = kv_buffers or any(isinstance(d, str) for e in entries for d in e["shape"])
-
+    plan = ExportPlan(
+        target=target,
+        precision=precision,
+        batch_size=batch_size,
+        dynamic_batch=dynamic_batch,
+        prefill_chunk=prefill_chunk,
+        include_checkpoint=include_checkpoint,
+        shared_weights=shared_weights,
+        quantization=quantization,
+        genai=genai,
+        optimize=optimize,
+        one_graph=one_graph,
+        max_length=max_length,
+    )
+    plan.check()
+    out = Path(out)
+    if isinstance(checkpoint, Source):
+        source = checkpoint
+        check_output(out, {source.root: source.kind}, force)
+    else:
+        root = Path(checkpoint)
+        check_output(out, {root: directory_kind(root, "checkpoint")}, force)
+        source = load_source(root)
+    plan.source_notes = source.notes
+    plan.decide(source.model)
+    if on_plan is not None:
+        on_plan(plan)
     tmp = make_temp_dir(out)
     try:
-        module = GraphModule(model, batch_size).eval()
-        shapes = [("step.onnx", None)] if one else [("step.onnx", 1), ("prefill.onnx", prefill_chunk)]
-        # int4 quantizes the embedding (GatherBlockQuantized, blocks along D) and the head apart. An fp32
-        # graph that ONNX Runtime loads once keeps E for the Gather beside the head's E^T: ONNX Runtime maps
-        # the weights file, prepacks E^T and unmaps it when nothing else reads it, and a row Gather on E
-        # faults in only the rows it reads, where one shared E^T stays resident whole (Qwen3.5-0.8B: 930 MiB
-        # less memory for 970 MiB more file, benchmarks/RESULTS.md)
-        rows = one and target == "onnxruntime" and precision == "fp32"
-        tie = optimize and precision != "int4" and cfg.tie_embeddings and not rows
-        large = sum(p.numel() * p.element_size() for p in model.parameters()) > LARGE_MODEL_BYTES
-        for i, (name, tokens) in enumerate(shapes):
-            _export_graph(module, tokens, batch_size, entries, tmp / name, target, dynamic_batch)
-            if i == len(shapes) - 1 and not genai:  # genai's graph is traced from the model later
-                del module, model  # its weights, before the ONNX side holds its own copy
-                if large:  # a full collection costs ~0.2 s: only where the memory matters
-                    gc.collect()
-            _finish_graph(tmp / name, target, optimize, tie)
-        graphs = [name for name, _ in shapes]
-        if precision != "fp32":
-            from edgeattn.export.precision import convert_precision
-
-            for name in graphs:
-                convert_precision(tmp / name, precision, entries, **(quantization or {}))
-        extra = []
-        if genai:
-            from edgeattn.export.genai import GENAI_GRAPH, write_genai_files
-
-            extra = write_genai_files(tmp, model, batch_size, max_length=length, optimize=optimize)
-            graphs.append(GENAI_GRAPH)
-        files = [*graphs, *[f for f in extra if f not in graphs]]
-        weights = None
-        if shared_weights:
-            from edgeattn.export.weights import share_weights
-
-            weights = share_weights(tmp, graphs)
-            files.append(weights["path"])
-        tokenizer = _carry_tokenizer(checkpoint, cfg, tmp)
-        if tokenizer is not None:
-            files += [tokenizer["path"]] + (
-                [tokenizer["chat_template"]] if tokenizer["chat_template"] else []
-            )
-            if genai:  # genai's Tokenizer reads tokenizer_config.json beside tokenizer.json
-                from edgeattn.export.genai import carry_tokenizer_config
-
-                files.append(carry_tokenizer_config(checkpoint, tmp, length))
-        if include_checkpoint:
-            shutil.copytree(checkpoint, tmp / CHECKPOINT_DIR, ignore=shutil.ignore_patterns("trainer_state*"))
-            files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
-        import onnxruntime
-
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fingerprint(checkpoint),
-            "producer": f"edgeattn {__version__}",
-            "model": cfg.to_dict(),
-            "vocab_size": cfg.vocab_size,
-            "batch_size": batch_size,
-            "dynamic_batch": dynamic_batch,
-            "target": target,
-            "precision": precision,
-            "opset": 21 if precision == "int4" else OPSET,
-            "requires": {"onnxruntime": min_onnxruntime(cfg, target)},
-            "exported_with": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
-            "max_length": length if softmax_like else None,
-            "inputs": {"input_ids": "input_ids"},
-            "outputs": {"logits": "logits"},
-            "graphs": {
-                "step": {"path": "step.onnx", "tokens": 1},
-                # one graph: the same file, fed chunks of prefill_chunk (its token axis is dynamic)
-                "prefill": {"path": shapes[-1][0], "tokens": prefill_chunk},
-            },
-            "state": entries,
-            "weights": weights,
-            "genai": {"graph": "model.onnx", "config": "genai_config.json"} if genai else None,
-            "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,
-            "files": {f: {} for f in files},
-        }
-        if tokenizer is not None:
-            manifest["tokenizer"] = tokenizer
-        write_manifest(tmp, manifest)
+        _write_artifact(source, plan, tmp)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
+    """Trace, run the passes and package the artifact of ``plan`` into the empty directory ``tmp``."""
+    model, cfg, entries = source.model, source.model.cfg, plan.entries
+    # The checkpoint first, while the model is in memory: it is the artifact's fingerprint (written only
+    # when kept, or when the model has no checkpoint directory of its own to hash)
+    ckpt = tmp / CHECKPOINT_DIR
+    if plan.include_checkpoint or source.kind != CHECKPOINT:
+        source.write_checkpoint(ckpt)
+    print_ = fingerprint(ckpt if ckpt.is_dir() else source.root)
+    if not plan.include_checkpoint and ckpt.is_dir():
+        shutil.rmtree(ckpt)
+    module = GraphModule(model, plan.batch_size).eval()
+    large = sum(p.numel() * p.element_size() for p in model.parameters()) > LARGE_MODEL_BYTES
+    if large:  # what the converter freed goes back to the system before tracing holds more
+        release_memory()
+    for i, (name, tokens) in enumerate(plan.shapes):
+        _export_graph(module, tokens, plan.batch_size, entries, tmp / name, plan.target, plan.dynamic_batch)
+        if i == len(plan.shapes) - 1 and not plan.genai:  # genai's graph is traced from the model later
+            source.model = None
+            del module, model  # its weights, before the ONNX side holds its own copy
+            if large:  # a full collection costs ~0.2 s: only where the memory matters
+                release_memory()
+        _finish_graph(tmp / name, plan.target, plan.optimize, plan.tie)
+        if large:  # each pass's graph, freed, goes back to the system before the next one loads its own
+            release_memory()
+    graphs = [name for name, _ in plan.shapes]
+    if plan.precision != "fp32":
+        from edgeattn.export.precision import convert_precision
+
+        for name in graphs:
+            convert_precision(tmp / name, plan.precision, entries, **(plan.quantization or {}))
+            if large:
+                release_memory()
+    extra = []
+    if plan.genai:
+        from edgeattn.export.genai import write_genai_files
+
+        extra = write_genai_files(tmp, model, plan.batch_size, max_length=plan.length, optimize=plan.optimize)
+        graphs.append(GENAI_GRAPH)
+    files = [*graphs, *[f for f in extra if f not in graphs]]
+    weights = None
+    if plan.shared_weights:
+        from edgeattn.export.weights import share_weights
+
+        weights = share_weights(tmp, graphs)
+        files.append(weights["path"])
+    tokenizer = _carry_tokenizer(source.root, cfg, tmp)
+    if tokenizer is not None:
+        files += [tokenizer["path"]] + ([tokenizer["chat_template"]] if tokenizer["chat_template"] else [])
+        if plan.genai:  # genai's Tokenizer reads tokenizer_config.json beside tokenizer.json
+            from edgeattn.export.genai import carry_tokenizer_config
+
+            files.append(carry_tokenizer_config(source.root, tmp, plan.length))
+    if plan.include_checkpoint:
+        files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
+    import onnxruntime
+
+    manifest = build_manifest(
+        fingerprint=print_,
+        producer=f"edgeattn {__version__}",
+        model=cfg.to_dict(),
+        batch_size=plan.batch_size,
+        dynamic_batch=plan.dynamic_batch,
+        target=plan.target,
+        precision=plan.precision,
+        opset=21 if plan.precision == "int4" else OPSET,
+        requires={"onnxruntime": min_onnxruntime(cfg, plan.target)},
+        exported_with={"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+        max_length=plan.length if plan.limited else None,
+        graphs={
+            "step": {"path": "step.onnx", "tokens": 1},
+            # one graph: the same file, fed chunks of prefill_chunk (its token axis is dynamic)
+            "prefill": {"path": plan.shapes[-1][0], "tokens": plan.prefill_chunk},
+        },
+        state=entries,
+        weights=weights,
+        genai={"graph": GENAI_GRAPH, "config": GENAI_CONFIG} if plan.genai else None,
+        checkpoint=CHECKPOINT_DIR if plan.include_checkpoint else None,
+        files=files,
+        tokenizer=tokenizer,
+    )
+    write_manifest(tmp, manifest)
 
 
 def read_manifest_json(out: Path) -> dict:

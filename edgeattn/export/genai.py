@@ -31,14 +31,14 @@ import warnings
 from pathlib import Path
 
 from edgeattn._deps import require
+from edgeattn.artifact.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
 from edgeattn.export.optimize import TOKEN_AXIS
 
 torch = require("torch")
 
 GENAI_GRAPH = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER = TOKENIZER_JSON
 STATE_NAMES = ("conv_state", "recurrent_state")
 PASS_THROUGH = (1, 1)  # the [C, W-1] of a layer's pass-through conv_state
 EOS_BYTE = 0
@@ -119,8 +119,8 @@ def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True
     ``optimize``: run the lean-graph pass (``edgeattn.export.optimize``) on it, as on the artifact's graphs."""
     import onnx
 
+    from edgeattn.export.graph import fix_optional_inputs
     from edgeattn.ops.common.fused import fused_onnxruntime_op
-    from edgeattn.ops.common.fused_delta import fix_optional_inputs
 
     check_genai(model)
     entries = genai_entries(model, batch_size)

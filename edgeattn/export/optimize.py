@@ -30,9 +30,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeattn.export.precision import _sort_topologically
+from edgeattn.export.graph import (  # noqa: F401  (LARGE_ELEMENTS: tests patch it through this module too)
+    LARGE_ELEMENTS,
+    MS,
+    ORT_DEFAULT_DOMAIN_OPS,
+    remove_initializers,
+    sort_topologically,
+    without_large_weights,
+)
 
-MS = "com.microsoft"
 TOKEN_AXIS = "sequence_length"  # the dynamic token axis of exported graphs, as onnxruntime-genai names it
 PROBE_TOKENS = (3, 5)  # token counts the graph is run at to tell which dimensions follow the token axis
 
@@ -89,46 +95,6 @@ def _attr(node, name, default=None):
 
 # ops ONNX's inference does not know whose listed outputs have the shape of their first input
 SHAPE_PRESERVING = {"SimplifiedLayerNormalization": (0,), "SkipSimplifiedLayerNormalization": (0, 3)}
-
-
-LARGE_ELEMENTS = 2**18  # initializers above this many elements are left out of ``without_large_weights``
-
-
-def remove_initializers(graph, names: set) -> None:
-    """Delete the initializers named in ``names`` from ``graph`` in place. (``del initializer[:]`` and
-    ``extend(kept)`` would copy every kept weight, as protobuf copies messages it adds: at 0.8B parameters
-    each such pass held another 3.8 GB.)"""
-    if not names:
-        return
-    for i in range(len(graph.initializer) - 1, -1, -1):
-        if graph.initializer[i].name in names:
-            del graph.initializer[i]
-
-
-def without_large_weights(model):
-    """A copy of ``model`` whose large initializers keep their name, type and shape but no bytes, and the
-    names of those initializers: for ONNX's tools that serialize their model (shape inference, the version
-    converter), which protobuf refuses over 2 GB."""
-    import onnx
-
-    g = model.graph
-    big = {i.name for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > LARGE_ELEMENTS}
-    light = onnx.ModelProto(
-        ir_version=model.ir_version,
-        opset_import=model.opset_import,
-        graph=onnx.GraphProto(
-            name=g.name,
-            node=g.node,
-            input=g.input,
-            output=g.output,
-            value_info=g.value_info,
-            initializer=[
-                onnx.TensorProto(name=i.name, data_type=i.data_type, dims=i.dims) if i.name in big else i
-                for i in g.initializer
-            ],
-        ),
-    )
-    return light, big
 
 
 def _infer(model) -> tuple[dict[str, int], dict[str, list]]:
@@ -598,7 +564,7 @@ def optimize_graph(model) -> dict[str, int]:
     ):
         done[name] = apply(model)
         _drop_dead(model)
-        _sort_topologically(model)  # fused nodes were appended; shape inference wants them in order
+        sort_topologically(model)  # fused nodes were appended; shape inference wants them in order
     # every value typed (inference stops at contrib ops): the float16 converter places its Casts by these
     _infer(model)
     io = {v.name for v in [*model.graph.input, *model.graph.output]}
@@ -637,9 +603,6 @@ def checkable(model):
     if not any(o.domain == MS for o in copy.opset_import):
         copy.opset_import.append(onnx.helper.make_opsetid(MS, 1))
     return copy
-
-
-ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 
 
 def share_tied_embedding(model) -> int:
@@ -696,7 +659,7 @@ def share_tied_embedding(model) -> int:
         dropped += 1
     if dropped:
         _drop_dead(model)
-        _sort_topologically(model)
+        sort_topologically(model)
     return dropped
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.export.graph import release_memory, sort_topologically
+
 
 class PrecisionWarning(UserWarning):
     """A reduced-precision graph whose logits differ from float32's by more than ``edgeattn check`` accepts."""
@@ -134,35 +136,6 @@ def _drop_round_trips(model) -> None:
             graph.node.remove(n)
 
 
-def _sort_topologically(model) -> None:
-    """The float16 converter appends its Casts at the end of the node list; ONNX (and TensorRT's parser) want
-    every node after the nodes whose outputs it reads."""
-    graph = model.graph
-    nodes = list(graph.node)
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
-    waiting = {i: {x for x in n.input if x not in available and x in producer} for i, n in enumerate(nodes)}
-    readers: dict[
-        int, dict[int, None]
-    ] = {}  # ordered sets: a node reading two outputs of one node waits once
-    for i, deps in waiting.items():
-        for x in deps:
-            readers.setdefault(producer[x], {})[i] = None
-    ready = [i for i, deps in waiting.items() if not deps]
-    order = []
-    while ready:
-        i = ready.pop(0)
-        order.append(i)
-        for j in readers.get(i, []):
-            waiting[j] = {x for x in waiting[j] if producer[x] != i}
-            if not waiting[j]:
-                ready.append(j)
-    if len(order) != len(nodes):
-        raise ValueError("the converted graph has a cycle; this is a bug in edgeattn's precision conversion")
-    del graph.node[:]
-    graph.node.extend(nodes[i] for i in order)
-
-
 def fp32_nodes(model, entries) -> list[str]:
     """The nodes an fp16 graph keeps in float32 besides ``FP32_OPS``: state reads and writes, gate and
     norm regions (``FP32_REGIONS``)."""
@@ -181,7 +154,7 @@ def _convert_version(model, opset: int):
     protobuf refuses over 2 GB; it rewrites nodes only); ``model`` takes the result, its large weights untouched."""
     from onnx import version_converter
 
-    from edgeattn.export.optimize import remove_initializers, without_large_weights
+    from edgeattn.export.graph import remove_initializers, without_large_weights
 
     g = model.graph
     light, big = without_large_weights(model)
@@ -203,7 +176,7 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
+    from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
 
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (32 or 128), got {block_size}")
@@ -261,8 +234,9 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
                 node_block_list=fp32_nodes(model, entries),
             )
             _drop_round_trips(converted)
-            _sort_topologically(converted)
+            sort_topologically(converted)
             onnx.save(converted, tmp)
+            del converted
         elif precision == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -284,6 +258,10 @@ def convert_precision(path: Path, precision: str, entries: list[dict], **options
             onnx.save(quantize_int4(model, **{**INT4_DEFAULTS, **options}), tmp)
         else:
             raise ValueError(f"unknown precision {precision!r}")
+        # the graphs in memory go before the two sessions that measure the error load both from disk (at
+        # 0.8B parameters they held 4 GB more at the export's peak)
+        del model
+        release_memory()
         rel = logit_error(reference, tmp, entries)
         from edgeattn.export.check import DEFAULT_TOLERANCE
 
@@ -314,30 +292,33 @@ def logit_error(
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
-    sessions = [ort.InferenceSession(m if isinstance(m, bytes) else str(m), so) for m in (reference, path)]
-    ids_input = next(i for i in sessions[0].get_inputs() if i.name not in {e["input"] for e in entries})
-    B, T = ids_input.shape
-    if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
-        B = entries[0]["shape"][0] if entries else 1
-    if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
-        T = 16
-    vocab = sessions[0].get_outputs()[0].shape[-1]
-    text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
-    text = text.reshape(calls, B, T)  # [calls, B, T]
-    states = [
-        {
+    # no prepacked copies of the weights: a few calls do not repay them, and at 0.8B parameters the fp32
+    # reference session's prepacked copy was the int4 export's peak of memory
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    names = {e["input"] for e in entries}
+    runs = []  # [calls] logits per graph: one session at a time, so that both never sit in memory together
+    for m in (reference, path):
+        sess = ort.InferenceSession(m if isinstance(m, bytes) else str(m), so)
+        ids_input = next(i for i in sess.get_inputs() if i.name not in names)
+        B, T = ids_input.shape
+        if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
+            B = entries[0]["shape"][0] if entries else 1
+        if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
+            T = 16
+        vocab = sess.get_outputs()[0].shape[-1]
+        text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
+        text = text.reshape(calls, B, T)  # [calls, B, T]
+        state = {
             e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], np.float32)
             for e in entries
         }
-        for _ in sessions
-    ]
-    diff = scale = 0.0
-    for c in range(calls):
         logits = []
-        for sess, state in zip(sessions, states):
+        for c in range(calls):
             out = sess.run(None, {ids_input.name: text[c], **state})
             state.update({e["input"]: o for e, o in zip(entries, out[1:])})
             logits.append(out[0].astype(np.float64))
-        diff = max(diff, float(np.abs(logits[1] - logits[0]).max()))
-        scale = max(scale, float(np.abs(logits[0]).max()))
+        runs.append(logits)
+        del sess
+    diff = max(float(np.abs(b - a).max()) for a, b in zip(*runs))
+    scale = max(float(np.abs(a).max()) for a in runs[0])
     return diff / max(scale, 1e-12)

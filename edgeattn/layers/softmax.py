@@ -83,7 +83,7 @@ class SoftmaxAttention(_Attention):
     ``rotary_dim``, ``attn_output_gate``) the cache holds the ``n_kv_heads`` grouped heads (rotated
     keys) and the position of each token is its index in the cache.
 
-    With ``kv_buffer = L`` (set by the exporter for the onnxruntime target) the cache is instead a
+    With ``kv_buffer = L`` (``EdgeLM.set_kv_buffers``: the onnxruntime target) the cache is instead a
     preallocated buffer: ``key``/``value`` [B, Hkv, L, Dh] plus ``position`` [B], updated in place by ONNX
     Runtime's GroupQueryAttention (``edgeattn.ops.softmax.kv_buffer``); in imported layers the q/k norms,
     the rotary embedding (positions ``position + 0 .. T-1``) and the output gate run around that op.

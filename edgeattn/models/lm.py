@@ -15,15 +15,13 @@ from pathlib import Path
 
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
+from edgeattn.artifact.sources import CONFIG, WEIGHTS  # a checkpoint's two files
 from edgeattn.layers import build_mixer
 from edgeattn.models.config import EdgeConfig
 
 torch = require("torch")
 nn = torch.nn
 F = torch.nn.functional
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 
 
 class RMSNorm(nn.Module):
@@ -111,6 +109,24 @@ class EdgeLM(nn.Module):
 
     def init_state(self, batch_size: int = 1, device=None) -> list[dict]:
         return [m.init_state(batch_size, device) for m in self.mixers]
+
+    def set_kv_buffers(self, length: int | None, layers=None) -> list[int]:
+        """The declared option that switches the softmax layers' KV cache: with ``length``, the layers that
+        support it (those in ``layers``, default all) keep a preallocated buffer of ``length`` tokens, past
+        and present in one tensor (ONNX Runtime's GroupQueryAttention; the exporter's onnxruntime target and
+        the torch backend of such an artifact); None: the growing cache. Returns the buffered layers."""
+        used = []
+        for i, block in enumerate(self.blocks):
+            if getattr(block.mixer, "supports_kv_buffer", False):
+                on = length is not None and (layers is None or i in layers)
+                block.mixer.kv_buffer = length if on else None
+                if on:
+                    used.append(i)
+        return used
+
+    def kv_buffer_layers(self) -> list[int]:
+        """The layers that keep a preallocated KV buffer (``set_kv_buffers``)."""
+        return [i for i, b in enumerate(self.blocks) if getattr(b.mixer, "kv_buffer", None)]
 
     def state_spec(self, batch_size: int = 1):
         return [m.state_spec(batch_size) for m in self.mixers]

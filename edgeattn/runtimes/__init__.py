@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.base import Session
 from edgeattn.runtimes.streams import Streams
 

@@ -30,8 +30,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.artifact.manifest import Manifest
+from edgeattn.runtimes.decode import Decoder
 
 
 def _locked(method):
@@ -177,13 +177,13 @@ class Session(ABC):
 
     @_locked
     def save_state(self, path: str | os.PathLike) -> None:
-        from edgeattn.runtimes.state_file import save_state
+        from edgeattn.artifact.state_file import save_state
 
         save_state(path, self.get_state(), fingerprint=self.manifest.fingerprint, position=self.position)
 
     @_locked
     def load_state(self, path: str | os.PathLike) -> None:
-        from edgeattn.runtimes.state_file import load_state
+        from edgeattn.artifact.state_file import load_state
 
         tensors, meta = load_state(path)
         if meta.get("fingerprint") != self.manifest.fingerprint:
@@ -212,16 +212,16 @@ class Session(ABC):
         call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers)."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
-        check_sampling(temperature, top_k, top_p, repetition_penalty)  # before any work
-        if (
-            isinstance(repetition_window, bool)
-            or not isinstance(repetition_window, int)
-            or repetition_window < 0
-        ):
-            raise ValueError(
-                f"repetition_window must be an integer >= 0 (0: every token), got {repetition_window!r}"
-            )
-        rng = np.random.default_rng(seed)
+        dec = Decoder(  # checks the sampling arguments before any work
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_ids=self.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
+            max_new_tokens=max_new_tokens,
+            repetition_penalty=repetition_penalty,
+            repetition_window=repetition_window,
+        )
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length
         if limit is not None and self.position + ids.shape[1] + max_new_tokens > limit:
@@ -234,26 +234,12 @@ class Session(ABC):
         logits = self.prefill(ids) if ids.shape[1] else None
         if logits is None:
             raise ValueError("the prompt is empty")
-        stop = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
-        context = list(ids[0])  # the tokens the repetition penalty looks at
-        for _ in range(max_new_tokens):
-            previous = context[-repetition_window:] if repetition_window else context
-            nxt = sample_next(
-                logits[0],
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                rng=rng,
-                repetition_penalty=repetition_penalty,
-                previous=previous,
-            )
-            if repetition_penalty != 1:
-                context.append(nxt)
-            if nxt in stop:
-                self.step(np.array([[nxt]], dtype=np.int64))
-                return
+        dec.context = [int(t) for t in ids[0]]  # the tokens the repetition penalty looks at
+        while (nxt := dec.next(logits[0])) is not None:
             yield nxt
             logits = self.step(np.array([[nxt]], dtype=np.int64))  # the lock is taken per step
+        if dec.last in dec.stop_ids:  # a stop token: consumed into the state, not yielded
+            self.step(np.array([[dec.last]], dtype=np.int64))
 
     @_locked
     def generate(self, prompt: str | bytes, max_new_tokens: int = 128, **kwargs) -> str:

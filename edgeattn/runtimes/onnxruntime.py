@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.base import Session, _locked
 
 

@@ -28,41 +28,36 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from edgeattn.export.manifest import Manifest
-from edgeattn.runtimes.sampling import check_sampling, finite_logits, sample_next
+from edgeattn.artifact.manifest import Manifest
+from edgeattn.runtimes.decode import Decoder
+from edgeattn.runtimes.sampling import finite_logits
 
 
 @dataclass
 class _Stream:
-    sampling: dict
-    rng: np.random.Generator
-    stop: frozenset
-    max_new_tokens: int | None
+    decoder: Decoder  # sampling, stop ids, the tokens produced, done (as Session.generate_ids)
     logits: np.ndarray  # [V], the logits of the next token
     position: int
-    generated: list = field(default_factory=list)
-    done: bool = False
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
     max_length: int | None = None  # the tokens its state can hold (a KV buffer's length)
 
 
 def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
-    """Sample stream ``st``'s next token; record it in ``out`` (unless a stop token) and ``sid`` in
-    ``stopped`` when the stream ends with it. Returns the token, which the step consumes either way."""
-    tok = sample_next(st.logits, rng=st.rng, **st.sampling)
-    if tok in st.stop:
-        stopped.append(sid)
-    else:
+    """Sample stream ``st``'s next token with its decoder; record it in ``out`` (unless a stop token) and
+    ``sid`` in ``stopped`` when the stream ends with it. Returns the token, which the step consumes either way
+    (a stop token too, so the state holds it)."""
+    tok = st.decoder.next(st.logits)
+    if tok is not None:
         out[sid] = tok
-        st.generated.append(tok)
-        full = st.max_length is not None and st.position + 1 >= st.max_length  # a KV buffer's last slot
-        if full or (st.max_new_tokens is not None and len(st.generated) >= st.max_new_tokens):
-            stopped.append(sid)
-    return tok
+        if st.max_length is not None and st.position + 1 >= st.max_length:
+            st.decoder.done = True  # the KV buffer's last slot
+    if st.decoder.done:
+        stopped.append(sid)
+    return st.decoder.last
 
 
 def _layer_mixers(model: dict) -> list[str]:
@@ -220,9 +215,14 @@ class Streams:
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
         state or logits holding NaN or infinity is a ValueError naming the argument."""
         with self.lock:
-            check_sampling(temperature, top_k, top_p)
-            if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or int(max_new_tokens) < 0):
-                raise ValueError(f"max_new_tokens must be None or an integer >= 0, got {max_new_tokens!r}")
+            decoder = Decoder(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop_ids=self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
+                max_new_tokens=max_new_tokens,
+            )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")
             ids = None
@@ -255,20 +255,15 @@ class Streams:
                     f"the state holds {pos} tokens, this artifact's maximum ({self.manifest.max_length}): "
                     "no room for a new token"
                 )
-            stop = self.tokenizer.eos_token_ids if stop_ids is None else stop_ids
             sid = self._next_id
             self._next_id += 1
             self._streams[sid] = _Stream(
-                sampling={"temperature": temperature, "top_k": top_k, "top_p": top_p},
-                rng=np.random.default_rng(seed),
-                stop=frozenset(int(i) for i in stop),
-                max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
+                decoder,
                 logits=np.array(last, dtype=np.float32),
                 position=pos,
                 max_length=self.manifest.max_length,
             )
-            if max_new_tokens == 0:
-                self._streams[sid].done = True
+            if decoder.done:  # max_new_tokens 0
                 self._streams[sid].parked = {k: v.copy() for k, v in row.items()}
                 return sid
             self._enter(sid, row)
@@ -287,7 +282,7 @@ class Streams:
     def _load(self, state, position: int) -> tuple[dict, int]:
         """A batch-1 state (dict or state-file path) checked against the model, and its position."""
         if not isinstance(state, (str, os.PathLike)):  # a dict: checked here, no copy through the session
-            from edgeattn.runtimes.state_file import check_state
+            from edgeattn.artifact.state_file import check_state
 
             check_state(state, {e.input: tuple(e.shape) for e in self._entries}, source="state")
             return {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}, int(position)
@@ -354,12 +349,12 @@ class Streams:
     def done(self, sid: int) -> bool:
         """Whether the stream stopped (a stop token or ``max_new_tokens``)."""
         with self.lock:
-            return self._stream(sid).done
+            return self._stream(sid).decoder.done
 
     def generated(self, sid: int) -> list[int]:
         """The token ids the stream has produced (stop tokens excluded)."""
         with self.lock:
-            return list(self._stream(sid).generated)
+            return list(self._stream(sid).decoder.generated)
 
     def logits(self, sid: int) -> np.ndarray:
         """The stream's next-token logits ``[vocab]`` (a copy)."""
@@ -382,7 +377,7 @@ class Streams:
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:
         """Write the stream's state as a state file (``Session.load_state`` and ``add(state=path)`` read it)."""
-        from edgeattn.runtimes.state_file import save_state
+        from edgeattn.artifact.state_file import save_state
 
         with self.lock:
             save_state(
@@ -411,8 +406,6 @@ class Streams:
                 st.logits = logits[i]
                 st.position += 1
             if stopped:
-                for sid in stopped:
-                    self._streams[sid].done = True
                 self._park(stopped)
             return out
 
@@ -488,7 +481,6 @@ class SerialStreams(Streams):
             st.logits = np.array(self._single.step(np.array([[tok]], np.int64))[0], dtype=np.float32)
             st.position += 1
             if stopped:
-                st.done = True
                 self._park(stopped)
             return out
 

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeattn.export.manifest import Manifest, sha256_file
+from edgeattn._atomic import write_bytes
+from edgeattn.artifact.manifest import Manifest, sha256_file
 from edgeattn.runtimes.base import Session
 
 GRAPHS = ("step", "prefill")
@@ -144,13 +145,6 @@ def default_cache_dir(artifact_root: str | os.PathLike) -> Path:
         return root / ENGINE_DIR
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "edgeattn" / "tensorrt"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
-    from edgeattn._atomic import write_bytes
-
-    write_bytes(path, data)
 
 
 def graph_tokens(manifest: Manifest, graph: str) -> int:
@@ -390,7 +384,7 @@ class TensorRTSession(Session):
             )
         data = self._build(graph, fp16)
         try:
-            write_atomic(path, data)
+            write_bytes(path, data)
         except OSError as e:
             warnings.warn(f"cannot cache the TensorRT engine in {path.parent}: {e}", stacklevel=3)
         self.engine_sources[graph] = "built"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeattn._deps import require
-from edgeattn.export.manifest import Manifest
+from edgeattn.artifact.manifest import Manifest
 from edgeattn.runtimes.base import Session
 
 
@@ -49,8 +49,9 @@ class TorchSession(Session):
             torch.set_num_threads(threads)
         self.device = device or "cpu"
         self.model = EdgeLM.load(manifest.root / ckpt).to(self.device).eval()
-        for layer in {e.layer for e in manifest.state if e.shared}:  # the graphs' preallocated KV buffers
-            self.model.blocks[layer].mixer.kv_buffer = manifest.max_length
+        shared = {e.layer for e in manifest.state if e.shared}  # the graphs' preallocated KV buffers
+        if shared:
+            self.model.set_kv_buffers(manifest.max_length, layers=shared)
         check_model(manifest, self.model)
         self.specs = [(e.input, e.layer, e.name) for e in manifest.state]
         self._reset_state()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeattn.runtimes.state_file import load_state, save_state
+from edgeattn.artifact.state_file import load_state, save_state
 
 LOGITS = "next_token_logits"
 _NAME = re.compile(r"^(\d+)-([0-9a-f]{64})\.state$")

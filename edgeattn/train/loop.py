@@ -28,7 +28,7 @@ from pathlib import Path
 
 from edgeattn._atomic import cleanup_stale, make_temp_dir, replace_dir
 from edgeattn._deps import require
-from edgeattn.convert.hf import TOKENIZER_FILES
+from edgeattn.artifact.tokenizer import TOKENIZER_FILES, TOKENIZER_JSON
 from edgeattn.models import EdgeConfig, EdgeLM
 from edgeattn.models.lm import CONFIG, WEIGHTS
 from edgeattn.train import distributed as D
@@ -40,7 +40,6 @@ F = torch.nn.functional
 STATE = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 STATE_VERSION = 1
-TOKENIZER_JSON = "tokenizer.json"
 DEFAULT_STEPS = 2000  # when neither steps nor a time budget is given
 
 

@@ -15,7 +15,8 @@ Like ``fused.py``: in PyTorch these compute with edgeattn's own ops; traced for 
         over each group of V values, times silu(gate) or sigmoid(gate); epsilon, activation.
 
 The TorchScript exporter cannot write an empty optional input, so the decay-less "delta" node is traced
-with its beta in the decay slot and ``fix_optional_inputs`` moves it to the beta slot after export.
+with its beta in the decay slot and the exporter's ``edgeattn.export.graph.fix_optional_inputs`` moves it
+to the beta slot after export.
 """
 
 from __future__ import annotations
@@ -186,19 +187,3 @@ def fused_gated_rms_norm(x, weight, gate, *, eps: float, activation: str):
         int(HV * V),
     )
     return y.view(B, T, HV, V)
-
-
-def fix_optional_inputs(model) -> bool:
-    """Write the empty optional inputs the TorchScript exporter cannot (see the module docstring):
-    a 5-input "delta" LinearAttention gets ``""`` as its decay. Returns whether anything changed."""
-    changed = False
-    for node in model.graph.node:
-        if node.domain != "com.microsoft" or node.op_type != "LinearAttention":
-            continue
-        rule = next((a.s.decode() for a in node.attribute if a.name == "update_rule"), "gated_delta")
-        if rule == "delta" and len(node.input) == 5:
-            beta = node.input[4]
-            node.input[4] = ""
-            node.input.append(beta)
-            changed = True
-    return changed

@@ -1,0 +1,77 @@
+"""The per-stream decisions of generation, shared by ``Session.generate_ids``, ``Streams`` and training's
+``generate``: sample the next token from the last logits with the stream's own generator
+(``sampling.sample_next``, with the repetition penalty over the stream's context), stop before a stop token (which the runtimes still feed to the graph, so the
+state holds it) or after ``max_new_tokens``. numpy only.
+
+    dec = Decoder(temperature=0.8, top_k=50, seed=0, stop_ids=tok.eos_token_ids)
+    tok = dec.next(logits)        # None once the stream stopped
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgeattn.runtimes.sampling import check_sampling, sample_next
+
+
+@dataclass
+class Decoder:
+    """One stream's sampling parameters, generator, stop ids and the tokens it produced."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: frozenset = frozenset()
+    max_new_tokens: int | None = None
+    repetition_penalty: float = 1.0  # over the context's tokens (1: none)
+    repetition_window: int = 0  # the last this many tokens of the context (0: all, as transformers)
+    context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
+    generated: list = field(default_factory=list)
+    done: bool = False
+    last: int | None = None  # the last sampled token, a stop token included (the graph consumes it)
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        w = self.repetition_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"repetition_window must be an integer >= 0 (0: every token), got {w!r}")
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool) or int(self.max_new_tokens) < 0
+        ):
+            raise ValueError(f"max_new_tokens must be None or an integer >= 0, got {self.max_new_tokens!r}")
+        if self.max_new_tokens is not None:
+            self.max_new_tokens = int(self.max_new_tokens)
+        self.stop_ids = frozenset(int(i) for i in self.stop_ids)
+        self.rng = np.random.default_rng(self.seed)
+        self.done = self.max_new_tokens == 0
+
+    @property
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+    def next(self, logits) -> int | None:
+        """The next token from ``logits: [vocab]``, or None when it is a stop token (then ``last`` holds
+        it) or the stream had already stopped. Marks the stream done at a stop token or at
+        ``max_new_tokens``."""
+        if self.done:
+            return None
+        previous = self.context[-self.repetition_window :] if self.repetition_window else self.context
+        self.last = tok = sample_next(
+            logits,
+            rng=self.rng,
+            repetition_penalty=self.repetition_penalty,
+            previous=previous,
+            **self.sampling,
+        )
+        if self.repetition_penalty != 1:
+            self.context.append(tok)
+        if tok in self.stop_ids:
+            self.done = True
+            return None
+        self.generated.append(tok)
+        if self.max_new_tokens is not None and len(self.generated) >= self.max_new_tokens:
+            self.done = True
+        return tok

@@ -1,10 +1,12 @@
 // The chat page of `edgeattn serve`: talks to this server's /v1/chat/completions with streaming, shows the
 // conversation and each reply's cached_tokens. Tests read window.edgeattnChat = {turns, busy}.
-// `?api_key=KEY` sends a Bearer key; `?max_tokens=N` bounds each reply (default 256).
+// `?api_key=KEY` sends a Bearer key; `?max_tokens=N` bounds each reply (default 256); `?temperature=T` sets
+// the sampling temperature (0: greedy; default: the server's, as OpenAI's 1).
 
 const params = new URLSearchParams(location.search);
 const apiKey = params.get("api_key");
 const maxTokens = Number(params.get("max_tokens") || 256);
+const temperature = params.get("temperature");
 const state = { turns: [], busy: false, model: null, error: null };
 // One id per page: behind `edgeattn serve --ray` it keeps the conversation on the replica caching it.
 const sessionId = `chat-${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
@@ -79,6 +81,7 @@ async function send() {
         model: state.model,
         messages,
         max_tokens: maxTokens,
+        ...(temperature !== null ? { temperature: Number(temperature) } : {}),
         stream: true,
         stream_options: { include_usage: true },
       }),

@@ -87,3 +87,4 @@ for await (const line of lines) {
   if (msg.cmd === "close") break;
 }
 await browser.close();
+process.exit(0); // stdin stays open otherwise

@@ -33,6 +33,7 @@ const api = {
   decode_ms: null,
   tokens_per_s: null, // generated tokens after the first / the time of their steps
   state_bytes: 0,
+  prefillLogits: null,
   position: 0, // tokens in the state
   wasmBytes: () => memories.reduce((n, m) => n + m.buffer.byteLength, 0),
   generate,
@@ -249,6 +250,7 @@ async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 
     reset();
     const t0 = performance.now();
     let logits = await prefill(ids);
+    api.prefillLogits = logits; // the next-token logits after the prompt (tests compare them)
     api.prefill_ms = performance.now() - t0;
     let tFirst = null;
     let lastPaint = performance.now();

@@ -1,8 +1,8 @@
 """The browser as an edge device: tokens/s and time to first token of `edgeattn web`'s page in headless
-Chromium (onnxruntime-web, WASM, ``--threads`` threads, cross-origin isolated) against ONNX Runtime in Python
+Chromium (onnxruntime-web, WASM, each of ``--threads``, cross-origin isolated) against ONNX Runtime in Python
 on the same artifact and thread count, and the page's memory over a long generation.
 
-Models: untrained byte-level GLA of two sizes (``small``: d_model 256, 4 layers, 4 heads, ~3.5M parameters;
+Models: untrained byte-level GLA of two sizes (``small``: d_model 256, 4 layers, 4 heads, ~3.6M parameters;
 ``full``: d_model 768, 12 layers, 12 heads, ~92.5M), exported fp32 to the ``portable`` target (standard
 ops, two graphs) and the ``onnxruntime`` target (the fused com.microsoft.LinearAttention, one graph), both of
 which run in onnxruntime-web. Per artifact:
@@ -12,10 +12,10 @@ which run in onnxruntime-web. Per artifact:
   same page, as for Python); the ids must equal Python's (``same`` column);
 - time to first token: prefill of the prompt + the first token's choice; tokens/s: the tokens after the
   first over the time of their steps (the same definition on both sides);
-- memory (``--memory-tokens``, default 10,000, on the small models): the WASM heap, the JS heap (after a
+- memory (``--memory-tokens``, default 10,000, on the small models, at the last thread count): the WASM heap, the JS heap (after a
   garbage collection through CDP) and the renderer's resident memory after 1,000 tokens and at the end.
 
-    python benchmarks/web.py [--sizes small,full] [--threads 2] [--tokens 256] [--workdir DIR]
+    python benchmarks/web.py [--sizes small,full] [--threads 1,2] [--tokens 256] [--workdir DIR]
 
 Needs chromium and web/node_modules (scripts/setup_env.sh). Prints a table, then one JSON line.
 """
@@ -117,7 +117,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="small,full")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="1,2", help="thread counts, each on both sides")
     ap.add_argument("--tokens", type=int, default=256, help="generated tokens per timed run")
     ap.add_argument("--full-tokens", type=int, default=64, help="generated tokens per timed run of `full`")
     ap.add_argument("--memory-tokens", type=int, default=10000, help="0 skips the memory run")
@@ -125,6 +125,7 @@ def main() -> None:
         "--workdir", type=Path, default=None, help="keep (and reuse) the artifacts and sites here"
     )
     args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
     missing = browser_missing()
     if missing:
         sys.exit(f"error: {missing}")
@@ -137,46 +138,47 @@ def main() -> None:
         arts, params = build(root, size)
         n = args.full_tokens if size == "full" else args.tokens
         for target, art in arts.items():
-            py = python_run(art, args.threads, n)
             site = build_site(art, root / f"site-{size}-{target}", force=True)
-            with serve_site(site) as url, Browser() as browser:
-                t0 = time.perf_counter()
-                browser.goto(f"{url}?threads={args.threads}", timeout=600)
-                browser.wait_for("window.edgeattn && (edgeattn.ready || edgeattn.error)", timeout=600)
-                load_s = time.perf_counter() - t0
-                threads = browser.evaluate("edgeattn.threads")
-                web = page_run(browser, url, n)
-                wasm = browser.evaluate("edgeattn.wasmBytes()") / 2**20
-                if size == "small" and args.memory_tokens:
-                    memory[target] = memory_run(browser, args.memory_tokens)
-            rows.append(
-                {
-                    "size": size,
-                    "params_m": round(params / 1e6, 1),
-                    "target": target,
-                    "tokens": n,
-                    "threads": threads,
-                    "py_ttft_ms": round(py["ttft_ms"], 1),
-                    "web_ttft_ms": round(web["ttft_ms"], 1),
-                    "py_tok_s": round(py["tokens_per_s"], 1),
-                    "web_tok_s": round(web["tokens_per_s"], 1),
-                    "ratio": round(py["tokens_per_s"] / web["tokens_per_s"], 2),
-                    "same": py["ids"] == web["ids"],
-                    "web_load_s": round(load_s, 1),
-                    "wasm_heap_mib": round(wasm),
-                }
-            )
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for th in threads:
+                py = python_run(art, th, n)
+                with serve_site(site) as url, Browser() as browser:
+                    t0 = time.perf_counter()
+                    browser.goto(f"{url}?threads={th}", timeout=600)
+                    browser.wait_for("window.edgeattn && (edgeattn.ready || edgeattn.error)", timeout=600)
+                    load_s = time.perf_counter() - t0
+                    web = page_run(browser, url, n)
+                    wasm = browser.evaluate("edgeattn.wasmBytes()") / 2**20
+                    if size == "small" and args.memory_tokens and th == threads[-1]:
+                        memory[target] = memory_run(browser, args.memory_tokens)
+                    th_page = browser.evaluate("edgeattn.threads")
+                rows.append(
+                    {
+                        "size": size,
+                        "params_m": round(params / 1e6, 1),
+                        "target": target,
+                        "tokens": n,
+                        "threads": th_page,
+                        "py_ttft_ms": round(py["ttft_ms"], 1),
+                        "web_ttft_ms": round(web["ttft_ms"], 1),
+                        "py_tok_s": round(py["tokens_per_s"], 1),
+                        "web_tok_s": round(web["tokens_per_s"], 1),
+                        "ratio": round(py["tokens_per_s"] / web["tokens_per_s"], 2),
+                        "same": py["ids"] == web["ids"],
+                        "web_load_s": round(load_s, 1),
+                        "wasm_heap_mib": round(wasm),
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
     head = (
-        f"{'model':>12} {'target':>11} {'tokens':>6} {'TTFT py':>9} {'TTFT web':>9} {'tok/s py':>9} "
+        f"{'model':>12} {'target':>11} {'threads':>7} {'tokens':>6} {'TTFT py':>9} {'TTFT web':>9} {'tok/s py':>9} "
         f"{'tok/s web':>9} {'py/web':>6} {'same':>5} {'load':>6} {'WASM heap':>10}"
     )
     print(head)
     for r in rows:
         model = f"{r['size']} {r['params_m']}M"
         print(
-            f"{model:>12} {r['target']:>11} {r['tokens']:>6} "
+            f"{model:>12} {r['target']:>11} {r['threads']:>7} {r['tokens']:>6} "
             f"{r['py_ttft_ms']:>7.1f}ms {r['web_ttft_ms']:>7.1f}ms {r['py_tok_s']:>9.1f} {r['web_tok_s']:>9.1f} "
             f"{r['ratio']:>5.2f}x {str(r['same']):>5} {r['web_load_s']:>5.1f}s {r['wasm_heap_mib']:>6} MiB"
         )
@@ -187,7 +189,7 @@ def main() -> None:
             f"{b['wasm_mib']:.1f} MiB, JS heap {a['js_mib']:.2f} -> {b['js_mib']:.2f} MiB, renderer RSS "
             f"{a['rss_mib']:.0f} -> {b['rss_mib']:.0f} MiB"
         )
-    print(json.dumps({"benchmark": "web", "threads": args.threads, "rows": rows, "memory": memory}))
+    print(json.dumps({"benchmark": "web", "threads": threads, "rows": rows, "memory": memory}))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from edgeattn.runtimes import open_session
 from edgeattn.web import build_site, graph_ops
 from edgeattn.web.serve import serve_site
 from tests.browser import REPO, Browser, browser_missing
-from tests.export_helpers import make_checkpoint
+from tests.export_helpers import EXPORTABLE, make_checkpoint
 
 runner = CliRunner()
 app = typer.Typer()
@@ -313,3 +313,41 @@ def test_cli_writes_a_site_end_to_end(artifacts, tmp_path):
     assert (out / "index.html").is_file() and json.loads((out / "site.json").read_text())[
         "ort_version"
     ] == "1.30.0"
+
+
+REFUSED = {("gated_deltanet", "onnxruntime"), ("kda", "onnxruntime")}  # GatedRMSNorm's `activation`
+
+
+@needs_browser
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+@pytest.mark.parametrize("mixer", EXPORTABLE)
+def test_every_mixer_runs_in_the_page_or_is_refused(mixer, target, browser, tmp_path):
+    """The list in edgeattn.web and the README: each exportable mixer on each target either generates
+    Session's greedy ids in the page or is refused by `edgeattn web` with the op named."""
+    from edgeattn.export import export_model
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
+    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=16, include_checkpoint=False)
+    if (mixer, target) in REFUSED:
+        with pytest.raises(ValueError, match="GatedRMSNorm"):
+            build_site(art, tmp_path / "site")
+        return
+    site = build_site(art, tmp_path / "site")
+    page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
+    assert page["error"] is None
+    assert page["tokens"] == python_greedy(art, PROMPT, 24)
+
+
+@needs_browser
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_portable_fp16_and_int8_run_in_the_page(precision, browser, tmp_path):
+    from edgeattn.export import export_model
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    art = export_model(ckpt, tmp_path / "art", target="portable", precision=precision, prefill_chunk=16)
+    site = build_site(art, tmp_path / "site")
+    page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
+    assert page["error"] is None
+    assert page["tokens"] == python_greedy(art, PROMPT, 24)

@@ -217,6 +217,29 @@ def test_64_greedy_tokens_equal_python_session(name, artifacts, browser, tmp_pat
     assert page["tokens"] == python_greedy(art, PROMPT, 64)
 
 
+# SwiftShader's software Vulkan gives headless Chromium a WebGPU adapter (no GPU needed)
+WEBGPU_ARGS = [
+    "--enable-unsafe-webgpu",
+    "--enable-unsafe-swiftshader",
+    "--use-webgpu-adapter=swiftshader",
+    "--enable-features=Vulkan",
+]
+
+
+@needs_browser
+def test_webgpu_when_the_browser_has_an_adapter(artifacts, tmp_path):
+    """ep=auto picks WebGPU where the browser gives an adapter; the ids stay Session's."""
+    art = artifacts("gla")
+    site = build_site(art, tmp_path / "site")
+    with Browser(args=WEBGPU_ARGS) as browser:
+        page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
+        if browser.evaluate("edgeattn.ep") != "webgpu":
+            assert not browser.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
+            pytest.skip("this chromium gives no WebGPU adapter, even with SwiftShader")
+    assert page["error"] is None
+    assert page["tokens"] == python_greedy(art, PROMPT, 24)
+
+
 @needs_browser
 def test_int4_logits_are_close_to_python(artifacts, browser, tmp_path):
     """MatMulNBits runs in the page, but not bit for bit as ONNX Runtime on x86: the graphs ask for

@@ -43,15 +43,22 @@ class _Handler(SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return  # the browser closed the connection (a page closed while loading): nothing to report
+        super().handle_error(request, client_address)
+
+
 def make_server(site: str | os.PathLike, port: int = 0, *, isolate: bool = True) -> ThreadingHTTPServer:
     """An HTTP server of ``site`` on 127.0.0.1:``port`` (0: a free port), not yet serving."""
     site = Path(site)
     if not (site / "index.html").is_file():
         raise FileNotFoundError(f"{site} has no index.html: not a site written by `edgeattn web`")
     handler = type("Handler", (_Handler,), {"isolate": isolate})
-    server = ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(site)))
-    server.daemon_threads = True
-    return server
+    return _Server(("127.0.0.1", port), functools.partial(handler, directory=str(site)))
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@
     with serve_site(site) as url, Browser() as b:
         b.goto(url + "?prompt=hi&max_new_tokens=8&temperature=0&autostart=1")
         b.wait_for("window.edgeattn && window.edgeattn.done", timeout=60)
+        b.type("#prompt", " more"); b.click("#run")   # keystrokes and clicks, for pages with a form
         ids = b.evaluate("window.edgeattn.tokens")
         b.metrics()            # CDP Performance.getMetrics (JSHeapUsedSize, ...) + performance.memory
         b.renderer_rss()       # resident bytes of the page's renderer process (WASM heap included)
@@ -111,6 +112,13 @@ class Browser:
     def evaluate(self, expr: str, timeout: float = 60.0):
         """The JSON value of the JavaScript expression ``expr`` (a Promise is awaited)."""
         return self.command("eval", timeout, expr=expr)
+
+    def type(self, selector: str, text: str) -> None:
+        """Type ``text`` into the element ``selector`` as keystrokes."""
+        self.command("type", selector=selector, text=text)
+
+    def click(self, selector: str) -> None:
+        self.command("click", selector=selector)
 
     def metrics(self) -> dict:
         """CDP ``Performance.getMetrics`` by name (JSHeapUsedSize, JSHeapTotalSize, ...) and

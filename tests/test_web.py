@@ -234,7 +234,9 @@ def test_webgpu_when_the_browser_has_an_adapter(artifacts, tmp_path):
     with Browser(args=WEBGPU_ARGS) as browser:
         page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
         if browser.evaluate("edgeattn.ep") != "webgpu":
-            assert not browser.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
+            assert not browser.evaluate(
+                "(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()"
+            )
             pytest.skip("this chromium gives no WebGPU adapter, even with SwiftShader")
     assert page["error"] is None
     assert page["tokens"] == python_greedy(art, PROMPT, 24)
@@ -256,19 +258,34 @@ def test_int4_logits_are_close_to_python(artifacts, browser, tmp_path):
 
 
 @needs_browser
-def test_sampling_is_seeded_and_differs_from_greedy(artifacts, browser, tmp_path):
+def test_sampling_is_seeded_and_bytes_decode_across_tokens(artifacts, browser, tmp_path):
     site = build_site(artifacts("gla"), tmp_path / "site")
     with serve_site(site) as url:
         browser.goto(url)
         browser.wait_for("window.edgeattn && window.edgeattn.ready")
+        # the form, as a user: keystrokes into the prompt, a click on Generate
+        browser.evaluate(
+            "document.getElementById('prompt').value = ''; document.getElementById('max_new_tokens').value = 12"
+        )
+        browser.type("#prompt", "def ")
+        browser.click("#run")
+        browser.wait_for("edgeattn.done && edgeattn.tokens.length === 12")
+        clicked = browser.evaluate("edgeattn.tokens")
         gen = "edgeattn.generate({prompt: 'def ', max_new_tokens: 48, temperature: %s, top_p: %s, seed: %s})"
         a = browser.evaluate(gen % (1.5, 0.9, 7))
         b = browser.evaluate(gen % (1.5, 0.9, 7))
         c = browser.evaluate(gen % (1.5, 0.9, 8))
         greedy = browser.evaluate(gen % (0, 1, "null"))
+        text = "héllo ✓ 日本 😀"
+        ids = list(text.encode()) + [0xFF, 0xE2, 0x9C, 0x41]  # then an invalid byte and a cut-off character
+        pieces = browser.evaluate(f"edgeattn.decodePieces({ids})")
     assert a == b and len(a) == 48 and all(0 <= t < 256 for t in a)
     assert a != c and a != greedy
     assert greedy == python_greedy(artifacts("gla"), "def ", 48)
+    assert clicked == greedy[:12]  # the form's defaults: temperature 0
+    # UTF-8 across token boundaries: each character shown once whole; invalid bytes replaced as Python does
+    assert "".join(pieces) == bytes(ids).decode("utf-8", errors="replace")
+    assert "😀" in pieces[: len(text)] and "\ufffd" not in "".join(pieces)[: len(text)]
 
 
 @needs_browser

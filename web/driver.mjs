@@ -5,6 +5,8 @@
 //   {"id": 1, "cmd": "goto", "url": "http://127.0.0.1:8000/?autostart=1", "timeout": 60000}
 //   {"id": 2, "cmd": "wait", "expr": "window.edgeattn && window.edgeattn.done", "timeout": 60000}
 //   {"id": 3, "cmd": "eval", "expr": "window.edgeattn.tokens"}
+//   {"id": 4, "cmd": "type", "selector": "#input", "text": "Hello"}   keystrokes into an element
+//   {"id": 4, "cmd": "click", "selector": "#send"}
 //   {"id": 4, "cmd": "metrics"}       CDP Performance.getMetrics + performance.memory
 //   {"id": 5, "cmd": "gc"}            CDP HeapProfiler.collectGarbage
 //   {"id": 6, "cmd": "processes"}     CDP SystemInfo.getProcessInfo: [{type, id (pid), cpuTime}]
@@ -42,6 +44,12 @@ async function handle(msg) {
       return null;
     case "wait":
       await page.waitForFunction(msg.expr, { timeout: msg.timeout ?? 60000, polling: msg.polling ?? 100 });
+      return null;
+    case "type":
+      await page.type(msg.selector, msg.text);
+      return null;
+    case "click":
+      await page.click(msg.selector);
       return null;
     case "eval":
       return await page.evaluate(msg.expr);

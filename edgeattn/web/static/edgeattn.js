@@ -37,6 +37,11 @@ const api = {
   position: 0, // tokens in the state
   wasmBytes: () => memories.reduce((n, m) => n + m.buffer.byteLength, 0),
   generate,
+  // the pieces the page shows for token ids, as they arrive (tests check UTF-8 across token boundaries)
+  decodePieces: (ids) => {
+    const d = tokenizer.decoder();
+    return [...ids.map((id) => d.push(id)), d.end()].filter((p) => p !== "");
+  },
 };
 window.edgeattn = api;
 

@@ -138,6 +138,18 @@ def test_web_refuses_a_non_empty_out_and_bad_artifacts(artifacts, tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: ") and "does not exist" in res.output
 
 
+def test_web_refuses_weights_beyond_the_wasm_heap(artifacts, tmp_path, monkeypatch):
+    """Two graphs hold two copies of the weights in the page; past 85% of WebAssembly's 4 GiB: one line."""
+    import edgeattn.web as web
+
+    art = artifacts("gla")
+    weights = json.loads((art / "edgeattn.json").read_text())["weights"]["bytes"]
+    monkeypatch.setattr(web, "WASM_HEAP_LIMIT", int(2 * weights / 0.85) - 1)  # just below two copies' worth
+    res = runner.invoke(app, ["web", str(art), "--out", str(tmp_path / "site")])
+    assert res.exit_code == 2 and res.output.startswith("error: the page would hold") and "int4" in res.output
+    assert not (tmp_path / "site").exists()
+
+
 @needs_browser
 def test_site_holds_the_artifact_without_its_checkpoint(artifacts, tmp_path):
     site = build_site(artifacts("gla"), tmp_path / "site")

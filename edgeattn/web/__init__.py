@@ -145,6 +145,22 @@ def unsupported_op(manifest) -> str | None:
 
 # ---- the site ----
 
+WASM_HEAP_LIMIT = (
+    4 * 2**30
+)  # a 32-bit WebAssembly memory: onnxruntime-web's WASM build holds everything in it
+
+
+def heap_estimate(manifest) -> int:
+    """Bytes of weights the page's WASM heap holds: one copy per graph file (each onnxruntime-web session
+    keeps its own; there is no shared-initializer API in the browser)."""
+    graphs = {manifest.data["graphs"][g]["path"] for g in ("step", "prefill")}
+    files = manifest.data["files"]
+    if manifest.weights is not None:
+        return len(graphs) * int(manifest.weights["bytes"]) + sum(
+            int(files[g].get("bytes", 0)) for g in graphs
+        )
+    return sum(int(files[g].get("bytes", 0)) for g in graphs)
+
 
 def find_modules(node_modules: str | os.PathLike | None = None) -> Path:
     """The node_modules folder holding onnxruntime-web: the argument, $EDGEATTN_WEB_MODULES, or the repo's web/."""
@@ -179,6 +195,12 @@ def build_site(
     reason = unsupported_op(manifest)
     if reason:
         raise ValueError(f"{reason}; export with --target portable for the browser")
+    need = heap_estimate(manifest)
+    if need > 0.85 * WASM_HEAP_LIMIT:  # room for activations, the state and the runtime itself
+        raise ValueError(
+            f"the page would hold {need / 2**30:.1f} GiB of weights in WebAssembly's 4 GiB memory: export with "
+            "--precision int4 (and the onnxruntime target: one graph, one copy) or use a smaller model"
+        )
     modules = find_modules(node_modules)
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"--out {out} is not empty; pass --force to replace it")

@@ -134,6 +134,11 @@ def test_web_refuses_a_non_empty_out_and_bad_artifacts(artifacts, tmp_path):
     res = runner.invoke(app, ["web", str(artifacts("gla")), "--out", str(tmp_path / "full")])
     assert res.exit_code == 2 and "--force" in res.output
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    art = artifacts("gla")
+    for out in (art, art / "site", art.parent):  # the site would replace or hold the artifact
+        res = runner.invoke(app, ["web", str(art), "--out", str(out), "--force"])
+        assert res.exit_code == 2 and "overlap" in res.output, res.output
+    assert (art / "edgeattn.json").is_file() and not (art / "site").exists()
     res = runner.invoke(app, ["web", str(tmp_path / "nothing"), "--out", str(tmp_path / "s")])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "does not exist" in res.output
 

@@ -188,6 +188,9 @@ def build_site(
 
     out = Path(out)
     manifest = Manifest.load(artifact)  # verifies every file's sha256
+    a, o = manifest.root.resolve(), out.resolve()
+    if a == o or a in o.parents or o in a.parents:
+        raise ValueError(f"--out {out} and the artifact {artifact} overlap: write the site elsewhere")
     if manifest.batch_size != 1:
         raise ValueError(
             f"the page generates one sequence: export with --batch 1 (this artifact has {manifest.batch_size})"

@@ -8,10 +8,12 @@ ops, two graphs) and the ``onnxruntime`` target (the fused com.microsoft.LinearA
 which run in onnxruntime-web. Per artifact:
 
 - ORT Python: ``OnnxRuntimeSession(threads=N)``, greedy ``generate_ids`` from a 64-byte prompt;
-- page: ``window.edgeattn.generate`` of the same prompt and length (after a short warm-up generation in the
-  same page, as for Python); the ids must equal Python's (``same`` column);
+- page: ``window.edgeattn.generate`` of the same prompt and length (after a warm-up generation of half as
+  many tokens in the same page, as for Python: WebAssembly reaches TurboFan's code only after a while); the
+  ids must equal Python's (``same`` column);
 - time to first token: prefill of the prompt + the first token's choice; tokens/s: the tokens after the
-  first over the time of their steps (the same definition on both sides);
+  first over the time of their steps (the same definition on both sides); the median of ``--repeats`` runs
+  per side, Python and page alternated;
 - memory (``--memory-tokens``, default 10,000, on the small models, at the last thread count): the WASM heap, the JS heap (after a
   garbage collection through CDP) and the renderer's resident memory after 1,000 tokens and at the end.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -57,14 +60,18 @@ def build(root: Path, size: str) -> tuple[dict[str, Path], int]:
     return arts, params
 
 
-def python_run(art: Path, threads: int, n: int) -> dict:
+def python_session(art: Path, threads: int, warmup: int):
     from edgeattn.export.manifest import Manifest
     from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
 
     sess = OnnxRuntimeSession(Manifest.load(art), threads=threads)
-    prompt = sess.tokenizer.encode(PROMPT)
-    list(sess.generate_ids(prompt, 8, temperature=0))  # warm-up
+    list(sess.generate_ids(sess.tokenizer.encode(PROMPT), warmup, temperature=0))  # warm-up, as the page
+    return sess
+
+
+def python_run(sess, n: int) -> dict:
     sess.reset()
+    prompt = sess.tokenizer.encode(PROMPT)
     t0 = time.perf_counter()
     ids, first = [], None
     for tok in sess.generate_ids(prompt, n, temperature=0):
@@ -75,18 +82,20 @@ def python_run(art: Path, threads: int, n: int) -> dict:
     return {"ttft_ms": (first - t0) * 1e3, "tokens_per_s": (len(ids) - 1) / (end - first), "ids": ids}
 
 
-def page_run(browser, url: str, n: int) -> dict:
-    def gen(tokens: int) -> str:
-        return (
-            f"edgeattn.generate({{prompt: {json.dumps(PROMPT)}, max_new_tokens: {tokens}, temperature: 0}})"
-        )
+def generate_js(tokens: int) -> str:
+    return f"edgeattn.generate({{prompt: {json.dumps(PROMPT)}, max_new_tokens: {tokens}, temperature: 0}})"
 
-    browser.evaluate(gen(8), timeout=600)  # warm-up
-    ids = browser.evaluate(gen(n), timeout=1200)
+
+def page_run(browser, n: int) -> dict:
+    ids = browser.evaluate(generate_js(n), timeout=1200)
     out = browser.evaluate("({ttft: edgeattn.ttft_ms, tps: edgeattn.tokens_per_s, error: edgeattn.error})")
     if out["error"]:
         raise RuntimeError(out["error"])
     return {"ttft_ms": out["ttft"], "tokens_per_s": out["tps"], "ids": ids}
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def memory_run(browser, n: int) -> dict:
@@ -99,8 +108,7 @@ def memory_run(browser, n: int) -> dict:
             "rss_mib": browser.renderer_rss() / 2**20,
         }
 
-    gen = f"edgeattn.generate({{prompt: {json.dumps(PROMPT)}, max_new_tokens: {n}, temperature: 0}})"
-    browser.evaluate(gen + ", 0")  # not awaited: sampled while it runs
+    browser.evaluate(generate_js(n) + ", 0")  # not awaited: sampled while it runs
     browser.wait_for("edgeattn.tokens.length >= 1000", timeout=1200)
     early = sample()
     browser.wait_for("edgeattn.done", timeout=3600)
@@ -120,6 +128,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, each on both sides")
     ap.add_argument("--tokens", type=int, default=256, help="generated tokens per timed run")
     ap.add_argument("--full-tokens", type=int, default=64, help="generated tokens per timed run of `full`")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side (median), alternated")
     ap.add_argument("--memory-tokens", type=int, default=10000, help="0 skips the memory run")
     ap.add_argument(
         "--workdir", type=Path, default=None, help="keep (and reuse) the artifacts and sites here"
@@ -137,20 +146,28 @@ def main() -> None:
     for size in args.sizes.split(","):
         arts, params = build(root, size)
         n = args.full_tokens if size == "full" else args.tokens
+        warmup = max(16, n // 2)
         for target, art in arts.items():
             site = build_site(art, root / f"site-{size}-{target}", force=True)
             for th in threads:
-                py = python_run(art, th, n)
+                sess = python_session(art, th, warmup)
                 with serve_site(site) as url, Browser() as browser:
                     t0 = time.perf_counter()
                     browser.goto(f"{url}?threads={th}", timeout=600)
                     browser.wait_for("window.edgeattn && (edgeattn.ready || edgeattn.error)", timeout=600)
                     load_s = time.perf_counter() - t0
-                    web = page_run(browser, url, n)
+                    # warm-up: Chrome runs WebAssembly first through its baseline compiler (Liftoff) and
+                    # moves hot functions to TurboFan in the background; the first hundred steps ran 2-3x slower
+                    browser.evaluate(generate_js(warmup), timeout=1200)
+                    py, web = [], []
+                    for _ in range(args.repeats):  # alternated, so that the machine's load hits both alike
+                        py.append(python_run(sess, n))
+                        web.append(page_run(browser, n))
                     wasm = browser.evaluate("edgeattn.wasmBytes()") / 2**20
                     if size == "small" and args.memory_tokens and th == threads[-1]:
                         memory[target] = memory_run(browser, args.memory_tokens)
                     th_page = browser.evaluate("edgeattn.threads")
+                del sess
                 rows.append(
                     {
                         "size": size,
@@ -158,12 +175,12 @@ def main() -> None:
                         "target": target,
                         "tokens": n,
                         "threads": th_page,
-                        "py_ttft_ms": round(py["ttft_ms"], 1),
-                        "web_ttft_ms": round(web["ttft_ms"], 1),
-                        "py_tok_s": round(py["tokens_per_s"], 1),
-                        "web_tok_s": round(web["tokens_per_s"], 1),
-                        "ratio": round(py["tokens_per_s"] / web["tokens_per_s"], 2),
-                        "same": py["ids"] == web["ids"],
+                        "py_ttft_ms": round(median(py, "ttft_ms"), 1),
+                        "web_ttft_ms": round(median(web, "ttft_ms"), 1),
+                        "py_tok_s": round(median(py, "tokens_per_s"), 1),
+                        "web_tok_s": round(median(web, "tokens_per_s"), 1),
+                        "ratio": round(median(py, "tokens_per_s") / median(web, "tokens_per_s"), 2),
+                        "same": all(p["ids"] == w["ids"] for p, w in zip(py, web)),
                         "web_load_s": round(load_s, 1),
                         "wasm_heap_mib": round(wasm),
                     }

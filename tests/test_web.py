@@ -234,6 +234,16 @@ def test_64_greedy_tokens_equal_python_session(name, artifacts, browser, tmp_pat
     assert page["tokens"] == python_greedy(art, PROMPT, 64)
 
 
+@needs_browser
+def test_the_page_refuses_more_tokens_than_the_kv_buffer_holds(artifacts, browser, tmp_path):
+    """The softmax layer's buffer holds max_length tokens (512 here): the page says so, as Session does."""
+    art = artifacts("hybrid_fused")
+    with pytest.raises(ValueError, match="exceed"):
+        python_greedy(art, PROMPT, 600)
+    page = run_page(browser, build_site(art, tmp_path / "site"), prompt=PROMPT, max_new_tokens=600)
+    assert page["error"] is not None and "maximum of 512" in page["error"] and page["tokens"] == []
+
+
 # SwiftShader's software Vulkan gives headless Chromium a WebGPU adapter (no GPU needed)
 WEBGPU_ARGS = [
     "--enable-unsafe-webgpu",

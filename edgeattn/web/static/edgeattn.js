@@ -97,16 +97,17 @@ class HFTokenizer {
   }
   decoder() {
     // decode the growing sequence; a trailing U+FFFD (an incomplete byte sequence) waits for more
+    // (the last piece is shown whatever its end, as edgeattn.artifact.tokenizer.HFTokenizer.stream)
     const ids = [];
     let done = "";
-    const next = () => {
+    const next = (final) => {
       const text = this.tok.decode(ids, { skip_special_tokens: false });
-      if (text.endsWith("\ufffd") || !text.startsWith(done)) return "";
+      if ((!final && text.endsWith("\ufffd")) || !text.startsWith(done) || text.length <= done.length) return "";
       const piece = text.slice(done.length);
       done = text;
       return piece;
     };
-    return { push: (id) => (ids.push(id), next()), end: () => next() };
+    return { push: (id) => (ids.push(id), next(false)), end: () => next(true) };
   }
 }
 
@@ -239,6 +240,7 @@ const nextFrame = () => new Promise((r) => setTimeout(r, 0));
 
 async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 0, top_p = 1, seed = null } = {}) {
   if (api.busy) throw new Error("a generation is running");
+  $("run").disabled = true;
   Object.assign(api, { busy: true, done: false, error: null, tokens: [], text: "", ttft_ms: null, tokens_per_s: null });
   $("prompt-echo").textContent = prompt;
   $("generated").textContent = "";
@@ -289,6 +291,7 @@ async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 
   } finally {
     api.busy = false;
     api.done = true;
+    $("run").disabled = false;
   }
   return api.tokens;
 }

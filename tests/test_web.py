@@ -326,7 +326,10 @@ def test_2000_tokens_keep_the_wasm_and_js_heaps_flat(artifacts, browser, tmp_pat
         browser.wait_for("window.edgeattn && window.edgeattn.ready")
         browser.evaluate("edgeattn.generate({prompt: 'def ', max_new_tokens: 2000, temperature: 0}), 0")
         browser.wait_for("edgeattn.tokens.length >= 300", timeout=120)
+        # the page yields while it generates: it answers and shows the text as it grows
+        shown = browser.evaluate("[edgeattn.done, document.getElementById('generated').textContent.length]")
         early = memory(browser)
+        assert shown[0] is False and shown[1] > 0
         browser.wait_for(DONE, timeout=300)
         late = memory(browser)
         assert (

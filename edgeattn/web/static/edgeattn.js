@@ -236,7 +236,14 @@ function sampleNext(logits, { temperature, top_k, top_p }, random) {
 
 // ---- generation ----
 
-const nextFrame = () => new Promise((r) => setTimeout(r, 0));
+// Yield to the event loop so that the page paints and answers: a message to itself, not setTimeout (which a
+// hidden tab throttles to once a second) nor scheduler.yield (whose continuation starves other tasks).
+const nextFrame = () =>
+  new Promise((resolve) => {
+    const channel = new MessageChannel();
+    channel.port1.onmessage = () => resolve();
+    channel.port2.postMessage(0);
+  });
 
 async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 0, top_p = 1, seed = null } = {}) {
   if (api.busy) throw new Error("a generation is running");

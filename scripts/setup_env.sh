@@ -1,19 +1,55 @@
 #!/usr/bin/env bash
 # Create .venv with everything the project needs (train, dev and bench extras), on a machine with only
-# Python 3. Idempotent: re-running with an unchanged pyproject.toml does nothing.
+# Python 3, and the browser side of `edgeattn web` and its tests: Debian's chromium (and node/npm) when
+# missing, and web/node_modules from web/package-lock.json (`npm ci`, nothing fetched at run time).
+# Idempotent: re-running with unchanged pyproject.toml and web/package-lock.json does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-stamp="$VENV/.edgeattn-installed"
-want=$(sha256sum pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
-if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
-  exit 0
-fi
-echo "setting up $VENV (a few minutes the first time)..." >&2
-[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[train,dev,bench,serve,ray]"
-echo "$want" > "$stamp"
+
+apt_install() {  # apt-get install the packages given, as root or through sudo; false when neither is possible
+  local run=()
+  if [[ $(id -u) != 0 ]]; then
+    sudo -n true 2>/dev/null || return 1
+    run=(sudo -n)
+  fi
+  echo "installing $* (apt-get)..." >&2
+  "${run[@]}" apt-get update -qq && DEBIAN_FRONTEND=noninteractive "${run[@]}" apt-get install -y -qq "$@" >/dev/null
+}
+
+setup_python() {
+  local stamp="$VENV/.edgeattn-installed" want
+  want=$(sha256sum pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
+  if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+    return 0
+  fi
+  echo "setting up $VENV (a few minutes the first time)..." >&2
+  [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[train,dev,bench,serve,ray]"
+  echo "$want" > "$stamp"
+}
+
+setup_browser() {
+  local missing=()
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v npm >/dev/null || missing+=(nodejs npm)
+  if (( ${#missing[@]} )) && ! apt_install "${missing[@]}"; then
+    echo "warning: ${missing[*]} missing and not installable without root: the browser tests will skip" >&2
+    command -v npm >/dev/null || return 0
+  fi
+  local stamp=web/node_modules/.edgeattn-installed want
+  want=$(sha256sum web/package-lock.json | cut -c1-16)
+  if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+    return 0
+  fi
+  echo "installing web/node_modules (npm ci)..." >&2
+  (cd web && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error)
+  echo "$want" > "$stamp"
+}
+
+setup_python
+setup_browser

@@ -14,7 +14,8 @@
   an initializer weight becomes ``com.microsoft.MatMulNBits`` (the tied lm head included) and the embedding
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
   Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
-  points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path).
+  points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path),
+  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def fp32_nodes(model, entries) -> list[str]:
     return sorted(names)
 
 
-INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4}
+INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
 INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
 
 
@@ -199,8 +200,94 @@ def _convert_version(model, opset: int):
     return model
 
 
-def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):
-    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
+def _raw(init) -> np.ndarray:
+    """An initializer's values without a copy where its bytes are inline (``raw_data``)."""
+    from onnx import helper, numpy_helper
+
+    if init.raw_data and not init.external_data:
+        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        return np.frombuffer(init.raw_data, dtype).reshape(tuple(init.dims))
+    return numpy_helper.to_array(init)
+
+
+def tied_heads(model) -> list[tuple[str, str]]:
+    """(Gather output, MatMul output) of each embedding ``Gather`` (axis 0 of an initializer E [V, D]) whose
+    table a MatMul reads transposed (an initializer equal to E^T): the tied head of a traced model."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    by_shape: dict[tuple, list] = {}
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
+            by_shape.setdefault(tuple(inits[n.input[1]].dims), []).append(n)
+    pairs = []
+    for n in g.node:
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        if n.op_type != "Gather" or axis != 0 or n.input[0] not in inits or len(inits[n.input[0]].dims) != 2:
+            continue
+        table = _raw(inits[n.input[0]])  # [V, D]
+        for m in by_shape.get(table.shape[::-1], []):
+            if np.array_equal(_raw(inits[m.input[1]]), table.T):
+                pairs.append((n.output[0], m.output[0]))
+                break
+    return pairs
+
+
+def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
+    """A tied int4 embedding stored once: each ``GatherBlockQuantized`` of ``pairs`` (by output) reads its
+    head's ``MatMulNBits`` table B [V, D/bs, bs/2] (the same blocks along D: the quantizer gives both the
+    same values) as 3-D packed uint8 data, quantized along its last axis, with the head's scales as
+    [V, D/bs, 1], and a Reshape makes its [.., D/bs, bs] rows [.., D]. B is not reshaped itself: ONNX
+    Runtime would fold that Reshape into a second copy of the table in memory. Symmetric blocks only (the
+    implied zero point 8 of both ops); returns the tables shared."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    shared = 0
+    for gather_out, head_out in pairs:
+        gbq, head = producer.get(gather_out), producer.get(head_out)
+        if (
+            gbq is None
+            or head is None
+            or gbq.op_type != "GatherBlockQuantized"
+            or head.op_type != "MatMulNBits"
+        ):
+            continue
+        if len(head.input) > 3 and head.input[3] or len(gbq.input) > 3 and gbq.input[3]:
+            continue  # zero points: the two ops pack them differently
+        attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+        table, scales = inits[head.input[1]], inits[head.input[2]]  # [V, D/bs, bs/2] uint8, [V, D/bs]
+        V, blocks = attrs["N"], attrs["K"] // attrs["block_size"]
+        old = list(gbq.input[:1]) + list(gbq.input[2:])
+        scales3 = numpy_helper.from_array(_raw(scales).reshape(V, blocks, 1), f"{scales.name}_rows")
+        rows = f"{gather_out}_blocks"  # [.., D/bs, bs]
+        shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), f"{gather_out}_shape")
+        g.initializer.extend([scales3, shape])
+        gbq.input[:] = [table.name, gbq.input[1], scales3.name]
+        del gbq.attribute[:]
+        gbq.attribute.extend(
+            helper.make_attribute(k, v)
+            for k, v in dict(bits=4, block_size=attrs["block_size"], gather_axis=0, quantize_axis=2).items()
+        )
+        gbq.output[0] = rows
+        i = list(g.node).index(gbq)
+        g.node.insert(
+            i + 1, helper.make_node("Reshape", [rows, shape.name], [gather_out], name=f"{gbq.name}_rows")
+        )
+        from edgeattn.export.optimize import remove_initializers
+
+        used = {x for n in g.node for x in n.input}
+        remove_initializers(g, {x for x in old if x and x not in used})
+        shared += 1
+    return shared
+
+
+def quantize_int4(
+    model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4, share_embedding: bool = True
+):
+    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
+    ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.optimize import ORT_DEFAULT_DOMAIN_OPS
@@ -232,9 +319,11 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
             op_types_to_quantize=("MatMul", "Gather"),
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
+        pairs = tied_heads(model) if share_embedding and symmetric else []
         q.process()
     finally:
         root.setLevel(level)
+    share_tied_int4(q.model.model, pairs)
     return q.model.model
 
 

@@ -1,0 +1,63 @@
+"""Qwen3.5 (tied embeddings) at int4 on the onnxruntime target: the tied embedding stored once against the
+export that stores it twice, and both against transformers' forward on CPU."""
+
+import numpy as np
+import onnx
+import pytest
+
+from edgeattn.convert import import_model
+from edgeattn.export import export_model
+from edgeattn.export.check import DEFAULT_TOLERANCE, run_logits
+from edgeattn.runtimes import open_session
+from tests.hf_helpers import hf_logits, qwen3_5_text, rel_err
+
+PREFILL = 16
+N = 70
+V, D = 320, 64  # hf_helpers.QWEN_TINY's vocabulary and width
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    model = qwen3_5_text(seed=3, tie_word_embeddings=True)
+    root = tmp_path_factory.mktemp("qwen_int4")
+    model.save_pretrained(root / "hf")
+    import_model(root / "hf", root / "ckpt")
+    return model, root
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(1).integers(0, V, size=(1, N)).astype(np.int64)
+
+
+def export(root, name, **quantization):
+    return export_model(
+        root / "ckpt",
+        root / name,
+        precision="int4",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
+        force=True,
+        quantization=quantization,
+    )
+
+
+def logits(art, ids) -> np.ndarray:
+    got = run_logits(open_session(art, threads=1), ids)
+    return np.concatenate([got["prefill"], got["step"]], axis=1)
+
+
+def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
+    model, root = hf
+    shared, apart = export(root, "shared"), export(root, "apart", share_embedding=False)
+    graph = onnx.load(str(shared / "step.onnx"), load_external_data=False).graph
+    gbq = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq[0].input[0]]
+    assert len(gbq) == 1 and len(heads) == 1  # the embedding reads the head's packed table
+    sizes = {a.name: sum(f.stat().st_size for f in a.iterdir()) for a in (shared, apart)}
+    # one packed table fewer (4 bits a weight); the embedding's scales, which the unshared export stores
+    # once for both (same bytes, same shape), are stored again as [V, D/32, 1]; give or take a few graph bytes
+    assert abs(sizes["apart"] - sizes["shared"] - (V * D // 2 - V * D // 32 * 4)) < 400
+    got, ref = logits(shared, ids), logits(apart, ids)
+    assert np.array_equal(got, ref)  # the quantizer gives both tables the same blocks and scales
+    assert rel_err(got, hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]

@@ -146,6 +146,9 @@ class OnnxRuntimeSession(Session):
         self._logits_np = {g: np.zeros((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
         self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
         self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
+        # a KV buffer's numpy array on CPU (None elsewhere): np.zeros leaves its pages unmapped until written,
+        # and only the slots below the position are ever written or read, so it costs what it holds
+        self._kv_np: list[np.ndarray | None] = []
         if self.dynamic:
             self._state = None
             self._reset_state()
@@ -154,8 +157,10 @@ class OnnxRuntimeSession(Session):
         # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
         self._bufs = []
         for e in manifest.state:
-            first = self._alloc(e.shape, np.float32)
+            kv = np.zeros(e.shape, np.float32) if e.shared and self.device == "cpu" else None
+            first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, np.float32)
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
+            self._kv_np.append(kv)
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
 
@@ -242,8 +247,19 @@ class OnnxRuntimeSession(Session):
     def _current(self) -> list[ort.OrtValue]:
         return self._state if self.dynamic else [bufs[self._cur] for bufs in self._bufs]
 
+    def _filled(self, state: dict[str, np.ndarray]) -> int:
+        """Slots of the KV buffers that ``state`` fills: its largest position (GroupQueryAttention reads and
+        writes no slot at or past it before the position moves on)."""
+        pos = [state[e.input] for e in self.manifest.state if e.name == "position"]
+        return int(np.ceil(max((float(p.max()) for p in pos if p.size), default=0.0)))
+
     def _get_state(self) -> dict[str, np.ndarray]:
-        return {e.input: v.numpy().copy() for e, v in zip(self.manifest.state, self._current())}
+        out = {e.input: v.numpy().copy() for e, v in zip(self.manifest.state, self._current())}
+        n = self._filled(out)
+        for e, kv in zip(self.manifest.state, self._kv_np):
+            if kv is not None:  # slots past the position hold stale tokens, never read: zeros, as written
+                out[e.input][:, :, n:] = 0
+        return out
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         if self.dynamic:
@@ -251,8 +267,12 @@ class OnnxRuntimeSession(Session):
                 ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state
             ]
             return
-        for e, v in zip(self.manifest.state, self._current()):
-            v.update_inplace(state[e.input])
+        n = self._filled(state)
+        for e, v, kv in zip(self.manifest.state, self._current(), self._kv_np):
+            if kv is None:
+                v.update_inplace(state[e.input])
+            else:  # only the filled slots: a reset or a short context leaves the rest of the buffer unmapped
+                kv[:, :, :n] = state[e.input][:, :, :n]
 
     def _reset_state(self) -> None:
         zeros = {

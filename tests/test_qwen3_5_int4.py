@@ -61,3 +61,29 @@ def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
     got, ref = logits(shared, ids), logits(apart, ids)
     assert np.array_equal(got, ref)  # the quantizer gives both tables the same blocks and scales
     assert rel_err(got, hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
+    """A float16 KV buffer for the attention layers: the logits within ``KV_TOLERANCE`` of the float32
+    buffer's export, and within the precision's tolerance plus that bound of transformers."""
+    from edgeattn.export.check import check_artifact
+    from edgeattn.export.precision import KV_TOLERANCE
+
+    model, root = hf
+    kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
+    arts = {
+        kv: export_model(root / "ckpt", root / f"kv{kv}{precision}", kv_dtype=kv, **kw)
+        for kv in ("float32", "float16")
+    }
+    graph = onnx.load(str(arts["float16"] / "step.onnx"), load_external_data=False).graph
+    kv_inputs = [i for i in graph.input if i.name.endswith((".key", ".value"))]
+    assert kv_inputs and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in kv_inputs)
+    sess = open_session(arts["float16"], threads=1)
+    assert {e.dtype for e in sess.manifest.state if e.shared} == {"float16"}
+    got, ref = logits(arts["float16"], ids), logits(arts["float32"], ids)
+    assert 0 < rel_err(got, ref) <= KV_TOLERANCE["float16"]
+    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE["float16"]
+    assert rel_err(got, hf_logits(model, ids)) <= tol
+    report = check_artifact(arts["float16"], tokens=N)  # against the torch model's float32 buffer
+    assert report.ok and report.tolerance == tol

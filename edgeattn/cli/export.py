@@ -23,6 +23,11 @@ class Precision(str, Enum):
     int4 = "int4"
 
 
+class KvDtype(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+
+
 @cli_errors
 def export(
     checkpoint: Annotated[
@@ -73,6 +78,13 @@ def export(
             "every layer keeps a fixed-size state have no limit: there it only sets --genai's length.",
         ),
     ] = None,
+    kv_dtype: Annotated[
+        KvDtype,
+        typer.Option(
+            help="Element type of the softmax layers' preallocated KV buffers (onnxruntime target): float16 "
+            "halves their memory; on CPU its attention ran slower than float32's.",
+        ),
+    ] = KvDtype.float32,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     genai: Annotated[
         bool,
@@ -104,6 +116,7 @@ def export(
         else None,
         genai=genai,
         max_length=max_length,
+        kv_dtype=kv_dtype.value,
     )
     from edgeattn.convert.hf import model_type
 

@@ -318,6 +318,7 @@ def export_model(
     optimize: bool = True,
     one_graph: bool | None = None,
     max_length: int | None = None,
+    kv_dtype: str = "float32",
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
@@ -341,6 +342,8 @@ def export_model(
     genai_config's ``context_length`` and ``max_length``. None (default): ``cfg.max_seq_len``. A model
     whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
+    ``kv_dtype``: the element type of those KV buffers, float32 or float16
+    (``edgeattn.export.precision.set_kv_dtype``; q, k and v stay float32).
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -360,6 +363,8 @@ def export_model(
     if batch_size < 1 or prefill_chunk < 2:
         raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
     check_max_length(max_length)
+    if kv_dtype not in ("float32", "float16"):
+        raise ValueError(f"kv_dtype must be float32 or float16, got {kv_dtype!r}")
     if dynamic_batch and precision == "int8":
         raise ValueError(
             "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
@@ -421,6 +426,12 @@ def export_model(
 
             for name in graphs:
                 convert_precision(tmp / name, precision, entries, **(quantization or {}))
+        if kv_dtype != "float32":
+            from edgeattn.export.precision import convert_kv_dtype
+
+            for name in graphs:
+                kv_entries = convert_kv_dtype(tmp / name, entries, kv_dtype, precision)
+            entries = kv_entries
         extra = []
         if genai:
             from edgeattn.export.genai import GENAI_GRAPH, write_genai_files

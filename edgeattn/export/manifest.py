@@ -250,9 +250,11 @@ def check_structure(data: dict, where: str) -> None:
             raise ValueError(
                 f"{where}: '{ctx}shape' must hold sizes >= 0 (or names of dynamic sizes), got {shape!r}"
             )
-        if need(e, "dtype", str, "a string", ctx) != "float32":
+        allowed = ("float32", "float16") if e.get("shared") else ("float32",)  # a KV buffer may be float16
+        if need(e, "dtype", str, "a string", ctx) not in allowed:
             raise ValueError(
-                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is), got {e['dtype']!r}"
+                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is, a KV buffer float16 too), "
+                f"got {e['dtype']!r}"
             )
     names = [
         data.get("inputs", {}).get("input_ids", "input_ids"),

@@ -16,6 +16,11 @@
   Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
   points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path),
   ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
+- KV buffers (``set_kv_dtype``): the softmax layers' preallocated GroupQueryAttention buffers in float16
+  while q, k and v stay float32 (ONNX Runtime 1.32's GroupQueryAttention types its cache apart, ``T_CACHE``).
+  Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 2.8x slower than the float32
+  buffer at 16384 tokens (it widens the cache as it reads: benchmarks/RESULTS.md), so float32 stays the
+  default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -171,6 +176,61 @@ def fp32_nodes(model, entries) -> list[str]:
     for first, last in FP32_REGIONS:
         names.update(_region_nodes(model, first, last))
     return sorted(names)
+
+
+KV_DTYPES = ("float32", "float16")
+# The relative logit error a float16 KV buffer adds against the float32 buffer (the stated bound): 3e-5 in an
+# fp32 graph of the tiny Qwen3.5 test model, 2e-3 at int4 (MatMulNBits' int8 activations round differently)
+KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3}
+
+
+def set_kv_dtype(path: Path, entries: list[dict], kv_dtype: str) -> list[dict]:
+    """The graph at ``path`` with its shared KV buffers (the ``entries`` marked ``shared``) in ``kv_dtype``
+    (in place); returns the entries with their dtype set. Only GroupQueryAttention reads and writes them."""
+    import onnx
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    names = {n for e in entries if e.get("shared") for n in (e["input"], e["output"])}
+    entries = [{**e, "dtype": kv_dtype} if e.get("shared") else e for e in entries]
+    if kv_dtype == "float32" or not names:
+        return entries
+    model = onnx.load(str(path), load_external_data=False)
+    others = [n for n in model.graph.node if names & set(n.input) and n.op_type != "GroupQueryAttention"]
+    if others:
+        raise ValueError(
+            f"a KV buffer is read by {others[0].op_type}, not GroupQueryAttention: no --kv-dtype"
+        )
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv_dtype))
+    for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        if v.name in names:
+            v.type.tensor_type.elem_type = elem
+    onnx.save(model, str(path))
+    return entries
+
+
+def convert_kv_dtype(path: Path, entries: list[dict], kv_dtype: str, precision: str) -> list[dict]:
+    """``set_kv_dtype`` on the graph at ``path``, warning (``PrecisionWarning``) when its logits differ from
+    the float32 buffer's by more than ``KV_TOLERANCE``; returns the entries with their dtype set."""
+    import onnx
+
+    path = Path(path)
+    fd, ref = tempfile.mkstemp(suffix=".onnx", dir=path.parent)  # beside it: the same external data
+    os.close(fd)
+    try:
+        onnx.save(onnx.load(str(path), load_external_data=False), ref)
+        out = set_kv_dtype(path, entries, kv_dtype)
+        rel = logit_error(ref, path, entries)
+    finally:
+        os.unlink(ref)
+    if not rel <= KV_TOLERANCE[kv_dtype]:
+        warnings.warn(
+            f"{path.name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
+            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+            PrecisionWarning,
+            stacklevel=2,
+        )
+    return out
 
 
 INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
@@ -413,12 +473,17 @@ def logit_error(
     vocab = sessions[0].get_outputs()[0].shape[-1]
     text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
     text = text.reshape(calls, B, T)  # [calls, B, T]
+    types = {"tensor(float16)": np.float16}  # a state input's element type in each graph (KV buffers vary)
     states = [
         {
-            e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], np.float32)
+            i.name: np.zeros(
+                [0 if isinstance(d, str) else d for d in e["shape"]], types.get(i.type, np.float32)
+            )
             for e in entries
+            for i in sess.get_inputs()
+            if i.name == e["input"]
         }
-        for _ in sessions
+        for sess in sessions
     ]
     diff = scale = 0.0
     for c in range(calls):

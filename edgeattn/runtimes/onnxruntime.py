@@ -157,8 +157,8 @@ class OnnxRuntimeSession(Session):
         # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
         self._bufs = []
         for e in manifest.state:
-            kv = np.zeros(e.shape, np.float32) if e.shared and self.device == "cpu" else None
-            first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, np.float32)
+            kv = np.zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
+            first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, e.dtype)
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
             self._kv_np.append(kv)
         self._cur = 0
@@ -254,7 +254,8 @@ class OnnxRuntimeSession(Session):
         return int(np.ceil(max((float(p.max()) for p in pos if p.size), default=0.0)))
 
     def _get_state(self) -> dict[str, np.ndarray]:
-        out = {e.input: v.numpy().copy() for e, v in zip(self.manifest.state, self._current())}
+        # float32 copies (a float16 KV buffer widened)
+        out = {e.input: v.numpy().astype(np.float32) for e, v in zip(self.manifest.state, self._current())}
         n = self._filled(out)
         for e, kv in zip(self.manifest.state, self._kv_np):
             if kv is not None:  # slots past the position hold stale tokens, never read: zeros, as written

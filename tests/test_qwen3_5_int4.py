@@ -55,9 +55,7 @@ def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
     heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq[0].input[0]]
     assert len(gbq) == 1 and len(heads) == 1  # the embedding reads the head's packed table
     sizes = {a.name: sum(f.stat().st_size for f in a.iterdir()) for a in (shared, apart)}
-    # one packed table fewer (4 bits a weight); the embedding's scales, which the unshared export stores
-    # once for both (same bytes, same shape), are stored again as [V, D/32, 1]; give or take a few graph bytes
-    assert abs(sizes["apart"] - sizes["shared"] - (V * D // 2 - V * D // 32 * 4)) < 400
+    assert sizes["apart"] - sizes["shared"] >= V * D // 2  # one packed table fewer (4 bits a weight)
     got, ref = logits(shared, ids), logits(apart, ids)
     assert np.array_equal(got, ref)  # the quantizer gives both tables the same blocks and scales
     assert rel_err(got, hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]

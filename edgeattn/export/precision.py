@@ -295,10 +295,11 @@ def tied_heads(model) -> list[tuple[str, str]]:
 def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
     """A tied int4 embedding stored once: each ``GatherBlockQuantized`` of ``pairs`` (by output) reads its
     head's ``MatMulNBits`` table B [V, D/bs, bs/2] (the same blocks along D: the quantizer gives both the
-    same values) as 3-D packed uint8 data, quantized along its last axis, with the head's scales as
-    [V, D/bs, 1], and a Reshape makes its [.., D/bs, bs] rows [.., D]. B is not reshaped itself: ONNX
-    Runtime would fold that Reshape into a second copy of the table in memory. Symmetric blocks only (the
-    implied zero point 8 of both ops); returns the tables shared."""
+    same values) as 3-D packed uint8 data, quantized along its last axis, with the head's scales reshaped
+    to [V, D/bs, 1], and a Reshape makes its [.., D/bs, bs] rows [.., D]. B is not reshaped itself: ONNX
+    Runtime folds a Reshape of an initializer into a copy in memory, which for the scales (V x D/bs floats,
+    32 MB at Qwen3.5-0.8B) costs less than storing them twice on disk, for the table (4x that) too much.
+    Symmetric blocks only (the implied zero point 8 of both ops); returns the tables shared."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -320,11 +321,11 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
         table, scales = inits[head.input[1]], inits[head.input[2]]  # [V, D/bs, bs/2] uint8, [V, D/bs]
         V, blocks = attrs["N"], attrs["K"] // attrs["block_size"]
         old = list(gbq.input[:1]) + list(gbq.input[2:])
-        scales3 = numpy_helper.from_array(_raw(scales).reshape(V, blocks, 1), f"{scales.name}_rows")
         rows = f"{gather_out}_blocks"  # [.., D/bs, bs]
         shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), f"{gather_out}_shape")
+        scales3 = numpy_helper.from_array(np.array([V, blocks, 1], np.int64), f"{scales.name}_rows_shape")
         g.initializer.extend([scales3, shape])
-        gbq.input[:] = [table.name, gbq.input[1], scales3.name]
+        gbq.input[:] = [table.name, gbq.input[1], f"{scales.name}_rows"]
         del gbq.attribute[:]
         gbq.attribute.extend(
             helper.make_attribute(k, v)
@@ -335,6 +336,10 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
         g.node.insert(
             i + 1, helper.make_node("Reshape", [rows, shape.name], [gather_out], name=f"{gbq.name}_rows")
         )
+        reshape = helper.make_node(
+            "Reshape", [scales.name, scales3.name], [gbq.input[2]], name=f"{gbq.name}_scales"
+        )
+        g.node.insert(i, reshape)
         from edgeattn.export.optimize import remove_initializers
 
         used = {x for n in g.node for x in n.input}

@@ -85,3 +85,21 @@ def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
     assert rel_err(got, hf_logits(model, ids)) <= tol
     report = check_artifact(arts["float16"], tokens=N)  # against the torch model's float32 buffer
     assert report.ok and report.tolerance == tol
+
+
+def test_released_weight_pages_fault_back_unchanged(hf, ids):
+    """The session drops the resident pages of the mapped weights file after loading
+    (``release_mapped_pages``); dropping them again between calls changes no logit."""
+    import sys
+
+    from edgeattn.runtimes.onnxruntime import release_mapped_pages
+
+    _, root = hf
+    art = export(root, "released")
+    a, b = open_session(art, threads=1), open_session(art, threads=1)
+    want = [a.prefill(ids[:, :20]), *(a.step(ids[:, t : t + 1]) for t in range(20, 30))]
+    got = [b.prefill(ids[:, :20])]
+    advised = release_mapped_pages(art)
+    got += [b.step(ids[:, t : t + 1]) for t in range(20, 30)]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    assert advised > 0 or not sys.platform.startswith("linux")

@@ -79,6 +79,43 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
     return values
 
 
+def release_mapped_pages(root) -> int:
+    """Drop from this process's resident set the pages of the files under ``root`` that ONNX Runtime maps
+    (the weights file) where none was written (no ``Anonymous`` pages: each page still equals the file's).
+    Prepacking reads every matrix through the mapping, and a table that a Gather also reads, such as a
+    tied int4 embedding, stays mapped with all its pages resident; dropped, they stay in the page cache and
+    fault back in when read, so a Gather holds only the rows it reads. Linux only (``/proc/self/smaps``,
+    ``madvise``); returns the bytes advised, 0 elsewhere."""
+    import ctypes
+    import os
+
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    MADV_DONTNEED = 4
+    root = os.path.realpath(root) + os.sep
+    maps, current = [], None  # [start, end, anonymous kB] of the mappings of files under root
+    for line in lines:
+        parts = line.split()
+        if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+            current = None
+            if len(parts) >= 6 and parts[5].startswith(root):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                current = [start, end, None]
+                maps.append(current)
+        elif current is not None and parts[0] == "Anonymous:":
+            current[2] = int(parts[1])
+    advised = 0
+    for start, end, anonymous in maps:
+        if anonymous == 0 and libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            advised += end - start
+    return advised
+
+
 def _token_axis(sess: ort.InferenceSession, name: str) -> bool:
     """Whether the graph's token-id input ``name`` has a symbolic token axis."""
     shape = next(i.shape for i in sess.get_inputs() if i.name == name)
@@ -131,6 +168,8 @@ class OnnxRuntimeSession(Session):
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
             manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
+        if self.device == "cpu" and self._weights is None:  # (shared numpy maps are read as a whole anyway)
+            release_mapped_pages(manifest.root)
         self.dynamic = any(e.dynamic for e in manifest.state)
         # one graph that takes any number of tokens: prefill needs no fixed-size chunks (CPU: numpy buffers)
         self.any_tokens = (

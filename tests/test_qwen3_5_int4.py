@@ -103,3 +103,32 @@ def test_released_weight_pages_fault_back_unchanged(hf, ids):
     got += [b.step(ids[:, t : t + 1]) for t in range(20, 30)]
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
     assert advised > 0 or not sys.platform.startswith("linux")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_last_token_prefill_equals_every_token_prefill_and_transformers(hf, ids, precision):
+    """``prefill_logits="last"`` (the head on the last token of a call only): prefill and steps give the
+    logits of the export that computes every token's, and transformers' (fp32: within 1e-4)."""
+    from edgeattn.export.check import check_artifact
+
+    model, root = hf
+    kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
+    arts = {
+        p: export_model(root / "ckpt", root / f"logits{p}{precision}", prefill_logits=p, **kw)
+        for p in ("all", "last")
+    }
+    graph = onnx.load(str(arts["last"] / "step.onnx"), load_external_data=False).graph
+    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
+    want = hf_logits(model, ids)
+    runs = {}
+    for p, art in arts.items():
+        sess = open_session(art, threads=1)
+        runs[p] = [sess.prefill(ids[:, :40]), *(sess.step(ids[:, t : t + 1]) for t in range(40, 50))]
+        runs[p] = np.stack(runs[p], 1)  # [B, 11, V]: positions 39 .. 49
+    assert rel_err(runs["last"], runs["all"]) <= 1e-5
+    tol = 1e-4 if precision == "fp32" else DEFAULT_TOLERANCE["int4"]
+    assert rel_err(runs["last"], want[:, 39:50]) <= tol
+    report = check_artifact(arts["last"], tokens=N)
+    assert report.ok and report.graphs["prefill"]["tokens"] == (N - 1) // PREFILL
+    with pytest.raises(ValueError, match="prefill_logits"):
+        export_model(root / "ckpt", root / "bad", prefill_logits="first", **kw)

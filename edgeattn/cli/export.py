@@ -23,6 +23,11 @@ class Precision(str, Enum):
     int4 = "int4"
 
 
+class PrefillLogits(str, Enum):
+    all = "all"
+    last = "last"
+
+
 class KvDtype(str, Enum):
     float32 = "float32"
     float16 = "float16"
@@ -85,6 +90,13 @@ def export(
             "halves their memory; on CPU its attention ran slower than float32's.",
         ),
     ] = KvDtype.float32,
+    prefill_logits: Annotated[
+        PrefillLogits,
+        typer.Option(
+            help="last: a graph call returns its last token's logits only (a prefill skips the head for the "
+            "rest; one-graph artifacts). all: every token's.",
+        ),
+    ] = PrefillLogits.all,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     genai: Annotated[
         bool,
@@ -117,6 +129,7 @@ def export(
         genai=genai,
         max_length=max_length,
         kv_dtype=kv_dtype.value,
+        prefill_logits=prefill_logits.value,
     )
     from edgeattn.convert.hf import model_type
 

@@ -40,16 +40,23 @@ class CheckReport:
 
 
 def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Logits of every position: prefill graph over full chunks, then the step graph token by token."""
+    """Logits of every position: prefill graph over full chunks, then the step graph token by token. An
+    artifact whose calls return their last token's logits (``prefill_logits`` "last"): of each chunk's
+    last position only, for every backend. ``positions``: the positions the logits are of."""
     C = sess.manifest.prefill_tokens
+    last = sess.manifest.prefill_logits == "last"
     n_full = ids.shape[1] // C if ids.shape[1] > C else 0
     out = {"prefill": [], "step": []}
     sess.reset()
     for c in range(n_full):
-        out["prefill"].append(sess.run_graph("prefill", ids[:, c * C : (c + 1) * C]))
+        logits = sess.run_graph("prefill", ids[:, c * C : (c + 1) * C])
+        out["prefill"].append(logits[:, -1:] if last else logits)
     for t in range(n_full * C, ids.shape[1]):
         out["step"].append(sess.run_graph("step", ids[:, t : t + 1]))
-    return {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
+    res = {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
+    firsts = [c * C + C - 1 for c in range(n_full)] if last else list(range(n_full * C))
+    res["positions"] = np.array(firsts + list(range(n_full * C, ids.shape[1])), np.int64)
+    return res
 
 
 def check_artifact(
@@ -112,8 +119,8 @@ def check_artifact(
         len(targets) / max(len(data) - 1, 1) if tok.kind == "byte" else len(targets) / max(len(data), 1)
     )
     report.bpb = {
-        "torch": bits_per_byte(full_want, targets) * per_byte,
-        "artifact": bits_per_byte(full_got, targets) * per_byte,
+        "torch": bits_per_byte(full_want, targets[got["positions"]]) * per_byte,
+        "artifact": bits_per_byte(full_got, targets[got["positions"]]) * per_byte,
     }
     if m.target == "portable":
         report.tensorrt = sorted(

@@ -319,6 +319,7 @@ def export_model(
     one_graph: bool | None = None,
     max_length: int | None = None,
     kv_dtype: str = "float32",
+    prefill_logits: str = "all",
 ) -> Path:
     """Export the checkpoint directory ``checkpoint`` to the artifact directory ``out``.
 
@@ -344,6 +345,9 @@ def export_model(
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
     ``kv_dtype``: the element type of those KV buffers, float32 or float16
     (``edgeattn.export.precision.set_kv_dtype``; q, k and v stay float32).
+    ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
+    ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
+    artifacts only, manifest ``"prefill_logits": "last"``).
 
     The artifact is assembled in a temporary directory beside ``out`` and renamed into place when
     complete, so an interrupted export leaves no ``out`` behind.
@@ -365,6 +369,8 @@ def export_model(
     check_max_length(max_length)
     if kv_dtype not in ("float32", "float16"):
         raise ValueError(f"kv_dtype must be float32 or float16, got {kv_dtype!r}")
+    if prefill_logits not in ("all", "last"):
+        raise ValueError(f"prefill_logits must be 'all' or 'last', got {prefill_logits!r}")
     if dynamic_batch and precision == "int8":
         raise ValueError(
             "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
@@ -393,6 +399,11 @@ def export_model(
             f"{precision!r}, mixers {cfg.mixers})"
         )
     one = one_graph_ok(model, target, precision) if one_graph is None else one_graph
+    if prefill_logits == "last" and not one:
+        raise ValueError(
+            "prefill_logits 'last' needs the one graph that serves step and prefill (target onnxruntime, "
+            f"precision among {ONE_GRAPH_PRECISIONS}, fused mixers)"
+        )
     length = cfg.max_seq_len if max_length is None else max_length  # cfg itself keeps max_seq_len
     kv_buffers = use_kv_buffers(model, target, length)
     reason = fixed_batch_reason(model, target) if dynamic_batch else None
@@ -426,6 +437,18 @@ def export_model(
 
             for name in graphs:
                 convert_precision(tmp / name, precision, entries, **(quantization or {}))
+        if prefill_logits == "last":
+            import onnx
+
+            from edgeattn.export.optimize import last_token_logits
+
+            for name in graphs:
+                graph = onnx.load(str(tmp / name), load_external_data=False)
+                if not last_token_logits(graph):
+                    raise ValueError(
+                        f"{name}: no head MatMul writes the logits; export with prefill_logits 'all'"
+                    )
+                onnx.save(graph, str(tmp / name))
         if kv_dtype != "float32":
             from edgeattn.export.precision import convert_kv_dtype
 
@@ -478,6 +501,7 @@ def export_model(
                 "prefill": {"path": shapes[-1][0], "tokens": prefill_chunk},
             },
             "state": entries,
+            **({"prefill_logits": "last"} if prefill_logits == "last" else {}),
             "weights": weights,
             "genai": {"graph": "model.onnx", "config": "genai_config.json"} if genai else None,
             "checkpoint": CHECKPOINT_DIR if include_checkpoint else None,

@@ -182,7 +182,10 @@ class OnnxRuntimeSession(Session):
         # On CPU an OrtValue made from a numpy array uses the array's memory: the per-token work is a write
         # into one array and a copy out of another (no OrtValue calls).
         self._ids_np = {g: np.zeros((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}
-        self._logits_np = {g: np.zeros((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
+        last = manifest.prefill_logits == "last"  # a call returns its last token's logits only
+        self._logits_np = {
+            g: np.zeros((B, 1 if last else self._tokens(g), V), np.float32) for g in ("step", "prefill")
+        }
         self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
         self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
         # a KV buffer's numpy array on CPU (None elsewhere): np.zeros leaves its pages unmapped until written,
@@ -218,7 +221,7 @@ class OnnxRuntimeSession(Session):
         n = self.manifest.prefill_tokens
         for c in range(0, T, n):
             logits = self._run_tokens(ids[:, c : c + n])
-            self.position += logits.shape[1]
+            self.position += ids[:, c : c + n].shape[1]
         return logits[:, -1]
 
     def _run_tokens(self, ids: np.ndarray) -> np.ndarray:
@@ -226,7 +229,8 @@ class OnnxRuntimeSession(Session):
         if ids.shape[1] == self.manifest.prefill_tokens:
             return self._run("prefill", ids)
         ids = np.ascontiguousarray(ids, np.int64)
-        logits = np.empty((*ids.shape, self.manifest.vocab_size), np.float32)
+        n = 1 if self.manifest.prefill_logits == "last" else ids.shape[1]
+        logits = np.empty((ids.shape[0], n, self.manifest.vocab_size), np.float32)
         io = self.sessions["prefill"].io_binding()
         io.bind_ortvalue_input(self.manifest.input_ids_name, self._alloc_from(ids))
         io.bind_ortvalue_output(self.manifest.logits_name, self._alloc_from(logits))

@@ -18,8 +18,8 @@
   ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
 - KV buffers (``set_kv_dtype``): the softmax layers' preallocated GroupQueryAttention buffers in float16
   while q, k and v stay float32 (ONNX Runtime 1.32's GroupQueryAttention types its cache apart, ``T_CACHE``).
-  Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 2.8x slower than the float32
-  buffer at 16384 tokens (it widens the cache as it reads: benchmarks/RESULTS.md), so float32 stays the
+  Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
+  float32 buffer at 16384 tokens (``benchmarks/ort_ops.py``, benchmarks/RESULTS.md), so float32 stays the
   default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
 """
 

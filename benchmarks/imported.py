@@ -26,6 +26,25 @@ For text the three sections see the same position, so edgeattn's import is plain
 longest context measured, so that both runtimes preallocate KV buffers of the same length.
 ``--quick`` is a tiny model and short contexts (tests/test_imported_bench.py).
 
+llama.cpp, an optional third peer at int4 (``llama-qwen35-int4``): the same transformers directory converted
+by the sdist's own ``convert_hf_to_gguf.py --outtype f16 --no-mtp`` (architecture named
+``Qwen3_5ForCausalLM``, the text model), quantized to Q4_0 by ``llama_model_quantize`` (its default Q6_K
+head/embedding), run by llama-cpp-python's low-level bindings (``peers.LlamaRunner``: f16 KV cache,
+last-token logits) in the interpreter ``--llama-python`` of a separate environment, where llama-cpp-python
+was built from the PyPI source package with AMX off (its AMX kernels crash on this CPU)::
+
+    python -m venv /tmp/llama && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
+        /tmp/llama/bin/pip install llama-cpp-python==0.3.36 psutil
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist: --llama-src its vendor/llama.cpp
+
+Tokenizer: the model carries the 256-token byte-level tokenizer above, whose pre-tokenizer hash the
+converter does not know (it refuses unknown hashes); the conversion runs the converter with its
+``get_vocab_base_pre`` answering ``gpt-2`` (byte-level BPE, GPT-2's pre-tokenizer) for an unknown hash
+and with one merge where it has none (llama.cpp refuses a BPE vocabulary without merges; ``LLAMA_CONVERT``).
+Speed does not depend on it: every runtime is fed token ids. Without
+``--llama-python`` and ``--llama-src`` (or when the conversion fails) the peer is skipped with one line.
+
 ``--paired``: on a shared 2-core machine the speed drifts by tens of percent within minutes (genai's fp32
 decode at 4096 tokens measured 86 ms in one process and 106 ms in another in the same hour), so a ratio of
 two processes run minutes apart is unreliable. Paired mode starts both models of a precision at once, each
@@ -46,6 +65,8 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py --paired [--rounds 8] [--block 4] [--gap 0.1] [--repeats 1] [--workdir DIR]
     python benchmarks/imported.py --paired --workdir DIR --report   # the pairs logged in DIR/paired.jsonl
     python benchmarks/imported.py --quick [--paired]
+    python benchmarks/imported.py --precisions int4 --llama-python /tmp/llama/bin/python \
+        --llama-src /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [--repeats 3]
 
 Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios), then
 ONE JSON line.
@@ -108,12 +129,99 @@ def name_of(runtime: str, precision: str) -> str:
     return f"{runtime}-qwen35" + ("" if precision == "fp32" else f"-{precision}")
 
 
+LLAMA = "llama-qwen35-int4"  # llama.cpp's Q4_0 of the same model: the int4 peer
+
+
+def runtimes(precision: str) -> tuple[str, ...]:
+    return ("edgeattn", "genai", "llama") if precision == "int4" else ("edgeattn", "genai")
+
+
 def labels(precisions) -> dict:
     out = {}
     for p in precisions:
         out[name_of("edgeattn", p)] = f"edgeattn {p} (ONNX Runtime session)"
         out[name_of("genai", p)] = f"onnxruntime-genai {p} (its builder + Generator)"
+    out[LLAMA] = "llama.cpp Q4_0 (llama-cpp-python 0.3.36, f16 KV)"
     return out
+
+
+# convert_hf_to_gguf.py run from its own folder (argv[1]); a BPE pre-tokenizer it does not know (the
+# benchmark's byte-level tokenizer) is named gpt-2 instead of refused
+LLAMA_CONVERT = """
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+import gguf
+load = gguf.SpecialVocab.__init__
+def special(self, *args, **kw):
+    load(self, *args, **kw)
+    if kw.get("load_merges") and not self.merges:
+        self.merges = ["\u0120 \u0120"]  # one merge: llama.cpp refuses a BPE vocabulary without any
+gguf.SpecialVocab.__init__ = special
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+LLAMA_QUANTIZE = """
+import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.nthread = 2, 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
+"""
+
+
+def build_llama(root: Path, hf: Path, python: str, src: Path) -> Path:
+    """The transformers directory as llama.cpp's Q4_0 GGUF: converted to f16 by the sdist's converter (as the
+    text model ``Qwen3_5ForCausalLM``), quantized by ``python`` (llama-cpp-python); reused when present."""
+    out = root / "llama-qwen35-q4_0.gguf"
+    if out.is_file():
+        return out
+    text = root / "hf-qwen35-text"
+    text.mkdir(exist_ok=True)
+    for f in hf.iterdir():
+        if f.name != "config.json" and not (text / f.name).exists():
+            (text / f.name).symlink_to(f.resolve())
+    conf = json.loads((hf / "config.json").read_text())
+    (text / "config.json").write_text(json.dumps({**conf, "architectures": ["Qwen3_5ForCausalLM"]}))
+    f16 = root / "llama-qwen35-f16.gguf"
+    steps = [
+        [sys.executable, "-c", LLAMA_CONVERT, str(src), str(text), "--outfile", str(f16), "--outtype", "f16"]
+        + ["--no-mtp"],
+        [python, "-c", LLAMA_QUANTIZE, str(f16), str(out) + ".tmp"],
+    ]
+    for cmd in steps:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+            raise RuntimeError(f"llama.cpp conversion failed: {tail[0]}")
+    Path(str(out) + ".tmp").rename(out)
+    f16.unlink()
+    return out
+
+
+def llama_ready(python: str | None, src: Path | None) -> str | None:
+    """Why the llama.cpp peer cannot run (None: it can)."""
+    if not python or not src:
+        return "no --llama-python / --llama-src"
+    if not (src / "convert_hf_to_gguf.py").is_file():
+        return f"{src} has no convert_hf_to_gguf.py"
+    res = subprocess.run([python, "-c", "import llama_cpp, psutil"], capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"{python} cannot import llama_cpp and psutil"
+    return None
+
+
+def disk_bytes(path: str) -> int:
+    """The bytes of a model on disk: its directory's files, or the file."""
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() else p.stat().st_size
 
 
 def build_hf(root: Path, shape: dict, max_len: int) -> tuple[Path, int]:
@@ -316,6 +424,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="--paired: rounds of one block on each per context")
     ap.add_argument("--block", type=int, default=4, help="--paired: decode steps per block")
     ap.add_argument("--gap", type=float, default=0.1, help="--paired: seconds of pause before each block")
+    ap.add_argument("--llama-python", default=None, help="interpreter with llama_cpp (int4 peer; see above)")
+    ap.add_argument(
+        "--llama-src", type=Path, default=None, help="llama.cpp source with convert_hf_to_gguf.py"
+    )
     args = ap.parse_args()
     shape = QUICK if args.quick else FULL
     contexts = [16, 64] if args.quick else sorted(int(c) for c in args.contexts.split(","))
@@ -347,14 +459,24 @@ def main() -> None:
         if built["key"] != key:
             built = {"key": key, "models": {}}
         models = built["models"]
-        wanted = [name_of(r, p) for p in precisions for r in ("edgeattn", "genai")]
+        no_llama = None if args.quick or args.paired else llama_ready(args.llama_python, args.llama_src)
+        if no_llama and "int4" in precisions and not args.report:
+            print(f"llama.cpp: skipped ({no_llama})", file=sys.stderr)
+        wanted = [
+            name_of(r, p)
+            for p in precisions
+            for r in runtimes(p)
+            if r != "llama" or not (args.quick or args.paired)
+        ]
         if args.models:
             wanted = [n for n in wanted if n in args.models.split(",")]
         todo = [
             (r, p)
             for p in precisions
-            for r in ("edgeattn", "genai")
-            if name_of(r, p) in wanted and "error" in models.get(name_of(r, p), {"error": "not built"})
+            for r in runtimes(p)
+            if name_of(r, p) in wanted
+            and "error" in models.get(name_of(r, p), {"error": "not built"})
+            and (r != "llama" or not no_llama)
         ]
         if todo and not args.report:
             t = time.time()
@@ -366,9 +488,11 @@ def main() -> None:
                 try:
                     if runtime == "edgeattn":
                         path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize)
+                    elif runtime == "llama":
+                        path = build_llama(root, hf, args.llama_python, args.llama_src)
                     else:
                         path = peers.genai_build(hf, root / name, max_len, root / "cache", precision=p)
-                    models[name] = {"path": str(path), "params": params}
+                    models[name] = {"path": str(path), "params": params, "disk": disk_bytes(path)}
                 except Exception as e:  # reported, not fatal
                     msg = str(e).strip().splitlines()
                     models[name] = {"error": msg[0] if msg else type(e).__name__, "params": params}
@@ -376,7 +500,9 @@ def main() -> None:
                 print(f"built {name} ({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
             shutil.rmtree(root / "ckpt", ignore_errors=True)
             shutil.rmtree(root / "cache", ignore_errors=True)
-        order = [name_of(r, p) for p in precisions for r in ("edgeattn", "genai")]
+        order = [name_of(r, p) for p in precisions for r in runtimes(p)]
+        if no_llama or args.paired or args.quick:
+            order = [n for n in order if n != LLAMA]
         models = {n: models.get(n, {"error": "not built", "params": 0}) for n in order}
         if not args.report and args.paired:
             pairs = [
@@ -394,7 +520,8 @@ def main() -> None:
         elif not args.report:
             configs = [
                 {"model": n, "path": m["path"], "threads": th, "contexts": contexts, "steps": steps}
-                | {"prefill": prefill}
+                | {"prefill": prefill, "max_len": max_len}
+                | ({"python": args.llama_python} if n == LLAMA else {})
                 for th in threads
                 for n, m in models.items()
                 if "error" not in m and n in wanted
@@ -417,6 +544,8 @@ def main() -> None:
     )
 
     def counterpart(name: str) -> str | None:
+        if name == LLAMA:
+            return name_of("edgeattn", "int4")
         return name.replace("genai-", "edgeattn-") if name.startswith("genai-") else None
 
     if args.paired:
@@ -428,6 +557,9 @@ def main() -> None:
         print_paired(ratios, precisions, contexts, threads, paired)
     else:
         ratios = peers.print_table(results, models, contexts, threads, labels(precisions), counterpart)
+    disk = {n: m["disk"] for n, m in models.items() if "disk" in m}
+    if disk:
+        print("\nweights on disk: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in disk.items()))
     params = next((m["params"] for m in models.values() if m.get("params")), 0)
     print(
         json.dumps(
@@ -445,6 +577,7 @@ def main() -> None:
                     else {}
                 ),
                 "errors": {k: v["error"] for k, v in models.items() if "error" in v},
+                "disk": disk,
                 "results": {
                     k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
                     for k, v in results.items()

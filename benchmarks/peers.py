@@ -349,16 +349,98 @@ class GenaiRunner:
         return n / (time.perf_counter() - t)
 
 
+class LlamaRunner:
+    """One llama.cpp GGUF model in this process, through llama-cpp-python's low-level bindings (its own
+    interpreter: ``cfg["python"]``): f16 KV cache of ``max_len`` cells, logits of the last token of each
+    call only (llama.cpp's default). Like genai it has no API to set its cache, so a context is reached by
+    decoding random tokens in calls of 1024."""
+
+    def __init__(self, path: str, threads: int, max_len: int):
+        import llama_cpp as lc
+        import numpy as np
+
+        self.lc, self.np = lc, np
+        lc.llama_backend_init()
+        self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {path}")
+        cp = lc.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = max_len, 1024, threads, threads
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        self.batch = lc.llama_batch_init(1024, 0, 1)
+        self.rng = np.random.default_rng(0)
+        self.pos = 0
+
+    def _decode(self, tokens) -> None:
+        b, n = self.batch, len(tokens)
+        b.n_tokens = n
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(t), self.pos + i, 1, i == n - 1
+            b.seq_id[i][0] = 0
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError(f"llama_decode failed at position {self.pos}")
+        self.pos += n
+
+    def _clear(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.pos = 0
+
+    def context(self, c: int) -> None:
+        if self.pos > c:
+            self._clear()
+        while self.pos < c:
+            self._decode(self.rng.integers(2, VOCAB, min(1024, c - self.pos)))
+
+    def step(self, token: int) -> float:
+        t = time.perf_counter()
+        self._decode([token])
+        return time.perf_counter() - t
+
+    def prefill(self, n: int) -> float:
+        self._clear()
+        ids = self.rng.integers(2, VOCAB, n)
+        t = time.perf_counter()
+        for c in range(0, n, 1024):
+            self._decode(ids[c : c + 1024])
+        return n / (time.perf_counter() - t)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy ticks of the whole machine, ticks of this process) from /proc: their difference over an
+    interval is the CPU that other processes took (0, 0 where /proc is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0, 0
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle + iowait
+    return sum(cpu) - idle, int(own[11]) + int(own[12])  # utime + stime
+
+
+def disturbance(before: tuple[int, int], after: tuple[int, int], seconds: float) -> float:
+    """Other processes' CPU during an interval, in cores (0 .. the machine's cores)."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    other = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, other / hz / max(seconds, 1e-9))
+
+
 def _measure(runner, cfg: dict) -> dict:
     """The one-shot worker's measurement: each context, one untimed step, the median of ``steps``, RSS; then
-    one prefill and the RSS after it (its activations stay in ONNX Runtime's arena)."""
+    one prefill and the RSS after it (its activations stay in ONNX Runtime's arena). With each figure the
+    disturbance: other processes' CPU in cores while it was timed (``disturbance``)."""
     out = {"rss_load": _rss(), "contexts": {}}
     for c in cfg["contexts"]:
         runner.context(c)
         runner.step(3)  # untimed: first touch after the load
+        t, ticks = time.perf_counter(), _cpu_ticks()
         times = [runner.step(i % VOCAB) for i in range(cfg["steps"])]
-        out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss()}
+        other = disturbance(ticks, _cpu_ticks(), time.perf_counter() - t)
+        out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss(), "other": other}
+    t, ticks = time.perf_counter(), _cpu_ticks()
     out["prefill_tps"] = runner.prefill(cfg["prefill"])
+    out["prefill_other"] = disturbance(ticks, _cpu_ticks(), time.perf_counter() - t)
     out["rss_prefill"] = _rss()
     return out
 
@@ -368,6 +450,10 @@ def _runner(cfg: dict):
     options from genai_config.json, so the thread count is written there)."""
     if cfg["threads"]:
         os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
+    if cfg["model"].startswith("llama-"):
+        return LlamaRunner(
+            cfg["path"], cfg["threads"], cfg.get("max_len") or max(cfg["contexts"]) + cfg["steps"] + 8
+        )
     if not cfg["model"].startswith("genai-"):
         return EdgeattnRunner(cfg["path"], cfg["threads"])
     conf_path = Path(cfg["path"]) / "genai_config.json"
@@ -586,7 +672,8 @@ def measure_pair(
 
 
 def run_worker(cfg: dict, timeout: float | None) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    """One worker process for ``cfg`` (its interpreter ``cfg["python"]``, this one by default)."""
+    cmd = [cfg.get("python") or sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -642,8 +729,10 @@ def summarize(runs: list[dict]) -> dict:
             "ms_min": min(v["ms"] for v in vals),
             "ms_max": max(v["ms"] for v in vals),
             "rss_mib": statistics.median(v["rss"] for v in vals) / MiB,
+            "other": max((v.get("other", 0.0) for v in vals), default=0.0),  # the most disturbed run's
         }
     out["prefill_tps"] = statistics.median(r["prefill_tps"] for r in ok)
+    out["prefill_other"] = max(r.get("prefill_other", 0.0) for r in ok)
     out["rss_load_mib"] = statistics.median(r["rss_load"] for r in ok) / MiB
     if all("rss_prefill" in r for r in ok):  # runs logged before this field have none
         out["rss_prefill_mib"] = statistics.median(r["rss_prefill"] for r in ok) / MiB
@@ -667,10 +756,12 @@ def print_table(
     for th in threads:
         print(f"\n{th} thread(s), batch 1, {title}\n")
         head = " | ".join(f"decode ms @{c}" for c in contexts)
+        rss_head = " | ".join(f"RSS MiB @{c}" for c in contexts)
         print(
-            f"| model | params | {head} | RSS MiB @{lo} | @{hi} | prefill tok/s (1024) | RSS after prefill |"
+            f"| model | params | {head} | {rss_head} | prefill tok/s (1024) | RSS after prefill "
+            "| other CPU (cores, max) |"
         )
-        print("|---|---|" + "---|" * len(contexts) + "---|---|---|---|")
+        print("|---|---|" + "---|" * (2 * len(contexts)) + "---|---|---|")
         for name, info in built.items():
             s = results.get(f"{name}@{th}", {"error": info.get("error", "not run")})
             if "error" in s:
@@ -680,10 +771,11 @@ def print_table(
             for c in contexts:
                 v = s["contexts"].get(c)
                 cells.append(f"{v['ms']:.2f} [{v['ms_min']:.2f}-{v['ms_max']:.2f}]" if v else "-")
-            rss = [f"{s['contexts'][c]['rss_mib']:.0f}" if c in s["contexts"] else "-" for c in (lo, hi)]
+            rss = [f"{s['contexts'][c]['rss_mib']:.0f}" if c in s["contexts"] else "-" for c in contexts]
+            other = max([v.get("other", 0.0) for v in s["contexts"].values()] + [s.get("prefill_other", 0.0)])
             print(
-                f"| {labels[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {rss[0]} | {rss[1]} "
-                f"| {s['prefill_tps']:,.0f} | {s.get('rss_prefill_mib', float('nan')):.0f} |"
+                f"| {labels[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {' | '.join(rss)} "
+                f"| {s['prefill_tps']:,.0f} | {s.get('rss_prefill_mib', float('nan')):.0f} | {other:.2f} |"
             )
         printed = False
         for name in built:

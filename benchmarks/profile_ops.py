@@ -1,7 +1,8 @@
-"""Where one-token decode spends its time: ONNX Runtime's profiler, kernel time summed by op type.
+"""Where one-token decode (or a prefill call) spends its time: ONNX Runtime's profiler, kernel time summed
+by op type and by layer.
 
     python benchmarks/profile_ops.py GRAPH.onnx [GRAPH.onnx ...] [--threads 1] [--steps 30]
-        [--context C --kv-length L]
+        [--context C --kv-length L] [--tokens T]
 
 Each graph (an edgeattn artifact's step.onnx, or an onnxruntime-genai model.onnx) is run at one token
 from a zero state (genai's attention_mask [1, 1] and position_ids ones; dynamic dimensions 1) with
@@ -13,6 +14,11 @@ every ``past_key_values.*.key`` / ``.value`` is a zero buffer of ``--kv-length``
 past input and the present output (as edgeattn's session and onnxruntime-genai's share one buffer), the
 positions (edgeattn's ``position`` state, genai's ``position_ids``) are C and genai's attention_mask
 covers C+1 tokens. genai's symbolic head size is read from the genai_config.json beside its graph.
+
+``--tokens T``: each run is one call of T tokens from a zero state (a prefill chunk: a graph with a
+dynamic token axis; the KV buffers of ``--kv-length`` slots, T by default plus one). Layers: the number
+after ``blocks.`` (edgeattn) or ``layers.`` (genai) in a node's name; the rest is ``other`` (the
+embedding, the final norm, the head).
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import argparse
 import collections
 import json
 import os
+import re
 import tempfile
 import time
 
+LAYER = re.compile(r"(?:blocks|layers)\.(\d+)[./]")
 
-def _context_binding(sess, path: str, context: int, kv_length: int):
-    """An IOBinding for one step at ``context`` tokens with shared KV buffers (see the module docstring),
-    and the arrays behind it (they must outlive the binding)."""
+
+def _context_binding(sess, path: str, context: int, kv_length: int, tokens: int = 1):
+    """An IOBinding for one call of ``tokens`` tokens at ``context`` tokens with shared KV buffers (see the
+    module docstring), and the arrays behind it (they must outlive the binding)."""
     import numpy as np
     import onnxruntime as ort
 
@@ -39,13 +48,17 @@ def _context_binding(sess, path: str, context: int, kv_length: int):
     io, keep, values = sess.io_binding(), [], {}
     for i in sess.get_inputs():
         n, shape = i.name, [d if isinstance(d, int) else 1 for d in i.shape]
+        if n == "input_ids" and not isinstance(i.shape[1], int):
+            shape[1] = tokens
         if n.endswith((".key", ".value")):  # [B, Hkv, L, D]
-            shape = [1, i.shape[1], kv_length, i.shape[3] if isinstance(i.shape[3], int) else head]
+            L = i.shape[2] if isinstance(i.shape[2], int) else kv_length  # edgeattn: static, genai: symbolic
+            shape = [1, i.shape[1], L, i.shape[3] if isinstance(i.shape[3], int) else head]
             a = np.zeros(shape, np.float32)
         elif n == "attention_mask":
-            a = np.ones([1, context + 1], np.int64)
+            a = np.ones([1, context + tokens], np.int64)
         elif n == "position_ids":
-            a = np.full([3, 1, 1] if len(i.shape) == 3 else [1, 1], context, np.int64)
+            pos = np.arange(context, context + tokens, dtype=np.int64)
+            a = np.broadcast_to(pos, [3, 1, tokens] if len(i.shape) == 3 else [1, tokens]).copy()
         elif n.endswith(".position"):
             a = np.full(shape, context, np.float32)
         else:
@@ -62,7 +75,9 @@ def _context_binding(sess, path: str, context: int, kv_length: int):
     return io, keep
 
 
-def profile(path: str, threads: int, steps: int, context: int = 0, kv_length: int = 0) -> dict:
+def profile(
+    path: str, threads: int, steps: int, context: int = 0, kv_length: int = 0, tokens: int = 1
+) -> dict:
     import numpy as np
     import onnxruntime as ort
 
@@ -77,14 +92,16 @@ def profile(path: str, threads: int, steps: int, context: int = 0, kv_length: in
     feeds = {}
     for i in sess.get_inputs():
         shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        if tokens > 1 and i.name in ("input_ids", "attention_mask") and not isinstance(i.shape[1], int):
+            shape[1] = tokens  # a prefill chunk
         if i.name == "position_ids" and len(shape) == 3:  # Qwen3.5's multimodal rotary positions
             shape = [3, 1, 1]
         if "int64" in i.type:
             feeds[i.name] = np.ones(shape, np.int64)
         else:
             feeds[i.name] = np.zeros(shape, np.float32)
-    if context:
-        io, _keep = _context_binding(sess, path, context, kv_length)
+    if context or tokens > 1:
+        io, _keep = _context_binding(sess, path, context, kv_length or context + tokens + 1, tokens)
 
         def run():
             sess.run_with_iobinding(io)
@@ -105,11 +122,14 @@ def profile(path: str, threads: int, steps: int, context: int = 0, kv_length: in
         events = json.load(f)
     os.remove(prof)
     by, count, run = collections.Counter(), collections.Counter(), 0.0
+    layers = collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             op = e["args"].get("op_name", "?")
             by[op] += e["dur"]
             count[op] += 1
+            m = LAYER.search(e["name"])
+            layers[int(m.group(1)) if m else "other"] += e["dur"]
         elif e.get("cat") == "Session" and e["name"] == "model_run":
             run += e["dur"]
     n = warm + steps  # the profile holds every run, the warm-up's too
@@ -120,6 +140,9 @@ def profile(path: str, threads: int, steps: int, context: int = 0, kv_length: in
         "kernel_ms": sum(by.values()) / n / 1e3,
         "nodes": sum(count.values()) // n,
         "ops": {op: {"ms": d / n / 1e3, "count": count[op] // n} for op, d in by.most_common()},
+        "layers": {
+            str(k): d / n / 1e3 for k, d in sorted(layers.items(), key=lambda kv: str(kv[0]).zfill(5))
+        },
     }
 
 
@@ -131,10 +154,15 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--context", type=int, default=0, help="tokens already in the KV buffers (0: none)")
     ap.add_argument("--kv-length", type=int, default=0, help="slots of each KV buffer (with --context)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per call (a prefill chunk)")
     args = ap.parse_args()
     if args.context and args.kv_length <= args.context:
         ap.error("--context needs --kv-length above it (the KV buffers' slots)")
-    results = [profile(g, args.threads, args.steps, args.context, args.kv_length) for g in args.graphs]
+    if args.tokens < 1:
+        ap.error("--tokens must be at least 1")
+    results = [
+        profile(g, args.threads, args.steps, args.context, args.kv_length, args.tokens) for g in args.graphs
+    ]
     for r in results:
         print(
             f"\n{r['graph']}: {r['wall_ms']:.2f} ms/run, model_run {r['model_run_ms']:.2f} ms, "
@@ -143,9 +171,16 @@ def main() -> None:
         print("| op | ms/run | nodes | share of kernel time |\n|---|---|---|---|")
         for op, v in list(r["ops"].items())[: args.top]:
             print(f"| {op} | {v['ms']:.3f} | {v['count']} | {100 * v['ms'] / r['kernel_ms']:.1f}% |")
+        print("\nper layer: " + ", ".join(f"{k} {v:.2f}" for k, v in r["layers"].items()) + " ms/run")
     print(
         json.dumps(
-            {"benchmark": "profile_ops", "threads": args.threads, "context": args.context, "results": results}
+            {
+                "benchmark": "profile_ops",
+                "threads": args.threads,
+                "context": args.context,
+                "tokens": args.tokens,
+                "results": results,
+            }
         )
     )
 

@@ -131,7 +131,7 @@ def eval_bpb(trained: Path, root: Path, n: int, threads: int) -> dict:
         )
         got = run_logits(open_session(art, threads=threads), ids[:, :-1])
         logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-        out[name] = bits_per_byte(logits, ids[0, 1:])
+        out[name] = bits_per_byte(logits, ids[0, 1:][got["positions"]])
     return out
 
 

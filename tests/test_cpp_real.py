@@ -151,7 +151,6 @@ def test_artifacts_are_the_intended_graphs(artifacts):
         ("com.microsoft", "LinearAttention"),
         ("com.microsoft", "CausalConvWithState"),
         ("com.microsoft", "LinearAttentionGate"),  # decay and beta
-        ("com.microsoft", "GatedRMSNorm"),  # the gated output norm
         ("com.microsoft", "SkipSimplifiedLayerNormalization"),  # edgeattn.export.optimize's residual + norm
     }
     assert domains("mamba2-portable") == set()

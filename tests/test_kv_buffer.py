@@ -106,3 +106,27 @@ def test_the_buffer_refuses_tokens_beyond_max_length(tmp_path):
     sess.prefill(text_ids(30))
     with pytest.raises(ValueError, match="maximum of 32"):
         sess.prefill(text_ids(3))
+
+
+def test_reset_and_set_state_write_only_the_filled_slots(artifacts):
+    """The KV buffer costs what it holds: a reset writes no slot, a state of p tokens writes p slots; the
+    stale slots past the position are never read (the logits equal a fresh session's) and read back as zeros."""
+    art = artifacts["onnxruntime"]
+    ids = text_ids(90)
+    fresh = open_session(art)
+    want = [fresh.prefill(ids[:, :40]), *(fresh.step(ids[:, t : t + 1]) for t in range(40, 45))]
+    sess = open_session(art)
+    sess.prefill(ids[:, 30:90])  # 60 tokens, then start over
+    sess.reset()
+    kv = [a for a in sess._kv_np if a is not None]
+    assert kv and all(np.abs(a[:, :, 40:60]).max() > 0 for a in kv)  # stale tokens left in place
+    got = [sess.prefill(ids[:, :40]), *(sess.step(ids[:, t : t + 1]) for t in range(40, 45))]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    state = sess.get_state()
+    for e in sess.manifest.state:
+        if e.shared:
+            assert not state[e.input][:, :, 45:].any()
+    other = open_session(art)
+    other.set_state(state, position=45)
+    assert all(not a[:, :, 45:].any() for a in other._kv_np if a is not None)  # past slot 45: never written
+    np.testing.assert_array_equal(other.step(ids[:, 45:46]), sess.step(ids[:, 45:46]))

@@ -98,8 +98,10 @@ def _rules(path):
 # The gates' and gated output norm's contrib ops beside LinearAttention (their string attributes).
 GATE_OPS = {
     "deltanet": {},
-    "gated_deltanet": {"LinearAttentionGate": set(), "GatedRMSNorm": {"silu"}},
-    "kda": {"GatedRMSNorm": {"sigmoid"}},
+    "gated_deltanet": {
+        "LinearAttentionGate": set()
+    },  # the gated norm: plain ops (optimize.unfuse_gated_norms)
+    "kda": {},
     "mamba2": {},
 }
 

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeattn.export import export_model
-from edgeattn.export.optimize import checkable, optimize_graph
+from edgeattn.export.optimize import checkable, optimize_graph, unfuse_gated_norms
 from edgeattn.export.precision import PrecisionWarning
 from edgeattn.runtimes import open_session
 from tests.export_helpers import EXPORTABLE, PREFILL, make_checkpoint, text_ids
@@ -302,3 +302,27 @@ def test_equal_constants_are_shared_and_weights_are_not():
     assert [n.input[1] for n in model.graph.node] == ["t1", "t1", "t3", "w1", "w2"]
     got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_unfused_gated_norm_equals_the_contrib_op(activation):
+    """GatedRMSNorm (ONNX Runtime's contrib op) and its plain-op form (unfuse_gated_norms) agree at one token
+    and at a prefill chunk."""
+    C, H = 16, 3
+    scale = np.random.default_rng(0).standard_normal(C).astype(np.float32)
+    node = helper.make_node(
+        "GatedRMSNorm", ["x", "s", "g"], ["y"], domain="com.microsoft", activation=activation, epsilon=1e-6
+    )
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "T", H * C]) for n in ("x", "g", "y")]
+    graph = helper.make_graph([node], "g", io[:2], io[2:], [numpy_helper.from_array(scale, "s")])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    fused = ort.InferenceSession(model.SerializeToString())
+    assert unfuse_gated_norms(model) == 1
+    assert "GatedRMSNorm" not in {n.op_type for n in model.graph.node}
+    plain = ort.InferenceSession(model.SerializeToString())
+    rng = np.random.default_rng(1)
+    for T in (1, 37):
+        feeds = {n: rng.standard_normal((1, T, H * C)).astype(np.float32) for n in ("x", "g")}
+        np.testing.assert_allclose(plain.run(None, feeds)[0], fused.run(None, feeds)[0], rtol=1e-5, atol=1e-5)

@@ -98,7 +98,8 @@ def test_untied_model_unchanged(tmp_path):
 
 def test_int4_embedding_moves_to_the_weights_file(tmp_path, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
-    art = export_model(ckpt, tmp_path / "a", precision="int4", prefill_chunk=PREFILL)
+    apart = {"share_embedding": False}  # the embedding's own int4 table (a tied one reads the head's)
+    art = export_model(ckpt, tmp_path / "a", precision="int4", prefill_chunk=PREFILL, quantization=apart)
     tensors = json.loads((art / "edgeattn.json").read_text())["weights"]["tensors"]
     packed = [t for t in tensors if t["dtype"] in ("int4", "uint4")]
     assert [(t["shape"], t["length"]) for t in packed] == [([V, D], V * D // 2)]
@@ -115,7 +116,7 @@ def test_int4_embedding_moves_to_the_weights_file(tmp_path, monkeypatch):
 
     old = {k: v for k, v in weights.ONNX_DTYPES.items() if v not in ("int4", "uint4")}
     monkeypatch.setattr(weights, "ONNX_DTYPES", old)
-    inside = export_model(ckpt, tmp_path / "b", precision="int4", prefill_chunk=PREFILL)
+    inside = export_model(ckpt, tmp_path / "b", precision="int4", prefill_chunk=PREFILL, quantization=apart)
     assert all(t["dtype"] not in ("int4", "uint4") for t in Manifest.load(inside).weights["tensors"])
     ids = text_ids(PREFILL + 5)
     (got, got_state), (ref, ref_state) = run(art, ids, 4), run(inside, ids, 4)

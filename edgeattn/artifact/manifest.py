@@ -111,6 +111,11 @@ class Manifest:
         return self.root / self.data["graphs"][name]["path"]
 
     @property
+    def prefill_logits(self) -> str:
+        """ "all": a graph call returns the logits of every token; "last": of its last token only."""
+        return self.data.get("prefill_logits", "all")
+
+    @property
     def input_ids_name(self) -> str:
         return self.data.get("inputs", {}).get("input_ids", "input_ids")
 
@@ -160,7 +165,7 @@ class Manifest:
         B, V = "batch" if self.dynamic_batch else self.batch_size, self.vocab_size
         T = 1 if graph == "step" else self.prefill_tokens
         inputs = {self.input_ids_name: ("int64", (B, T))}
-        outputs = {self.logits_name: ("float32", (B, T, V))}
+        outputs = {self.logits_name: ("float32", (B, 1 if self.prefill_logits == "last" else T, V))}
         for e in self.state:
             shape = (B, *e.shape[1:]) if self.dynamic_batch else e.shape
             inputs[e.input] = (e.dtype, shape)
@@ -257,10 +262,14 @@ def check_structure(data: dict, where: str) -> None:
             raise ValueError(
                 f"{where}: '{ctx}shape' must hold sizes >= 0 (or names of dynamic sizes), got {shape!r}"
             )
-        if need(e, "dtype", str, "a string", ctx) != "float32":
+        allowed = ("float32", "float16") if e.get("shared") else ("float32",)  # a KV buffer may be float16
+        if need(e, "dtype", str, "a string", ctx) not in allowed:
             raise ValueError(
-                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is), got {e['dtype']!r}"
+                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is, a KV buffer float16 too), "
+                f"got {e['dtype']!r}"
             )
+    if data.get("prefill_logits", "all") not in ("all", "last"):
+        raise ValueError(f"{where}: 'prefill_logits' must be 'all' or 'last', got {data['prefill_logits']!r}")
     names = [
         data.get("inputs", {}).get("input_ids", "input_ids"),
         data.get("outputs", {}).get("logits", "logits"),

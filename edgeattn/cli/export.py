@@ -23,6 +23,16 @@ class Precision(str, Enum):
     int4 = "int4"
 
 
+class PrefillLogits(str, Enum):
+    all = "all"
+    last = "last"
+
+
+class KvDtype(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+
+
 @cli_errors
 def export(
     checkpoint: Annotated[
@@ -73,6 +83,20 @@ def export(
             "every layer keeps a fixed-size state have no limit: there it only sets --genai's length.",
         ),
     ] = None,
+    kv_dtype: Annotated[
+        KvDtype,
+        typer.Option(
+            help="Element type of the softmax layers' preallocated KV buffers (onnxruntime target): float16 "
+            "halves their memory; on CPU its attention ran slower than float32's.",
+        ),
+    ] = KvDtype.float32,
+    prefill_logits: Annotated[
+        PrefillLogits,
+        typer.Option(
+            help="last: a graph call returns its last token's logits only (a prefill skips the head for the "
+            "rest; one-graph artifacts). all: every token's.",
+        ),
+    ] = PrefillLogits.all,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
     genai: Annotated[
         bool,
@@ -102,6 +126,8 @@ def export(
         else None,
         genai=genai,
         max_length=max_length,
+        kv_dtype=kv_dtype.value,
+        prefill_logits=prefill_logits.value,
     )
     path = export_model(checkpoint, out, **options, on_plan=_print_notes)
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))

@@ -310,6 +310,8 @@ class ExportPlan:
     optimize: bool = True
     one_graph: bool | None = None
     max_length: int | None = None
+    kv_dtype: str = "float32"  # the softmax layers' KV buffers (q, k and v stay float32)
+    prefill_logits: str = "all"  # "last": a call returns the next token's logits only (one graph)
     # decided for the model by decide()
     one: bool = False
     length: int = 0
@@ -337,6 +339,10 @@ class ExportPlan:
         if self.batch_size < 1 or self.prefill_chunk < 2:
             raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
         check_max_length(self.max_length)
+        if self.kv_dtype not in ("float32", "float16"):
+            raise ValueError(f"kv_dtype must be float32 or float16, got {self.kv_dtype!r}")
+        if self.prefill_logits not in ("all", "last"):
+            raise ValueError(f"prefill_logits must be 'all' or 'last', got {self.prefill_logits!r}")
         if self.dynamic_batch and precision == "int8":
             raise ValueError(
                 "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
@@ -363,6 +369,11 @@ class ExportPlan:
                 f"precision {precision!r}, mixers {cfg.mixers})"
             )
         self.one = one_graph_ok(model, target, precision) if self.one_graph is None else self.one_graph
+        if self.prefill_logits == "last" and not self.one:
+            raise ValueError(
+                "prefill_logits 'last' needs the one graph that serves step and prefill (target onnxruntime, "
+                f"precision among {ONE_GRAPH_PRECISIONS}, fused mixers)"
+            )
         self.length = cfg.max_seq_len if self.max_length is None else self.max_length  # cfg keeps its own
         self.kv_buffers = use_kv_buffers(model, target, self.length)
         reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
@@ -420,6 +431,8 @@ def export_model(
     optimize: bool = True,
     one_graph: bool | None = None,
     max_length: int | None = None,
+    kv_dtype: str = "float32",
+    prefill_logits: str = "all",
     on_plan=None,
 ) -> Path:
     """Export ``checkpoint`` (an edgeattn checkpoint directory, a Hugging Face model directory converted in
@@ -445,6 +458,11 @@ def export_model(
     genai_config's ``context_length`` and ``max_length``. None (default): ``cfg.max_seq_len``. A model
     whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
+    ``kv_dtype``: the element type of those KV buffers, float32 or float16
+    (``edgeattn.export.precision.convert_kv_dtype``; q, k and v stay float32).
+    ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
+    ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
+    artifacts only, manifest ``"prefill_logits": "last"``).
 
     ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
     the graphs are traced (the CLI prints its notes there).
@@ -471,6 +489,8 @@ def export_model(
         optimize=optimize,
         one_graph=one_graph,
         max_length=max_length,
+        kv_dtype=kv_dtype,
+        prefill_logits=prefill_logits,
     )
     plan.check()
     out = Path(out)
@@ -528,6 +548,24 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
             convert_precision(tmp / name, plan.precision, entries, **(plan.quantization or {}))
             if large:
                 release_memory()
+    if plan.prefill_logits == "last":
+        import onnx
+
+        from edgeattn.export.optimize import last_token_logits
+
+        for name in graphs:
+            graph = onnx.load(str(tmp / name), load_external_data=False)
+            if not last_token_logits(graph):
+                raise ValueError(
+                    f"{name}: no head MatMul writes the logits; export with prefill_logits 'all'"
+                )
+            onnx.save(graph, str(tmp / name))
+    if plan.kv_dtype != "float32":
+        from edgeattn.export.precision import convert_kv_dtype
+
+        for name in graphs:
+            kv_entries = convert_kv_dtype(tmp / name, entries, plan.kv_dtype, plan.precision)
+        entries = kv_entries
     extra = []
     if plan.genai:
         from edgeattn.export.genai import write_genai_files
@@ -576,6 +614,8 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         files=files,
         tokenizer=tokenizer,
     )
+    if plan.prefill_logits == "last":
+        manifest["prefill_logits"] = "last"
     write_manifest(tmp, manifest)
 
 

@@ -545,6 +545,63 @@ def share_constants(model, max_bytes: int = 2**27) -> int:
     return len(rename)
 
 
+def unfuse_gated_norms(model) -> int:
+    """Each ``com.microsoft.GatedRMSNorm`` (x, scale [C], gate) as a per-head SimplifiedLayerNormalization
+    (x reshaped to [B, T, -1, C]) times silu(gate) or sigmoid(gate). ONNX Runtime 1.32's CPU GatedRMSNorm
+    kernel ran 3x slower than these ops at one token and 17-40x slower at 64 to 256 tokens (2048 values a
+    token, 2 threads; 9% of a Qwen3.5-0.8B int4 prefill: benchmarks/RESULTS.md). Returns the norms replaced."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    done, nodes_out = 0, []
+    for n in g.node:
+        x, scale, gate = (list(n.input) + ["", "", ""])[:3]
+        src = scale  # torch's export reads equal weights through Identity nodes
+        while src not in inits and src in producer and producer[src].op_type == "Identity":
+            src = producer[src].input[0]
+        if n.domain != MS or n.op_type != "GatedRMSNorm" or src not in inits or len(inits[src].dims) != 1:
+            nodes_out.append(n)
+            continue
+        C = int(inits[src].dims[0])
+        eps = _attr(n, "epsilon", 1e-5)
+        act = _attr(n, "activation", b"silu")
+        act = act.decode() if isinstance(act, bytes) else act
+        heads, flat = f"gated_norm.heads.{C}", "gated_norm.flat"
+        for name, value in ((heads, [0, 0, -1, C]), (flat, [0, 0, -1])):
+            if name not in inits:
+                inits[name] = numpy_helper.from_array(np.array(value, np.int64), name)
+                g.initializer.append(inits[name])
+        y, base = n.output[0], n.name or f"gated_norm_{done}"
+        nodes = [
+            helper.make_node("Reshape", [x, heads], [f"{base}.x"], name=f"{base}.heads"),
+            helper.make_node(
+                "SimplifiedLayerNormalization",
+                [f"{base}.x", scale],
+                [f"{base}.norm"],
+                name=f"{base}.norm",
+                axis=-1,
+                epsilon=float(eps),
+                stash_type=1,
+            ),
+            helper.make_node("Reshape", [f"{base}.norm", flat], [f"{base}.y"], name=f"{base}.flat"),
+            helper.make_node("Sigmoid", [gate], [f"{base}.sig"], name=f"{base}.sigmoid"),
+        ]
+        if act in ("silu", "swish"):
+            nodes.append(helper.make_node("Mul", [gate, f"{base}.sig"], [f"{base}.act"], name=f"{base}.silu"))
+        nodes.append(helper.make_node("Mul", [f"{base}.y", nodes[-1].output[0]], [y], name=f"{base}.gate"))
+        nodes_out += nodes
+        done += 1
+    if done:  # the node list rebuilt in order (protobuf copies the nodes it adds: they are small)
+        kept = [type(n)() for n in nodes_out]
+        for k, n in zip(kept, nodes_out):
+            k.CopyFrom(n)
+        del g.node[:]
+        g.node.extend(kept)
+    return done
+
+
 def optimize_graph(model) -> dict[str, int]:
     """Run the passes on ``model`` (an onnx.ModelProto, changed in place); returns what each did."""
     from onnx import helper
@@ -554,6 +611,7 @@ def optimize_graph(model) -> dict[str, int]:
     done = {}
     for name, apply in (
         ("token_shapes", fold_token_shapes),
+        ("gated_norms", unfuse_gated_norms),
         ("removed", remove_redundant),
         ("rms_norm", fuse_rms_norm),
         ("skip_norm", fuse_skip_norm),
@@ -603,6 +661,32 @@ def checkable(model):
     if not any(o.domain == MS for o in copy.opset_import):
         copy.opset_import.append(onnx.helper.make_opsetid(MS, 1))
     return copy
+
+
+def last_token_logits(model, logits: str = "logits") -> bool:
+    """The head (the MatMul that writes ``logits``) on the last token of the call only: a Slice of its input
+    [B, T, D] -> [B, 1, D], so a prefill call of T tokens returns logits [B, 1, V] (the next token's). At
+    Qwen3.5-0.8B the tied head is a third of a token's multiply-adds (1024 x 248320 of ~0.75G)."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    head = next((n for n in g.node if logits in n.output), None)
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits", "FusedMatMul"):
+        return False
+    names = [f"{logits}_last.{k}" for k in ("starts", "ends", "axes")]
+    values = ([-1], [np.iinfo(np.int64).max], [1])
+    g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in zip(names, values))
+    last = f"{logits}_last.input"
+    g.node.insert(
+        list(g.node).index(head),
+        helper.make_node("Slice", [head.input[0], *names], [last], name=f"{head.name}_last_token"),
+    )
+    head.input[0] = last
+    out = next(o for o in g.output if o.name == logits)
+    dim = out.type.tensor_type.shape.dim[1]
+    dim.ClearField("dim_param")
+    dim.dim_value = 1
+    return True
 
 
 def share_tied_embedding(model) -> int:

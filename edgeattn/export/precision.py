@@ -14,7 +14,13 @@
   an initializer weight becomes ``com.microsoft.MatMulNBits`` (the tied lm head included) and the embedding
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
   Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
-  points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path).
+  points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path),
+  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
+- KV buffers (``set_kv_dtype``): the softmax layers' preallocated GroupQueryAttention buffers in float16
+  while q, k and v stay float32 (ONNX Runtime 1.32's GroupQueryAttention types its cache apart, ``T_CACHE``).
+  Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
+  float32 buffer at 16384 tokens (``benchmarks/ort_ops.py``, benchmarks/RESULTS.md), so float32 stays the
+  default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -145,7 +151,62 @@ def fp32_nodes(model, entries) -> list[str]:
     return sorted(names)
 
 
-INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4}
+KV_DTYPES = ("float32", "float16")
+# The relative logit error a float16 KV buffer adds against the float32 buffer (the stated bound): 3e-5 in an
+# fp32 graph of the tiny Qwen3.5 test model, 2e-3 at int4 (MatMulNBits' int8 activations round differently)
+KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3}
+
+
+def set_kv_dtype(path: Path, entries: list[dict], kv_dtype: str) -> list[dict]:
+    """The graph at ``path`` with its shared KV buffers (the ``entries`` marked ``shared``) in ``kv_dtype``
+    (in place); returns the entries with their dtype set. Only GroupQueryAttention reads and writes them."""
+    import onnx
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    names = {n for e in entries if e.get("shared") for n in (e["input"], e["output"])}
+    entries = [{**e, "dtype": kv_dtype} if e.get("shared") else e for e in entries]
+    if kv_dtype == "float32" or not names:
+        return entries
+    model = onnx.load(str(path), load_external_data=False)
+    others = [n for n in model.graph.node if names & set(n.input) and n.op_type != "GroupQueryAttention"]
+    if others:
+        raise ValueError(
+            f"a KV buffer is read by {others[0].op_type}, not GroupQueryAttention: no --kv-dtype"
+        )
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv_dtype))
+    for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        if v.name in names:
+            v.type.tensor_type.elem_type = elem
+    onnx.save(model, str(path))
+    return entries
+
+
+def convert_kv_dtype(path: Path, entries: list[dict], kv_dtype: str, precision: str) -> list[dict]:
+    """``set_kv_dtype`` on the graph at ``path``, warning (``PrecisionWarning``) when its logits differ from
+    the float32 buffer's by more than ``KV_TOLERANCE``; returns the entries with their dtype set."""
+    import onnx
+
+    path = Path(path)
+    fd, ref = tempfile.mkstemp(suffix=".onnx", dir=path.parent)  # beside it: the same external data
+    os.close(fd)
+    try:
+        onnx.save(onnx.load(str(path), load_external_data=False), ref)
+        out = set_kv_dtype(path, entries, kv_dtype)
+        rel = logit_error(ref, path, entries)
+    finally:
+        os.unlink(ref)
+    if not rel <= KV_TOLERANCE[kv_dtype]:
+        warnings.warn(
+            f"{path.name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
+            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+            PrecisionWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
 INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
 
 
@@ -172,8 +233,99 @@ def _convert_version(model, opset: int):
     return model
 
 
-def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4):
-    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized."""
+def _raw(init) -> np.ndarray:
+    """An initializer's values without a copy where its bytes are inline (``raw_data``)."""
+    from onnx import helper, numpy_helper
+
+    if init.raw_data and not init.external_data:
+        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        return np.frombuffer(init.raw_data, dtype).reshape(tuple(init.dims))
+    return numpy_helper.to_array(init)
+
+
+def tied_heads(model) -> list[tuple[str, str]]:
+    """(Gather output, MatMul output) of each embedding ``Gather`` (axis 0 of an initializer E [V, D]) whose
+    table a MatMul reads transposed (an initializer equal to E^T): the tied head of a traced model."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    by_shape: dict[tuple, list] = {}
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
+            by_shape.setdefault(tuple(inits[n.input[1]].dims), []).append(n)
+    pairs = []
+    for n in g.node:
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        if n.op_type != "Gather" or axis != 0 or n.input[0] not in inits or len(inits[n.input[0]].dims) != 2:
+            continue
+        table = _raw(inits[n.input[0]])  # [V, D]
+        for m in by_shape.get(table.shape[::-1], []):
+            if np.array_equal(_raw(inits[m.input[1]]), table.T):
+                pairs.append((n.output[0], m.output[0]))
+                break
+    return pairs
+
+
+def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
+    """A tied int4 embedding stored once: each ``GatherBlockQuantized`` of ``pairs`` (by output) reads its
+    head's ``MatMulNBits`` table B [V, D/bs, bs/2] (the same blocks along D: the quantizer gives both the
+    same values) as 3-D packed uint8 data, quantized along its last axis, with the head's scales reshaped
+    to [V, D/bs, 1], and a Reshape makes its [.., D/bs, bs] rows [.., D]. B is not reshaped itself: ONNX
+    Runtime folds a Reshape of an initializer into a copy in memory, which for the scales (V x D/bs floats,
+    32 MB at Qwen3.5-0.8B) costs less than storing them twice on disk, for the table (4x that) too much.
+    Symmetric blocks only (the implied zero point 8 of both ops); returns the tables shared."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    shared = 0
+    for gather_out, head_out in pairs:
+        gbq, head = producer.get(gather_out), producer.get(head_out)
+        if (
+            gbq is None
+            or head is None
+            or gbq.op_type != "GatherBlockQuantized"
+            or head.op_type != "MatMulNBits"
+        ):
+            continue
+        if len(head.input) > 3 and head.input[3] or len(gbq.input) > 3 and gbq.input[3]:
+            continue  # zero points: the two ops pack them differently
+        attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+        table, scales = inits[head.input[1]], inits[head.input[2]]  # [V, D/bs, bs/2] uint8, [V, D/bs]
+        V, blocks = attrs["N"], attrs["K"] // attrs["block_size"]
+        old = list(gbq.input[:1]) + list(gbq.input[2:])
+        rows = f"{gather_out}_blocks"  # [.., D/bs, bs]
+        shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), f"{gather_out}_shape")
+        scales3 = numpy_helper.from_array(np.array([V, blocks, 1], np.int64), f"{scales.name}_rows_shape")
+        g.initializer.extend([scales3, shape])
+        gbq.input[:] = [table.name, gbq.input[1], f"{scales.name}_rows"]
+        del gbq.attribute[:]
+        gbq.attribute.extend(
+            helper.make_attribute(k, v)
+            for k, v in dict(bits=4, block_size=attrs["block_size"], gather_axis=0, quantize_axis=2).items()
+        )
+        gbq.output[0] = rows
+        i = list(g.node).index(gbq)
+        g.node.insert(
+            i + 1, helper.make_node("Reshape", [rows, shape.name], [gather_out], name=f"{gbq.name}_rows")
+        )
+        reshape = helper.make_node(
+            "Reshape", [scales.name, scales3.name], [gbq.input[2]], name=f"{gbq.name}_scales"
+        )
+        g.node.insert(i, reshape)
+        from edgeattn.export.graph import remove_initializers
+
+        used = {x for n in g.node for x in n.input}
+        remove_initializers(g, {x for x in old if x and x not in used})
+        shared += 1
+    return shared
+
+
+def quantize_int4(
+    model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4, share_embedding: bool = True
+):
+    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
+    ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
@@ -205,9 +357,11 @@ def quantize_int4(model, block_size: int = 32, symmetric: bool = True, accuracy_
             op_types_to_quantize=("MatMul", "Gather"),
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
+        pairs = tied_heads(model) if share_embedding and symmetric else []
         q.process()
     finally:
         root.setLevel(level)
+    share_tied_int4(q.model.model, pairs)
     return q.model.model
 
 
@@ -308,8 +462,9 @@ def logit_error(
         vocab = sess.get_outputs()[0].shape[-1]
         text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
         text = text.reshape(calls, B, T)  # [calls, B, T]
-        state = {
-            e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], np.float32)
+        types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}
+        state = {  # a state input's element type is the graph's own (a float16 KV buffer)
+            e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], types[e["input"]])
             for e in entries
         }
         logits = []

@@ -79,6 +79,43 @@ def shared_initializers(manifest: Manifest) -> dict[str, ort.OrtValue]:
     return values
 
 
+def release_mapped_pages(root) -> int:
+    """Drop from this process's resident set the pages of the files under ``root`` that ONNX Runtime maps
+    (the weights file) where none was written (no ``Anonymous`` pages: each page still equals the file's).
+    Prepacking reads every matrix through the mapping, and a table that a Gather also reads, such as a
+    tied int4 embedding, stays mapped with all its pages resident; dropped, they stay in the page cache and
+    fault back in when read, so a Gather holds only the rows it reads. Linux only (``/proc/self/smaps``,
+    ``madvise``); returns the bytes advised, 0 elsewhere."""
+    import ctypes
+    import os
+
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    MADV_DONTNEED = 4
+    root = os.path.realpath(root) + os.sep
+    maps, current = [], None  # [start, end, anonymous kB] of the mappings of files under root
+    for line in lines:
+        parts = line.split()
+        if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+            current = None
+            if len(parts) >= 6 and parts[5].startswith(root):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                current = [start, end, None]
+                maps.append(current)
+        elif current is not None and parts[0] == "Anonymous:":
+            current[2] = int(parts[1])
+    advised = 0
+    for start, end, anonymous in maps:
+        if anonymous == 0 and libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            advised += end - start
+    return advised
+
+
 def _token_axis(sess: ort.InferenceSession, name: str) -> bool:
     """Whether the graph's token-id input ``name`` has a symbolic token axis."""
     shape = next(i.shape for i in sess.get_inputs() if i.name == name)
@@ -131,6 +168,8 @@ class OnnxRuntimeSession(Session):
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
             manifest.check_graph_io(g, _io(sess.get_inputs()), _io(sess.get_outputs()))
+        if self.device == "cpu" and self._weights is None:  # (shared numpy maps are read as a whole anyway)
+            release_mapped_pages(manifest.root)
         self.dynamic = any(e.dynamic for e in manifest.state)
         # one graph that takes any number of tokens: prefill needs no fixed-size chunks (CPU: numpy buffers)
         self.any_tokens = (
@@ -143,9 +182,15 @@ class OnnxRuntimeSession(Session):
         # On CPU an OrtValue made from a numpy array uses the array's memory: the per-token work is a write
         # into one array and a copy out of another (no OrtValue calls).
         self._ids_np = {g: np.zeros((B, self._tokens(g)), np.int64) for g in ("step", "prefill")}
-        self._logits_np = {g: np.zeros((B, self._tokens(g), V), np.float32) for g in ("step", "prefill")}
+        last = manifest.prefill_logits == "last"  # a call returns its last token's logits only
+        self._logits_np = {
+            g: np.zeros((B, 1 if last else self._tokens(g), V), np.float32) for g in ("step", "prefill")
+        }
         self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
         self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
+        # a KV buffer's numpy array on CPU (None elsewhere): np.zeros leaves its pages unmapped until written,
+        # and only the slots below the position are ever written or read, so it costs what it holds
+        self._kv_np: list[np.ndarray | None] = []
         if self.dynamic:
             self._state = None
             self._reset_state()
@@ -154,8 +199,10 @@ class OnnxRuntimeSession(Session):
         # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
         self._bufs = []
         for e in manifest.state:
-            first = self._alloc(e.shape, np.float32)
+            kv = np.zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
+            first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, e.dtype)
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
+            self._kv_np.append(kv)
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
 
@@ -174,7 +221,7 @@ class OnnxRuntimeSession(Session):
         n = self.manifest.prefill_tokens
         for c in range(0, T, n):
             logits = self._run_tokens(ids[:, c : c + n])
-            self.position += logits.shape[1]
+            self.position += ids[:, c : c + n].shape[1]
         return logits[:, -1]
 
     def _run_tokens(self, ids: np.ndarray) -> np.ndarray:
@@ -182,7 +229,8 @@ class OnnxRuntimeSession(Session):
         if ids.shape[1] == self.manifest.prefill_tokens:
             return self._run("prefill", ids)
         ids = np.ascontiguousarray(ids, np.int64)
-        logits = np.empty((*ids.shape, self.manifest.vocab_size), np.float32)
+        n = 1 if self.manifest.prefill_logits == "last" else ids.shape[1]
+        logits = np.empty((ids.shape[0], n, self.manifest.vocab_size), np.float32)
         io = self.sessions["prefill"].io_binding()
         io.bind_ortvalue_input(self.manifest.input_ids_name, self._alloc_from(ids))
         io.bind_ortvalue_output(self.manifest.logits_name, self._alloc_from(logits))
@@ -242,8 +290,20 @@ class OnnxRuntimeSession(Session):
     def _current(self) -> list[ort.OrtValue]:
         return self._state if self.dynamic else [bufs[self._cur] for bufs in self._bufs]
 
+    def _filled(self, state: dict[str, np.ndarray]) -> int:
+        """Slots of the KV buffers that ``state`` fills: its largest position (GroupQueryAttention reads and
+        writes no slot at or past it before the position moves on)."""
+        pos = [state[e.input] for e in self.manifest.state if e.name == "position"]
+        return int(np.ceil(max((float(p.max()) for p in pos if p.size), default=0.0)))
+
     def _get_state(self) -> dict[str, np.ndarray]:
-        return {e.input: v.numpy().copy() for e, v in zip(self.manifest.state, self._current())}
+        # float32 copies (a float16 KV buffer widened)
+        out = {e.input: v.numpy().astype(np.float32) for e, v in zip(self.manifest.state, self._current())}
+        n = self._filled(out)
+        for e, kv in zip(self.manifest.state, self._kv_np):
+            if kv is not None:  # slots past the position hold stale tokens, never read: zeros, as written
+                out[e.input][:, :, n:] = 0
+        return out
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         if self.dynamic:
@@ -251,8 +311,12 @@ class OnnxRuntimeSession(Session):
                 ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state
             ]
             return
-        for e, v in zip(self.manifest.state, self._current()):
-            v.update_inplace(state[e.input])
+        n = self._filled(state)
+        for e, v, kv in zip(self.manifest.state, self._current(), self._kv_np):
+            if kv is None:
+                v.update_inplace(state[e.input])
+            else:  # only the filled slots: a reset or a short context leaves the rest of the buffer unmapped
+                kv[:, :, :n] = state[e.input][:, :, :n]
 
     def _reset_state(self) -> None:
         zeros = {

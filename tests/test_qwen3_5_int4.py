@@ -1,0 +1,134 @@
+"""Qwen3.5 (tied embeddings) at int4 on the onnxruntime target: the tied embedding stored once against the
+export that stores it twice, and both against transformers' forward on CPU."""
+
+import numpy as np
+import onnx
+import pytest
+
+from edgeattn.convert import import_model
+from edgeattn.export import export_model
+from edgeattn.export.check import DEFAULT_TOLERANCE, run_logits
+from edgeattn.runtimes import open_session
+from tests.hf_helpers import hf_logits, qwen3_5_text, rel_err
+
+PREFILL = 16
+N = 70
+V, D = 320, 64  # hf_helpers.QWEN_TINY's vocabulary and width
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    model = qwen3_5_text(seed=3, tie_word_embeddings=True)
+    root = tmp_path_factory.mktemp("qwen_int4")
+    model.save_pretrained(root / "hf")
+    import_model(root / "hf", root / "ckpt")
+    return model, root
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(1).integers(0, V, size=(1, N)).astype(np.int64)
+
+
+def export(root, name, **quantization):
+    return export_model(
+        root / "ckpt",
+        root / name,
+        precision="int4",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
+        force=True,
+        quantization=quantization,
+    )
+
+
+def logits(art, ids) -> np.ndarray:
+    got = run_logits(open_session(art, threads=1), ids)
+    return np.concatenate([got["prefill"], got["step"]], axis=1)
+
+
+def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
+    model, root = hf
+    shared, apart = export(root, "shared"), export(root, "apart", share_embedding=False)
+    graph = onnx.load(str(shared / "step.onnx"), load_external_data=False).graph
+    gbq = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq[0].input[0]]
+    assert len(gbq) == 1 and len(heads) == 1  # the embedding reads the head's packed table
+    sizes = {a.name: sum(f.stat().st_size for f in a.iterdir()) for a in (shared, apart)}
+    assert sizes["apart"] - sizes["shared"] >= V * D // 2  # one packed table fewer (4 bits a weight)
+    got, ref = logits(shared, ids), logits(apart, ids)
+    assert np.array_equal(got, ref)  # the quantizer gives both tables the same blocks and scales
+    assert rel_err(got, hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
+    """A float16 KV buffer for the attention layers: the logits within ``KV_TOLERANCE`` of the float32
+    buffer's export, and within the precision's tolerance plus that bound of transformers."""
+    from edgeattn.export.check import check_artifact
+    from edgeattn.export.precision import KV_TOLERANCE
+
+    model, root = hf
+    kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
+    arts = {
+        kv: export_model(root / "ckpt", root / f"kv{kv}{precision}", kv_dtype=kv, **kw)
+        for kv in ("float32", "float16")
+    }
+    graph = onnx.load(str(arts["float16"] / "step.onnx"), load_external_data=False).graph
+    kv_inputs = [i for i in graph.input if i.name.endswith((".key", ".value"))]
+    assert kv_inputs and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in kv_inputs)
+    sess = open_session(arts["float16"], threads=1)
+    assert {e.dtype for e in sess.manifest.state if e.shared} == {"float16"}
+    got, ref = logits(arts["float16"], ids), logits(arts["float32"], ids)
+    assert 0 < rel_err(got, ref) <= KV_TOLERANCE["float16"]
+    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE["float16"]
+    assert rel_err(got, hf_logits(model, ids)) <= tol
+    report = check_artifact(arts["float16"], tokens=N)  # against the torch model's float32 buffer
+    assert report.ok and report.tolerance == tol
+
+
+def test_released_weight_pages_fault_back_unchanged(hf, ids):
+    """The session drops the resident pages of the mapped weights file after loading
+    (``release_mapped_pages``); dropping them again between calls changes no logit."""
+    import sys
+
+    from edgeattn.runtimes.onnxruntime import release_mapped_pages
+
+    _, root = hf
+    art = export(root, "released")
+    a, b = open_session(art, threads=1), open_session(art, threads=1)
+    want = [a.prefill(ids[:, :20]), *(a.step(ids[:, t : t + 1]) for t in range(20, 30))]
+    got = [b.prefill(ids[:, :20])]
+    advised = release_mapped_pages(art)
+    got += [b.step(ids[:, t : t + 1]) for t in range(20, 30)]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    assert advised > 0 or not sys.platform.startswith("linux")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_last_token_prefill_equals_every_token_prefill_and_transformers(hf, ids, precision):
+    """``prefill_logits="last"`` (the head on the last token of a call only): prefill and steps give the
+    logits of the export that computes every token's, and transformers' (fp32: within 1e-4)."""
+    from edgeattn.export.check import check_artifact
+
+    model, root = hf
+    kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
+    arts = {
+        p: export_model(root / "ckpt", root / f"logits{p}{precision}", prefill_logits=p, **kw)
+        for p in ("all", "last")
+    }
+    graph = onnx.load(str(arts["last"] / "step.onnx"), load_external_data=False).graph
+    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
+    want = hf_logits(model, ids)
+    runs = {}
+    for p, art in arts.items():
+        sess = open_session(art, threads=1)
+        runs[p] = [sess.prefill(ids[:, :40]), *(sess.step(ids[:, t : t + 1]) for t in range(40, 50))]
+        runs[p] = np.stack(runs[p], 1)  # [B, 11, V]: positions 39 .. 49
+    assert rel_err(runs["last"], runs["all"]) <= 1e-5
+    tol = 1e-4 if precision == "fp32" else DEFAULT_TOLERANCE["int4"]
+    assert rel_err(runs["last"], want[:, 39:50]) <= tol
+    report = check_artifact(arts["last"], tokens=N)
+    assert report.ok and report.graphs["prefill"]["tokens"] == (N - 1) // PREFILL
+    with pytest.raises(ValueError, match="prefill_logits"):
+        export_model(root / "ckpt", root / "bad", prefill_logits="first", **kw)

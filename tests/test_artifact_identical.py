@@ -6,7 +6,10 @@ The fixture was written by the ORIGINAL code, before the artifact/export redesig
 merged into this branch (commit 13868a7; first recorded from 1db522c, re-recorded when main's own change
 to the performer graph came in), copied to /tmp/ea-main2 and run as
 ``PYTHONPATH=/tmp/ea-main2 python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
-Rerecord it (from the code before a change) only when a change of the graphs is intended. The hashes hold
+The four cases whose graphs issue 25 changed on purpose (gated_deltanet and kda: GatedRMSNorm as plain
+ops; gla_int4 and qwen3_5_hf_int4: one shared int4 embedding table) were re-recorded the same way from
+13868a7 with the `perf` branch merged in, still without the redesign. Rerecord it (from the code before a
+change) only when a change of the graphs is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """
 

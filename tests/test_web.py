@@ -43,7 +43,9 @@ ARTIFACTS = {
     "gla_fused": ("gla", dict(target="onnxruntime")),  # com.microsoft.LinearAttention, one graph
     "hybrid_fused": ("gla,softmax", dict(target="onnxruntime")),  # GroupQueryAttention on a KV buffer
     "gla_int4": ("gla", dict(target="onnxruntime", precision="int4")),  # MatMulNBits, GatherBlockQuantized
-    "gated_deltanet_fused": ("gated_deltanet", dict(target="onnxruntime")),  # refused: GatedRMSNorm
+    # refused: GatedRMSNorm with its activation attribute (the trace's fused norm; the optimizer, off here,
+    # rewrites it into plain ops since ONNX Runtime's CPU kernel is slow)
+    "gated_deltanet_fused": ("gated_deltanet", dict(target="onnxruntime", optimize=False)),
 }
 
 
@@ -319,17 +321,20 @@ def test_sampling_is_seeded_and_bytes_decode_across_tokens(artifacts, browser, t
 
 @needs_browser
 def test_2000_tokens_keep_the_wasm_and_js_heaps_flat(artifacts, browser, tmp_path):
-    """Measured during one generation: after 300 tokens and at 2,000 (garbage collected through CDP)."""
+    """A generation of 300 tokens, then one of 2,000 from the same prompt (the page starts each from zeros):
+    the heaps after each (garbage collected through CDP) are the same. Two generations rather than two
+    readings during one, so that the check does not depend on how fast the page runs."""
     site = build_site(artifacts("gla"), tmp_path / "site")
     with serve_site(site) as url:
         browser.goto(url)
         browser.wait_for("window.edgeattn && window.edgeattn.ready")
-        browser.evaluate("edgeattn.generate({prompt: 'def ', max_new_tokens: 2000, temperature: 0}), 0")
-        browser.wait_for("edgeattn.tokens.length >= 300", timeout=120)
-        # the page yields while it generates: it answers and shows the text as it grows
-        shown = browser.evaluate("[edgeattn.done, document.getElementById('generated').textContent.length]")
+        browser.evaluate("edgeattn.generate({prompt: 'def ', max_new_tokens: 300, temperature: 0}), 0")
+        browser.wait_for(DONE, timeout=120)
+        assert browser.evaluate("document.getElementById('generated').textContent.length") > 0
         early = memory(browser)
-        assert shown[0] is False and shown[1] > 0
+        browser.evaluate("edgeattn.generate({prompt: 'def ', max_new_tokens: 2000, temperature: 0}), 0")
+        # the page yields while it generates: a script sent at once is answered before the 2,000 tokens end
+        assert browser.evaluate("edgeattn.done") is False
         browser.wait_for(DONE, timeout=300)
         late = memory(browser)
         assert (

@@ -45,8 +45,9 @@ TOKENIZERS_FILE = "tokenizers.min.mjs"
 
 # com.microsoft ops that ran in onnxruntime-web 1.30.0's WASM build on edgeattn's exported graphs (op ->
 # the attributes it knows; None: any). GatedRMSNorm exists but 1.30 refuses its `activation` attribute
-# ("Unrecognized attribute: activation for operator GatedRMSNorm"), which the gated_deltanet, kda and
-# mamba2 graphs of the onnxruntime target carry: export those with --target portable for the browser.
+# ("Unrecognized attribute: activation for operator GatedRMSNorm"); the export's optimizer rewrites that
+# norm into plain ops (edgeattn.export.optimize.unfuse_gated_norms), so only graphs exported without it
+# carry one: export those with the optimizer or with --target portable for the browser.
 WEB_CONTRIB_OPS: dict[str, frozenset | None] = {
     "LinearAttention": None,
     "LinearAttentionGate": None,

@@ -20,6 +20,20 @@ _KERNEL_FUNCS = (
 )
 
 
+def import_export_cli():
+    """`edgeattn import` and `edgeattn export` on one Typer app, run in process: ``invoke(*args)`` returns
+    Click's result (exit_code, output)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from edgeattn.cli import export, import_
+
+    app, runner = typer.Typer(), CliRunner()
+    for mod in (import_, export):
+        mod.register(app)
+    return lambda *args: runner.invoke(app, [str(a) for a in args])
+
+
 def torch_only(module) -> None:
     for name in _KERNEL_FUNCS:
         if hasattr(module, name):

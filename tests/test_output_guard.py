@@ -14,20 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from edgeattn.cli import export, import_
-from tests.hf_helpers import qwen3_5_text, train_tokenizer
+from tests.hf_helpers import import_export_cli, qwen3_5_text, train_tokenizer
 
-runner = CliRunner()
-app = typer.Typer()
-for _mod in (import_, export):
-    _mod.register(app)
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
+invoke = import_export_cli()
 
 
 @pytest.fixture(scope="module")

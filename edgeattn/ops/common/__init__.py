@@ -51,26 +51,18 @@ def expand_gate(g: Tensor | None, B: int, T: int, H: int, K: int) -> Tensor | No
     return g
 
 
-def _check_state(name: str, s: Tensor, shape: tuple[int, ...], layout: str, dtype) -> Tensor:
-    check_dims(name, s, shape, layout)
-    return s.to(dtype)
-
-
-def _initial_state(initial_state, normalize: bool, B: int, H: int, K: int, V: int, q: Tensor):
-    """(S0 [B, H, K, V], z0 [B, H, K] or None) as given (checked, not converted), zeros where absent."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    if normalize:
-        if initial_state is None:
-            initial_state = (q.new_zeros(B, H, K, V, dtype=acc), q.new_zeros(B, H, K, dtype=acc))
-        if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
-            raise ValueError("initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True")
-        check_dims("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]")
-        check_dims("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]")
-        return initial_state[0], initial_state[1]
+def _initial_state(initial_state, normalize: bool, B: int, H: int, K: int, V: int):
+    """(S0 [B, H, K, V] or None, z0 [B, H, K] or None) as given: checked, not converted."""
     if initial_state is None:
-        return q.new_zeros(B, H, K, V, dtype=acc), None
-    check_dims("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
-    return initial_state, None
+        return None, None
+    if not normalize:
+        check_dims("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+        return initial_state, None
+    if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
+        raise ValueError("initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True")
+    check_dims("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]")
+    check_dims("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]")
+    return initial_state[0], initial_state[1]
 
 
 def _step(q, k, v, g, S0, z0, *, scale: float, normalize: bool, eps: float):
@@ -138,37 +130,31 @@ def gated_linear_attention(
     check_dims("v", v, (B, T, H, None), "[B, T, H, V] (B, T, H as q)")
     V = v.shape[-1]
     check_chunk_size(chunk_size)
+    # Accumulate in float32 (float64 inputs stay float64, for references).
+    acc = torch.promote_types(q.dtype, torch.float32)
     mode = choose_form(mode, T, "linear_attention")
     if mode in ("fused", "step"):
         # Before any conversion below: these forms trace exactly the ops of the exported graphs. The gate's
         # shape is not read while tracing (a buffer's sizes read first would move it up the exported graph).
         if g is not None and not tracing():
             _check_gate(g, B, T, H, K)
-        S0, z0 = _initial_state(initial_state, normalize, B, H, K, V, q)
+        S0, z0 = _initial_state(initial_state, normalize, B, H, K, V)
+        S0 = q.new_zeros(B, H, K, V, dtype=acc) if S0 is None else S0
+        z0 = q.new_zeros(B, H, K, dtype=acc) if normalize and z0 is None else z0
         run = _fused if mode == "fused" else _step
         o, S, z = run(
             q, k, v, g, S0, z0, scale=K**-0.5 if scale is None else scale, normalize=normalize, eps=eps
         )
         o = o if o.dtype == q.dtype else o.to(q.dtype)
         return o, (((S, z) if normalize else S) if output_final_state else None)
-    # Accumulate in float32 (float64 inputs stay float64, for references).
-    acc = torch.promote_types(q.dtype, torch.float32)
     gate = expand_gate(g, B, T, H, K)
     if gate is not None:
         check_log_gate("g", gate)
     if scale is None:
         scale = K**-0.5
-    S0 = z0 = None
-    if initial_state is not None:
-        if normalize:
-            if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
-                raise ValueError(
-                    "initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True"
-                )
-            S0 = _check_state("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]", acc)
-            z0 = _check_state("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]", acc)
-        else:
-            S0 = _check_state("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]", acc)
+    S0, z0 = _initial_state(initial_state, normalize, B, H, K, V)
+    S0 = None if S0 is None else S0.to(acc)
+    z0 = None if z0 is None else z0.to(acc)
 
     out_dtype = q.dtype
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)

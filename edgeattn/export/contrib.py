@@ -37,6 +37,10 @@ from edgeattn.ops.norm import gated_rms_norm
 torch = require("torch")
 
 
+def _is_none(x) -> bool:
+    return x is None or (hasattr(x, "node") and x.node().mustBeNone())
+
+
 class _LinearAttentionOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, state, g, scale: float, num_heads: int):
@@ -64,7 +68,7 @@ class _LinearAttentionOp(torch.autograd.Function):
     def symbolic(g, q, k, v, state, decay, scale: float, num_heads: int):
         inputs = [q, k, v, state]
         rule = "linear"
-        if decay is not None and not (hasattr(decay, "node") and decay.node().mustBeNone()):
+        if not _is_none(decay):
             inputs.append(decay)
             rule = "gated"
         out, present = g.op(
@@ -92,10 +96,6 @@ def fused_linear_attention(q, k, v, g, state, *, scale: float):
     # Plain ints: a traced size passed to apply() breaks the TorchScript tracer.
     o, S = _LinearAttentionOp.apply(*packed, state, decay, float(scale), int(H))
     return o.view(B, T, H, V), S
-
-
-def _is_none(x) -> bool:
-    return x is None or (hasattr(x, "node") and x.node().mustBeNone())
 
 
 class _DeltaRuleOp(torch.autograd.Function):

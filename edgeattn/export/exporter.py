@@ -182,7 +182,7 @@ def _export_graph(
 ) -> None:
     """Trace ``module`` over ``tokens`` tokens into ``path`` (``_finish_graph`` does the rest); ``tokens=None``:
     a dynamic token axis (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
-    from edgeattn.ops.common.fused import fused_onnxruntime_op
+    from edgeattn.export.contrib import fused_onnxruntime_op
 
     # A dynamic batch is traced at 2 so that nothing specializes on a batch of 1.
     trace_batch = 2 if dynamic_batch else batch_size

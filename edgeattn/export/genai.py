@@ -119,8 +119,8 @@ def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True
     ``optimize``: run the lean-graph pass (``edgeattn.export.optimize``) on it, as on the artifact's graphs."""
     import onnx
 
+    from edgeattn.export.contrib import fused_onnxruntime_op
     from edgeattn.export.graph import fix_optional_inputs
-    from edgeattn.ops.common.fused import fused_onnxruntime_op
 
     check_genai(model)
     entries = genai_entries(model, batch_size)

@@ -84,7 +84,7 @@ def sort_topologically(model) -> None:
 
 
 def fix_optional_inputs(model) -> bool:
-    """Write the empty optional inputs the TorchScript exporter cannot (``edgeattn.ops.common.fused_delta``):
+    """Write the empty optional inputs the TorchScript exporter cannot (``edgeattn.export.contrib``):
     a 5-input "delta" LinearAttention gets ``""`` as its decay. Returns whether anything changed."""
     changed = False
     for node in model.graph.node:

@@ -8,7 +8,8 @@ Qwen3.5 and onnxruntime-genai keep it), L2-normalise q and k, beta = sigmoid(x W
 
 with the family's gate g (None, per head, per key dimension), a per-head output RMSNorm (gated in the
 gated families) and o_proj. State: ``conv_state`` [B, 2*H*K + HV*V, W-1] and ``recurrent_state``
-[B, HV, K, V]. T == 1 runs the single-token step functions, T > 1 the chunk forms.
+[B, HV, K, V]. Each op is called with ``mode="auto"``: the single-token step for T == 1, the chunk form
+for T > 1, ONNX Runtime's contrib ops when exporting for onnxruntime (``edgeattn.ops.backend``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,9 @@ import math
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.common.fused import fused_enabled
-from edgeattn.ops.common.fused_delta import (
-    fused_delta_rule,
-    fused_gate,
-    fused_gated_rms_norm,
-    fused_short_conv,
-    gated_rms_norm,
-)
-from edgeattn.ops.conv import short_conv, short_conv_step
-from edgeattn.ops.delta import delta_rule, delta_rule_step
+from edgeattn.ops.conv import short_conv
+from edgeattn.ops.delta import delta_beta, delta_rule, gated_delta_gates
+from edgeattn.ops.norm import gated_rms_norm
 
 torch = require("torch")
 nn = torch.nn
@@ -44,20 +38,6 @@ def init_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float
     return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
 
-def causal_conv(x, weight, bias, state, activation="silu"):
-    """The short convolution with state: x [B, T, D], state [B, D, W-1] -> (y [B, T, D] float32, new state).
-    Fused contrib op when exporting for onnxruntime, the step for T == 1, the chunk form otherwise."""
-    if fused_enabled():
-        return fused_short_conv(x, weight, bias, state, activation=activation)
-    if x.shape[1] == 1:
-        y, S = short_conv_step(x[:, 0], state, weight, bias, activation)
-        return y.unsqueeze(1), S
-    y, S = short_conv(
-        x.float(), weight, bias, activation=activation, initial_state=state, output_final_state=True
-    )
-    return y, S
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dimension (one head), times an optional activated gate."""
 
@@ -67,8 +47,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o, gate=None):
-        norm = fused_gated_rms_norm if gate is not None and fused_enabled() else gated_rms_norm
-        return norm(o, self.weight, gate, eps=self.eps, activation=self.activation)
+        return gated_rms_norm(o, self.weight, gate, eps=self.eps, activation=self.activation)
 
 
 class DeltaRuleMixer(Mixer):
@@ -114,10 +93,7 @@ class DeltaRuleMixer(Mixer):
 
     def gates(self, x):
         """(beta [B, T, HV] float32, the log-space gate ``gate(x)``)."""
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, HV]
-        if self.cfg.allow_neg_eigval:
-            beta = beta * 2
-        return beta, self.gate(x)
+        return delta_beta(self.b_proj(x), self.cfg.allow_neg_eigval), self.gate(x)
 
     def output_gate(self, x):
         """[B, T, HV, V] or None."""
@@ -131,32 +107,27 @@ class DeltaRuleMixer(Mixer):
         else:
             self.check_state(state, B)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, C]
-        qkv, conv_state = causal_conv(qkv, self.conv_weight, None, state["conv_state"])
+        qkv, conv_state = short_conv(
+            qkv, self.conv_weight, initial_state=state["conv_state"], output_final_state=True, mode="auto"
+        )
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, HV, V)
         beta, g = self.gates(x)
         S0, scale = state["recurrent_state"], K**-0.5
-        if fused_enabled():
-            o, S = fused_delta_rule(q, k, v, beta, g, S0, scale=scale)
-        elif T == 1:
-            o, S = delta_rule_step(
-                q[:, 0], k[:, 0], v[:, 0], beta[:, 0], None if g is None else g[:, 0], S0, scale=scale
-            )
-            o = o.unsqueeze(1)
-        else:
-            o, S = delta_rule(
-                q,
-                k,
-                v,
-                beta,
-                g,
-                scale=scale,
-                initial_state=S0,
-                output_final_state=True,
-                chunk_size=self.cfg.chunk_size,
-            )
+        o, S = delta_rule(
+            q,
+            k,
+            v,
+            beta,
+            g,
+            scale=scale,
+            initial_state=S0,
+            output_final_state=True,
+            mode="auto",
+            chunk_size=self.cfg.chunk_size,
+        )
         o = self.o_norm(o, self.output_gate(x))  # [B, T, HV, V]
         y = self.o_proj(o.reshape(B, T, HV * V).to(x.dtype))
         return y, {"conv_state": conv_state, "recurrent_state": S}
@@ -180,16 +151,16 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.dt_bias = nn.Parameter(init_dt_bias(HV))
         self.g_proj = nn.Linear(D, HV * self.value_dim, bias=False)
 
-    def gate(self, x):
-        # -exp(A_log) * softplus(.): no log-sigmoid, so no Log(Sigmoid) underflow in exported graphs.
-        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-
     def gates(self, x):
-        if fused_enabled() and not self.cfg.allow_neg_eigval:  # one LinearAttentionGate node
-            decay_scale = -torch.exp(self.A_log.float())
-            g, beta = fused_gate(self.a_proj(x), self.dt_bias, decay_scale, self.b_proj(x))
-            return beta, g
-        return super().gates(x)
+        # -exp(A_log) * softplus(.): no log-sigmoid, so no Log(Sigmoid) underflow in exported graphs.
+        decay_scale = -torch.exp(self.A_log.float())
+        return gated_delta_gates(
+            self.a_proj(x),
+            self.b_proj(x),
+            self.dt_bias,
+            decay_scale,
+            allow_neg_eigval=self.cfg.allow_neg_eigval,
+        )
 
     def output_gate(self, x):
         return self.g_proj(x).view(*x.shape[:2], self.n_v_heads, self.value_dim)

@@ -1,15 +1,15 @@
 """The four families built on the gated linear recurrence: Linear Transformer, Performer, RetNet, GLA.
 
 They share one mixer: project to heads, map features and gates (the only per-family part), run the
-recurrence (chunk form for T > 1, the exported single step for T == 1), then an output block.
+recurrence (``gated_linear_attention(mode="auto")``: the chunk form for T > 1, the exported single step
+for T == 1, ONNX Runtime's contrib op when exporting for onnxruntime), then an output block.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.common import gated_linear_attention, gated_recurrence_step
-from edgeattn.ops.common.fused import fused_enabled, fused_linear_attention
+from edgeattn.ops.common import gated_linear_attention
 from edgeattn.ops.linear import elu1
 from edgeattn.ops.performer import favor_features, orthogonal_random_features
 from edgeattn.ops.retnet import retnet_log_gammas
@@ -116,7 +116,6 @@ class GatedRecurrenceMixer(Mixer):
 
     def forward(self, x, state=None):
         B, T, _ = x.shape
-        H = self.n_heads
         q, k, v = self.project(x)
         q, k = self.features(q, k)
         g = self.gate(x)
@@ -127,60 +126,26 @@ class GatedRecurrenceMixer(Mixer):
         if self.rotary:
             q, k, position = self.rotate(q, k, state["position"])
         scale = None if self.normalize else self.key_dim**-0.5
-        if fused_enabled():
-            o, S, z = self._fused(q, k, v, g, state)
-        elif T == 1:
-            if g is not None:
-                g = g.view(1, H, 1).expand(B, H, 1) if g.dim() == 1 else g[:, 0]
-            o, S, z = gated_recurrence_step(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                g,
-                state["recurrent_state"],
-                state.get("normalizer"),
-                scale=1.0 if scale is None else scale,
-            )
-            o = o.unsqueeze(1)
-        else:
-            init = (
-                (state["recurrent_state"], state["normalizer"])
-                if self.normalize
-                else state["recurrent_state"]
-            )
-            o, final = gated_linear_attention(
-                q,
-                k,
-                v,
-                g,
-                scale=scale,
-                normalize=self.normalize,
-                initial_state=init,
-                output_final_state=True,
-                chunk_size=self.cfg.chunk_size,
-            )
-            S, z = final if self.normalize else (final, None)
+        init = (state["recurrent_state"], state["normalizer"]) if self.normalize else state["recurrent_state"]
+        o, final = gated_linear_attention(
+            q,
+            k,
+            v,
+            g,
+            scale=scale,
+            normalize=self.normalize,
+            initial_state=init,
+            output_final_state=True,
+            mode="auto",
+            chunk_size=self.cfg.chunk_size,
+        )
+        S, z = final if self.normalize else (final, None)
         new_state = {"recurrent_state": S}
         if self.normalize:
             new_state["normalizer"] = z
         if self.rotary:
             new_state["position"] = position
         return self.output(o.to(x.dtype), x), new_state
-
-    def _fused(self, q, k, v, g, state):
-        """The recurrence as ONNX Runtime's fused op (export target `onnxruntime`). The normalizer is
-        the same recurrence run on a value of ones: a second, [K, 1]-state op."""
-        B, T, H, _ = q.shape
-        if g is not None and g.dim() == 1:
-            g = g.view(1, 1, H, 1).expand(B, T, H, 1)
-        scale = 1.0 if self.normalize else self.key_dim**-0.5
-        o, S = fused_linear_attention(q, k, v, g, state["recurrent_state"], scale=scale)
-        if not self.normalize:
-            return o, S, None
-        den, z = fused_linear_attention(
-            q, k, v.new_ones(B, T, H, 1), g, state["normalizer"].unsqueeze(-1), scale=1.0
-        )
-        return o / (den + 1e-6), S, z.squeeze(-1)
 
 
 class _FeatureMapped(GatedRecurrenceMixer):

@@ -18,9 +18,9 @@ import math
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.layers.delta import causal_conv, init_dt_bias
-from edgeattn.ops.common import gated_linear_attention, gated_recurrence_step
-from edgeattn.ops.common.fused import fused_enabled, fused_linear_attention
+from edgeattn.layers.delta import init_dt_bias
+from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.conv import short_conv
 
 torch = require("torch")
 nn = torch.nn
@@ -67,7 +67,14 @@ class Mamba2(Mixer):
         else:
             self.check_state(state, B)
         z, xBC, dt = self.in_proj(x).float().split([I, self.conv_dim, Hm], dim=-1)
-        xBC, conv_state = causal_conv(xBC, self.conv_weight, self.conv_bias, state["conv_state"])
+        xBC, conv_state = short_conv(
+            xBC,
+            self.conv_weight,
+            self.conv_bias,
+            initial_state=state["conv_state"],
+            output_final_state=True,
+            mode="auto",
+        )
         xs, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, Hm, P)
         dt = F.softplus(dt + self.dt_bias.float())  # [B, T, Hm]
@@ -77,22 +84,17 @@ class Mamba2(Mixer):
         q = Cm.reshape(B, T, G, N).repeat_interleave(Hm // G, dim=2)
         v = xs * dt.unsqueeze(-1)
         S0 = state["recurrent_state"]
-        if fused_enabled():
-            y, S = fused_linear_attention(q, k, v, g.unsqueeze(-1), S0, scale=1.0)
-        elif T == 1:
-            y, S, _ = gated_recurrence_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].unsqueeze(-1), S0, scale=1.0)
-            y = y.unsqueeze(1)
-        else:
-            y, S = gated_linear_attention(
-                q,
-                k,
-                v,
-                g,
-                scale=1.0,
-                initial_state=S0,
-                output_final_state=True,
-                chunk_size=self.cfg.chunk_size,
-            )
+        y, S = gated_linear_attention(
+            q,
+            k,
+            v,
+            g,
+            scale=1.0,
+            initial_state=S0,
+            output_final_state=True,
+            mode="auto",
+            chunk_size=self.cfg.chunk_size,
+        )
         y = y + self.D.float().view(Hm, 1) * xs  # [B, T, Hm, P]
         # Gated RMSNorm in G groups: RMSNorm(y * silu(z)) * weight
         y = (y.reshape(B, T, I) * F.silu(z)).view(B, T, G, I // G)

@@ -3,17 +3,19 @@
     S_t = exp(g_t) * S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t
 
 One core, four forms (naive loop, recurrent loop of the exported step, chunkwise, fully parallel),
-and on CUDA the Triton kernels of ``edgeattn.kernels`` (chosen in ``edgeattn.ops.backend``).
+and on CUDA the Triton kernels of ``edgeattn.kernels``; ``mode="auto"`` (the layers' call) runs the
+single step for one token, the chunk form otherwise, and ONNX Runtime's contrib op while an export for
+the onnxruntime target traces (all chosen in ``edgeattn.ops.backend``).
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.backend import resolve_backend
+from edgeattn.ops.backend import choose_form, contrib_op, resolve_backend
 from edgeattn.ops.common.chunk import chunk_gated_recurrence, parallel_gated_recurrence
 from edgeattn.ops.common.naive import naive_gated_recurrence
 from edgeattn.ops.common.step import gated_recurrence_step
-from edgeattn.ops.utils import check_chunk_size, check_dims, check_log_gate, check_mode, check_rank
+from edgeattn.ops.utils import check_chunk_size, check_dims, check_log_gate, check_mode, check_rank, tracing
 
 torch = require("torch")
 Tensor = torch.Tensor
@@ -26,26 +28,69 @@ LOG_GATE_FLOOR = -1000.0
 __all__ = ["gated_linear_attention", "gated_recurrence_step", "expand_gate"]
 
 
+def _check_gate(g: Tensor, B: int, T: int, H: int, K: int) -> None:
+    if g.dim() == 1:
+        check_dims("g", g, (H,), "[H]")
+    elif g.dim() == 3:
+        check_dims("g", g, (B, T, H), "[B, T, H]")
+    elif g.dim() == 4:
+        check_dims("g", g, (B, T, H, K), "[B, T, H, K]")
+    else:
+        raise ValueError(f"g must have shape [H], [B, T, H] or [B, T, H, K], got {tuple(g.shape)}")
+
+
 def expand_gate(g: Tensor | None, B: int, T: int, H: int, K: int) -> Tensor | None:
     """Any accepted gate layout -> [B, T, H, G], G = 1 (whole head) or K (per key row)."""
     if g is None:
         return None
-    layout = "[H], [B, T, H] or [B, T, H, K]"
+    _check_gate(g, B, T, H, K)
     if g.dim() == 1:
-        check_dims("g", g, (H,), "[H]")
         return g.view(1, 1, H, 1).expand(B, T, H, 1)
     if g.dim() == 3:
-        check_dims("g", g, (B, T, H), "[B, T, H]")
         return g.unsqueeze(-1)
-    if g.dim() == 4:
-        check_dims("g", g, (B, T, H, K), "[B, T, H, K]")
-        return g
-    raise ValueError(f"g must have shape {layout}, got {tuple(g.shape)}")
+    return g
 
 
-def _check_state(name: str, s: Tensor, shape: tuple[int, ...], layout: str, dtype) -> Tensor:
-    check_dims(name, s, shape, layout)
-    return s.to(dtype)
+def _initial_state(initial_state, normalize: bool, B: int, H: int, K: int, V: int):
+    """(S0 [B, H, K, V] or None, z0 [B, H, K] or None) as given: checked, not converted."""
+    if initial_state is None:
+        return None, None
+    if not normalize:
+        check_dims("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+        return initial_state, None
+    if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
+        raise ValueError("initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True")
+    check_dims("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]")
+    check_dims("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]")
+    return initial_state[0], initial_state[1]
+
+
+def _step(q, k, v, g, S0, z0, *, scale: float, normalize: bool, eps: float):
+    """One token (T == 1): the exported step function. The gate becomes [B, H, G]; a per-token [B, T, H]
+    gate is sliced after q, k and v, the others before (the exported graphs' node order)."""
+    per_token = g is not None and g.dim() == 3
+    if g is not None and not per_token:
+        B, _, H, _ = q.shape
+        g = g.view(1, H, 1).expand(B, H, 1) if g.dim() == 1 else g[:, 0]
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    if per_token:
+        g = g[:, 0].unsqueeze(-1)
+    o, S, z = gated_recurrence_step(q, k, v, g, S0, z0, scale=scale, eps=eps)
+    return o.unsqueeze(1), S, z
+
+
+def _fused(q, k, v, g, S0, z0, *, scale: float, normalize: bool, eps: float):
+    """ONNX Runtime's LinearAttention (installed by the export). The normalizer is the same recurrence run
+    on a value of ones: a second op with a [K, 1] state."""
+    fused = contrib_op("linear_attention")
+    B, T, H, _ = q.shape
+    if g is not None:
+        g = g.view(1, 1, H, 1).expand(B, T, H, 1) if g.dim() == 1 else g.unsqueeze(-1) if g.dim() == 3 else g
+    o, S = fused(q, k, v, g, S0, scale=1.0 if normalize else scale)
+    if not normalize:
+        return o, S, None
+    den, z = fused(q, k, v.new_ones(B, T, H, 1), g, z0.unsqueeze(-1), scale=1.0)
+    return o / (den + eps), S, z.squeeze(-1)
 
 
 def gated_linear_attention(
@@ -72,9 +117,12 @@ def gated_linear_attention(
     the state is then a pair ``(S [B, H, K, V], z [B, H, K])``, otherwise ``S``. States are float32.
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state or None)``. ``backend`` ("auto", "torch",
-    "triton") picks the chunk implementation; see ``edgeattn.ops.backend``.
+    "triton") picks the chunk implementation; see ``edgeattn.ops.backend``. ``mode="auto"`` runs
+    ``gated_recurrence_step`` for T == 1, "chunk" otherwise, and ONNX Runtime's ``LinearAttention`` while
+    an export for the onnxruntime target traces (``edgeattn.ops.backend.choose_form``); the step and the
+    contrib op check shapes but not the gate's values (no device sync per token).
     """
-    check_mode(mode, ("naive", "parallel", "chunk", "recurrent"))
+    check_mode(mode, ("auto", "naive", "parallel", "chunk", "recurrent"))
     check_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
     check_dims("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
@@ -84,22 +132,29 @@ def gated_linear_attention(
     check_chunk_size(chunk_size)
     # Accumulate in float32 (float64 inputs stay float64, for references).
     acc = torch.promote_types(q.dtype, torch.float32)
+    mode = choose_form(mode, T, "linear_attention")
+    if mode in ("fused", "step"):
+        # Before any conversion below: these forms trace exactly the ops of the exported graphs. The gate's
+        # shape is not read while tracing (a buffer's sizes read first would move it up the exported graph).
+        if g is not None and not tracing():
+            _check_gate(g, B, T, H, K)
+        S0, z0 = _initial_state(initial_state, normalize, B, H, K, V)
+        S0 = q.new_zeros(B, H, K, V, dtype=acc) if S0 is None else S0
+        z0 = q.new_zeros(B, H, K, dtype=acc) if normalize and z0 is None else z0
+        run = _fused if mode == "fused" else _step
+        o, S, z = run(
+            q, k, v, g, S0, z0, scale=K**-0.5 if scale is None else scale, normalize=normalize, eps=eps
+        )
+        o = o if o.dtype == q.dtype else o.to(q.dtype)
+        return o, (((S, z) if normalize else S) if output_final_state else None)
     gate = expand_gate(g, B, T, H, K)
     if gate is not None:
         check_log_gate("g", gate)
     if scale is None:
         scale = K**-0.5
-    S0 = z0 = None
-    if initial_state is not None:
-        if normalize:
-            if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
-                raise ValueError(
-                    "initial_state must be a pair (S [B, H, K, V], z [B, H, K]) when normalize=True"
-                )
-            S0 = _check_state("initial_state[0]", initial_state[0], (B, H, K, V), "[B, H, K, V]", acc)
-            z0 = _check_state("initial_state[1]", initial_state[1], (B, H, K), "[B, H, K]", acc)
-        else:
-            S0 = _check_state("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]", acc)
+    S0, z0 = _initial_state(initial_state, normalize, B, H, K, V)
+    S0 = None if S0 is None else S0.to(acc)
+    z0 = None if z0 is None else z0.to(acc)
 
     out_dtype = q.dtype
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)

@@ -5,12 +5,15 @@ KDA and Mamba2):
 
 with state ``[B, D, W-1]``: the last W-1 inputs, channels first, oldest first (ONNX Runtime's
 ``com.microsoft.CausalConvWithState`` layout, state name ``conv_state``). Three forms (naive loop,
-recurrent loop of the exported step, one ``conv1d``); see README.md.
+recurrent loop of the exported step, one ``conv1d``) and ``mode="auto"`` (the layers' call: the step for
+one token, ``conv1d`` otherwise, ONNX Runtime's contrib op while an export for the onnxruntime target
+traces; chosen in ``edgeattn.ops.backend``); see README.md.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
+from edgeattn.ops.backend import choose_form, contrib_op
 from edgeattn.ops.conv.chunk import chunk_short_conv
 from edgeattn.ops.conv.naive import naive_short_conv
 from edgeattn.ops.conv.step import short_conv_step
@@ -41,8 +44,13 @@ def short_conv(
     ``initial_state: [B, D, W-1]`` holds the W-1 inputs before ``x`` (oldest first); None means zeros.
     Computes in float32 (float64 inputs stay float64). Returns ``(y [B, T, D] in x's dtype,
     final_state [B, D, W-1] float32 or None)``; the final state continues the sequence exactly.
+
+    ``mode``: "naive", "recurrent" (a loop of ``short_conv_step``), "chunk" (``conv1d``) or "auto":
+    ``short_conv_step`` for T == 1, "chunk" otherwise, ONNX Runtime's ``CausalConvWithState`` while an
+    export for the onnxruntime target traces (``edgeattn.ops.backend.choose_form``). "auto" returns y in
+    float32 (float64 stays float64) in every form, as the step and the contrib op compute.
     """
-    check_mode(mode, ("naive", "chunk", "recurrent"))
+    check_mode(mode, ("auto", "naive", "chunk", "recurrent"))
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_rank("x", x, 3, "[B, T, D]")
@@ -55,10 +63,21 @@ def short_conv(
     if bias is not None:
         check_dims("bias", bias, (D,), "[D]")
     acc = torch.promote_types(x.dtype, torch.float32)
-    state = None
     if initial_state is not None:
         check_dims("initial_state", initial_state, (B, D, W - 1), f"[B, D, W-1] with W-1 = {W - 1}")
-        state = initial_state.to(acc)
+    form = choose_form(mode, T, "short_conv")
+    if form in ("fused", "step"):
+        # Before any conversion below: these forms trace exactly the ops of the exported graphs.
+        state = initial_state if initial_state is not None else x.new_zeros(B, D, W - 1, dtype=acc)
+        if form == "fused":
+            y, state = contrib_op("short_conv")(x, weight, bias, state, activation=activation)
+        else:
+            y, state = short_conv_step(x[:, 0], state, weight, bias, activation)
+            y = y.unsqueeze(1)
+        return y, (state if output_final_state else None)
+    if mode == "auto":
+        x, mode = x.to(acc), form  # "auto" returns float32 in every form
+    state = None if initial_state is None else initial_state.to(acc)
 
     xf, wf = x.to(acc), weight.to(acc)
     bf = None if bias is None else bias.to(acc)

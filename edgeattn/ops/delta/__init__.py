@@ -4,13 +4,16 @@ Attention (a gate per key dimension) are one op:
     S_t = exp(g_t) * S_{t-1},   S_t = S_t + beta_t k_t^T (v_t - k_t S_t),   o_t = scale * q_t S_t
 
 Three forms (naive loop, recurrent loop of the exported step, chunkwise WY / UT transform), and on
-CUDA a Triton kernel (chosen in ``edgeattn.ops.backend``); the math is in README.md.
+CUDA a Triton kernel; ``mode="auto"`` (the layers' call) runs the single step for one token, the chunk
+form otherwise, and ONNX Runtime's contrib op while an export for the onnxruntime target traces (all
+chosen in ``edgeattn.ops.backend``); the math is in README.md. ``delta_beta`` and ``gated_delta_gates``
+are the layers' gates.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.backend import use_kernel
+from edgeattn.ops.backend import choose_form, contrib_op, use_kernel
 from edgeattn.ops.delta.chunk import chunk_delta_rule
 from edgeattn.ops.delta.naive import naive_delta_rule
 from edgeattn.ops.delta.step import delta_rule_step
@@ -19,9 +22,42 @@ from edgeattn.ops.utils import check_chunk_size, check_dims, check_log_gate, che
 torch = require("torch")
 Tensor = torch.Tensor
 
-__all__ = ["delta_rule", "delta_rule_step"]
+__all__ = ["delta_beta", "delta_rule", "delta_rule_step", "gated_delta_gates"]
 
-MODES = ("naive", "recurrent", "chunk")
+MODES = ("auto", "naive", "recurrent", "chunk")
+F = torch.nn.functional
+
+
+def delta_beta(b: Tensor, allow_neg_eigval: bool = False) -> Tensor:
+    """The write strength beta = sigmoid(b) [B, T, HV] float32, doubled into [0, 2] with
+    ``allow_neg_eigval`` (the update's eigenvalue may then reach -1)."""
+    beta = torch.sigmoid(b.float())
+    return beta * 2 if allow_neg_eigval else beta
+
+
+def gated_delta_gates(
+    a: Tensor,
+    b: Tensor,
+    dt_bias: Tensor,
+    decay_scale: Tensor,
+    *,
+    allow_neg_eigval: bool = False,
+    mode: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's gates from its projections a, b [B, T, HV] and dt_bias, decay_scale [HV]
+    (decay_scale = -exp(A_log)): (beta = ``delta_beta(b)``, log-space g = decay_scale * softplus(a + dt_bias)),
+    both [B, T, HV] float32.
+
+    ``mode``: "plain" (these PyTorch ops) or "auto": while an export installs the contrib op
+    (``edgeattn.ops.backend``), one ``LinearAttentionGate`` node (not with ``allow_neg_eigval``: the
+    node's beta is sigmoid(b)); plain otherwise."""
+    check_mode(mode, ("auto", "plain"))
+    fused = contrib_op("gated_delta_gates") if mode == "auto" and not allow_neg_eigval else None
+    if fused is not None:
+        g, beta = fused(a, dt_bias, decay_scale, b)
+        return beta, g
+    beta = delta_beta(b, allow_neg_eigval)
+    return beta, decay_scale * F.softplus(a.float() + dt_bias.float())
 
 
 def _check_beta(beta: Tensor) -> None:
@@ -69,9 +105,11 @@ def delta_rule(
     ``initial_state: [B, HV, K, V]``; states are float32 (float64 inputs stay float64, for references).
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] or None)``.
 
-    ``mode``: "naive" (the loop), "recurrent" (a loop of ``delta_rule_step``, the exported step) or
-    "chunk" (chunkwise WY form). ``backend`` ("auto", "torch", "triton"; see ``edgeattn.ops.backend``)
-    picks the chunk implementation. With "triton" it calls
+    ``mode``: "naive" (the loop), "recurrent" (a loop of ``delta_rule_step``, the exported step),
+    "chunk" (chunkwise WY form) or "auto": ``delta_rule_step`` for T == 1, "chunk" otherwise, and ONNX
+    Runtime's ``LinearAttention`` while an export for the onnxruntime target traces
+    (``edgeattn.ops.backend.choose_form``; these two check shapes but not beta's or g's values).
+    ``backend`` ("auto", "torch", "triton"; see ``edgeattn.ops.backend``) picks the chunk implementation. With "triton" it calls
 
         edgeattn.kernels.chunk_delta_rule_triton(q, k, v, beta, g, *, scale, initial_state, chunk_size)
             -> (o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] float32)
@@ -93,28 +131,45 @@ def delta_rule(
             f"v must have shape [B, T, HV, V] with HV a multiple of H = {H} (q's heads), got {tuple(v.shape)}"
         )
     check_dims("beta", beta, (B, T, HV), "[B, T, HV]")
-    _check_beta(beta)
     check_chunk_size(chunk_size)
-    gate = None
     if g is not None:
         if not isinstance(g, torch.Tensor) or g.dim() not in (3, 4):
             got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
             raise ValueError(f"g must have shape [B, T, HV] or [B, T, HV, K], got {got}")
         if g.dim() == 3:
             check_dims("g", g, (B, T, HV), "[B, T, HV]")
-            gate = g.unsqueeze(-1)  # [B, T, HV, 1]
         else:
             check_dims("g", g, (B, T, HV, K), "[B, T, HV, K]")
-            gate = g
+    if initial_state is not None:
+        check_dims("initial_state", initial_state, (B, HV, K, V), "[B, HV, K, V]")
+    mode = choose_form(mode, T, "delta_rule")
+    if mode in ("fused", "step"):
+        # Before any conversion below: these forms trace exactly the ops of the exported graphs.
+        S0 = (
+            initial_state
+            if initial_state is not None
+            else q.new_zeros(B, HV, K, V, dtype=torch.promote_types(q.dtype, torch.float32))
+        )
+        scale = K**-0.5 if scale is None else scale
+        if mode == "fused":
+            o, S = contrib_op("delta_rule")(q, k, v, beta, g, S0, scale=scale)
+        else:
+            o, S = delta_rule_step(
+                q[:, 0], k[:, 0], v[:, 0], beta[:, 0], None if g is None else g[:, 0], S0, scale=scale
+            )
+            o = o.unsqueeze(1)
+        o = o if o.dtype == q.dtype else o.to(q.dtype)
+        return o, (S if output_final_state else None)
+    _check_beta(beta)
+    gate = None
+    if g is not None:
+        gate = g.unsqueeze(-1) if g.dim() == 3 else g  # [B, T, HV, G]
         check_log_gate("g", g)
     if scale is None:
         scale = K**-0.5
     # Accumulate in float32 (float64 inputs stay float64, for references).
     acc = torch.promote_types(q.dtype, torch.float32)
-    S0 = None
-    if initial_state is not None:
-        check_dims("initial_state", initial_state, (B, HV, K, V), "[B, HV, K, V]")
-        S0 = initial_state.to(acc)
+    S0 = None if initial_state is None else initial_state.to(acc)
 
     out_dtype = q.dtype
     qf, kf, vf, bf = q.to(acc), k.to(acc), v.to(acc), beta.to(acc)

@@ -4,7 +4,7 @@ the single-token step path, state specs, refused states."""
 import pytest
 import torch
 
-import edgeattn.layers.softmax as softmax_layers
+import edgeattn.ops.softmax as softmax_ops
 from edgeattn.layers import MIXER_REGISTRY, build_mixer
 from edgeattn.models import EdgeConfig
 from edgeattn.ops.softmax import softmax_attention
@@ -79,7 +79,8 @@ def test_single_tokens_take_the_step_path(name, monkeypatch):
         def refuse(*args, **kwargs):
             raise AssertionError("the chunk form ran for a single token")
 
-        monkeypatch.setattr(softmax_layers, "softmax_attention", refuse)
+        for form in ("chunk_softmax", "chunk_window", "parallel_softmax", "parallel_window"):
+            monkeypatch.setattr(softmax_ops, form, refuse)
         state, outs = None, []
         for t in range(5):
             y, state = layer(x[:, t : t + 1], state)

@@ -1,15 +1,17 @@
 """Causal softmax attention mixers: the full baseline ("softmax") and sliding window + sinks ("swa").
 
 Multi-head attention with q/k/v/o projections and no positional encoding (NoPE: causal masking alone
-tells the model about order). The chunk form runs for T > 1, the single-token step for T == 1, so
-the exported step graph is the pure step function.
+tells the model about order). ``softmax_attention(mode="auto")`` runs the chunk form for T > 1, the
+single-token step for T == 1, so the exported step graph is the pure step function. The KV buffer of
+``kv_buffer`` (ONNX Runtime's GroupQueryAttention) is an export option of the layer, not a form: a
+different state (a preallocated buffer and a position), chosen by the model before tracing.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.softmax import softmax_attention, softmax_step, window_step
+from edgeattn.ops.softmax import softmax_attention
 from edgeattn.ops.softmax.kv_buffer import buffer_attention, gqa_rotary_ok, rope_tables
 
 torch = require("torch")
@@ -168,7 +170,7 @@ class SoftmaxAttention(_Attention):
     def forward(self, x, state=None):
         if self._extended:
             return self._forward_extended(x, state)
-        B, T, _ = x.shape
+        B = x.shape[0]
         q, k, v = self._qkv(x)
         if state is not None:
             self.check_state(state, B)
@@ -178,16 +180,8 @@ class SoftmaxAttention(_Attention):
                 q, k, v, state["key"], state["value"], state["position"], scale=self.head_dim**-0.5
             )
             return self._output(o, x), {"key": key, "value": value, "position": position}
-        if T == 1:
-            if state is None:
-                state = self.init_state(B, x.device)
-            o, key, value = softmax_step(
-                q[:, 0], k[:, 0], v[:, 0], state["key"], state["value"], scale=self.head_dim**-0.5
-            )
-            o = o.unsqueeze(1)
-        else:
-            init = None if state is None else (state["key"], state["value"])
-            o, (key, value) = softmax_attention(q, k, v, initial_state=init, output_final_state=True)
+        init = None if state is None else (state["key"], state["value"])
+        o, (key, value) = softmax_attention(q, k, v, initial_state=init, output_final_state=True, mode="auto")
         return self._output(o, x), {"key": key, "value": value}
 
 
@@ -220,25 +214,20 @@ class SlidingWindowAttention(_Attention):
         return (state["key"], state["value"], sink_key, sink_value, state["position"])
 
     def forward(self, x, state=None):
-        B, T, _ = x.shape
-        Dh, S = self.head_dim, self.n_sinks
+        B, S = x.shape[0], self.n_sinks
         q, k, v = self._qkv(x)
         if state is not None:
             self.check_state(state, B)
-        if T == 1:
-            cache = self._cache(state if state is not None else self.init_state(B, x.device))
-            o, *cache = window_step(q[:, 0], k[:, 0], v[:, 0], *cache, scale=Dh**-0.5)
-            o = o.unsqueeze(1)
-        else:
-            o, cache = softmax_attention(
-                q,
-                k,
-                v,
-                window=self.window,
-                sink=S,
-                initial_state=None if state is None else self._cache(state),
-                output_final_state=True,
-            )
+        o, cache = softmax_attention(
+            q,
+            k,
+            v,
+            window=self.window,
+            sink=S,
+            initial_state=None if state is None else self._cache(state),
+            output_final_state=True,
+            mode="auto",
+        )
         new_state = {"key": cache[0], "value": cache[1]}
         if S > 0:
             new_state.update(sink_key=cache[2], sink_value=cache[3])

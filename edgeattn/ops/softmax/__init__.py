@@ -3,13 +3,15 @@
     o_t = sum_{i in A(t)} softmax_i(scale * q_t . k_i) v_i
     A(t) = {i <= t}  or, with window W and sinks S,  {t - W < i <= t} | {i < S, i <= t}
 
-Four forms (naive loop, recurrent loop of the exported step, blockwise chunk, dense parallel); the
-formulas and the state layouts are in README.md.
+Four forms (naive loop, recurrent loop of the exported step, blockwise chunk, dense parallel) and
+``mode="auto"`` (the layers' call: the step for one token, the chunk form otherwise, chosen in
+``edgeattn.ops.backend``); the formulas and the state layouts are in README.md.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
+from edgeattn.ops.backend import choose_form
 from edgeattn.ops.softmax.chunk import chunk_softmax, chunk_window, parallel_softmax, parallel_window
 from edgeattn.ops.softmax.naive import naive_softmax_attention
 from edgeattn.ops.softmax.step import KVCache, WindowCache, softmax_step, window_step
@@ -30,8 +32,8 @@ def _check_window(window, sink) -> None:
         raise ValueError(f"sink={sink} needs a window: full attention already attends to every token")
 
 
-def _check_initial_state(state, B, H, K, V, window, sink, dtype):
-    """The initial state as a KVCache / WindowCache in ``dtype``, or None."""
+def _check_initial_state(state, B, H, K, V, window, sink):
+    """The initial state as a KVCache / WindowCache (checked, not converted), or None."""
     if state is None:
         return None
     W, S = window, sink
@@ -50,20 +52,35 @@ def _check_initial_state(state, B, H, K, V, window, sink, dtype):
         key, value = state
         check_dims("initial_state.key", key, (B, H, None, K), "[B, H, L, K]")
         check_dims("initial_state.value", value, (B, H, key.shape[2], V), "[B, H, L, V] (L as key)")
-        return KVCache(key.to(dtype), value.to(dtype))
+        return KVCache(key, value)
     key, value, sink_key, sink_value, position = state
     check_dims("initial_state.key", key, (B, H, W, K), "[B, H, W, K]")
     check_dims("initial_state.value", value, (B, H, W, V), "[B, H, W, V]")
     check_dims("initial_state.sink_key", sink_key, (B, H, S, K), "[B, H, S, K]")
     check_dims("initial_state.sink_value", sink_value, (B, H, S, V), "[B, H, S, V]")
     check_dims("initial_state.position", position, (B,), "[B]")
-    if not tracing() and (
-        not torch.isfinite(position).all() or (position < 0).any() or (position != position.round()).any()
-    ):
+    return WindowCache(*state)
+
+
+def _check_position(state, window) -> None:
+    """A window cache's position holds token counts (skipped while tracing: no value checks)."""
+    if window is None or tracing():
+        return
+    position = state.position
+    if not torch.isfinite(position).all() or (position < 0).any() or (position != position.round()).any():
         raise ValueError(
             f"initial_state.position must hold token counts (integers >= 0), got {position.tolist()}"
         )
-    return WindowCache(*(x.to(dtype) for x in state))
+
+
+def _zero_state(B, H, K, V, window, sink, dtype, device):
+    """The start of a sequence: an empty KV cache, or a window cache of zeros."""
+    if window is None:
+        shapes = ((B, H, 0, K), (B, H, 0, V))
+    else:
+        shapes = ((B, H, window, K), (B, H, window, V), (B, H, sink, K), (B, H, sink, V), (B,))
+    zeros = (torch.zeros(s, dtype=dtype, device=device) for s in shapes)
+    return KVCache(*zeros) if window is None else WindowCache(*zeros)
 
 
 def softmax_attention(
@@ -87,9 +104,12 @@ def softmax_attention(
     sink_value [B, H, S, V], position [B])``. Any tuple of the same tensors is accepted as
     ``initial_state``; None starts the sequence. States are float32 (float64 for float64 inputs).
 
-    Returns ``(o [B, T, H, V] in q's dtype, final_state or None)``.
+    Returns ``(o [B, T, H, V] in q's dtype, final_state or None)``. ``mode``: "naive", "recurrent" (a
+    loop of ``softmax_step`` / ``window_step``), "chunk", "parallel" or "auto": the step for T == 1,
+    "chunk" otherwise (``edgeattn.ops.backend.choose_form``; the step checks the state's shapes, not its
+    position's values).
     """
-    check_mode(mode, MODES)
+    check_mode(mode, ("auto", *MODES))
     check_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
     check_dims("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
@@ -99,19 +119,25 @@ def softmax_attention(
     _check_window(window, sink)
     # Compute in float32 (float64 inputs stay float64, for references).
     acc = torch.promote_types(q.dtype, torch.float32)
-    state0 = _check_initial_state(initial_state, B, H, K, V, window, sink, acc)
+    state0 = _check_initial_state(initial_state, B, H, K, V, window, sink)
+    mode = choose_form(mode, T, "softmax_attention")
+    if mode == "step":
+        # Before any conversion below: the step traces exactly the ops of the exported step graph, its
+        # default scale a number (int(K): while tracing K is a traced size, whose power adds a Pow node).
+        state = state0 if state0 is not None else _zero_state(B, H, K, V, window, sink, acc, q.device)
+        step = softmax_step if window is None else window_step
+        o, *state = step(q[:, 0], k[:, 0], v[:, 0], *state, scale=int(K) ** -0.5 if scale is None else scale)
+        o = o.unsqueeze(1)
+        return (o if o.dtype == q.dtype else o.to(q.dtype)), _final(state, window, output_final_state)
+    if state0 is not None:
+        _check_position(state0, window)
+        state0 = type(state0)(*(x.to(acc) for x in state0))
     if scale is None:
         scale = K**-0.5
     out_dtype = q.dtype
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     if window is not None and state0 is None:
-        state0 = WindowCache(
-            q.new_zeros(B, H, window, K),
-            v.new_zeros(B, H, window, V),
-            q.new_zeros(B, H, sink, K),
-            v.new_zeros(B, H, sink, V),
-            q.new_zeros(B),
-        )
+        state0 = _zero_state(B, H, K, V, window, sink, acc, q.device)
 
     if T == 0:
         mode = "recurrent"  # no tokens: the state passes through unchanged
@@ -120,10 +146,7 @@ def softmax_attention(
             q, k, v, scale=scale, window=window, sink=sink, initial_state=state0
         )
     elif mode == "recurrent":
-        if window is None:
-            state = state0 if state0 is not None else (q.new_zeros(B, H, 0, K), v.new_zeros(B, H, 0, V))
-        else:
-            state = state0
+        state = state0 if state0 is not None else _zero_state(B, H, K, V, window, sink, acc, q.device)
         step = softmax_step if window is None else window_step
         outs = []
         for t in range(T):
@@ -137,6 +160,10 @@ def softmax_attention(
         windowed = chunk_window if mode == "chunk" else parallel_window
         o, state = windowed(q, k, v, *state0, scale=scale, window=window, sink=sink)
 
+    return o.to(out_dtype), _final(state, window, output_final_state)
+
+
+def _final(state, window, output_final_state: bool):
     if not output_final_state:
-        return o.to(out_dtype), None
-    return o.to(out_dtype), (KVCache(*state) if window is None else WindowCache(*state))
+        return None
+    return KVCache(*state) if window is None else WindowCache(*state)

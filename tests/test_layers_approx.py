@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import edgeattn.layers.reformer as reformer_layers
+import edgeattn.ops.lsh as lsh_ops
 from edgeattn import MIXERS
 from edgeattn.export import export_model
 from edgeattn.export.check import run_logits
@@ -108,9 +108,9 @@ def test_reformer_single_tokens_take_the_step_path(monkeypatch):
         y_ref, _ = layer(x)
 
         def refuse(*args, **kwargs):
-            raise AssertionError("the parallel form ran for a single token")
+            raise AssertionError("the dense form ran for a single token")
 
-        monkeypatch.setattr(reformer_layers, "lsh_attention", refuse)
+        monkeypatch.setattr(lsh_ops, "_dense", refuse)
         state, outs = None, []
         for t in range(6):
             y, state = layer(x[:, t : t + 1], state)

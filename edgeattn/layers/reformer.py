@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.lsh import lsh_attention, lsh_rotations, lsh_step
+from edgeattn.ops.lsh import lsh_attention, lsh_rotations
 
 torch = require("torch")
 nn = torch.nn
@@ -55,26 +55,17 @@ class ReformerAttention(Mixer):
         v = self.v_proj(x).view(B, T, H, Dh)
         if state is not None:
             self.check_state(state, B)
-        scale = Dh**-0.5
-        if T == 1:
-            if state is None:
-                state = self.init_state(B, x.device)
-            o, key, value = lsh_step(
-                q[:, 0], k[:, 0], v[:, 0], state["key"], state["value"], self.rotations, scale=scale
-            )
-            o = o.unsqueeze(1)
-        else:
-            o, (key, value) = lsh_attention(
-                q,
-                k,
-                v,
-                rotations=self.rotations,
-                bucket_size=None,
-                exclude_self=True,
-                scale=scale,
-                initial_state=None if state is None else (state["key"], state["value"]),
-                output_final_state=True,
-                mode="parallel",
-            )
+        o, (key, value) = lsh_attention(
+            q,
+            k,
+            v,
+            rotations=self.rotations,
+            bucket_size=None,
+            exclude_self=True,
+            scale=Dh**-0.5,
+            initial_state=None if state is None else (state["key"], state["value"]),
+            output_final_state=True,
+            mode="auto",
+        )
         y = self.o_proj(o.to(x.dtype).reshape(B, T, -1))
         return y, {"key": key, "value": value}

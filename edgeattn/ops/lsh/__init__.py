@@ -24,6 +24,8 @@ Forms (``mode``), all computing the same pattern:
 - ``parallel``: one dense masked ``[T, L + T]`` score matrix per round.
 - ``recurrent``: a loop of ``lsh_step`` (``bucket_size=None`` only): the new query attends to the cached
   keys of its own bucket, O(L (K + V)) per token and round, like a KV cache.
+- ``auto`` (the layer's call): ``lsh_step`` for one token, ``chunk`` otherwise (chosen in
+  ``edgeattn.ops.backend``).
 
 The chunk rule depends on where later tokens sort, so the chunked pattern has no recurrent form and
 no ``initial_state``; the whole-bucket pattern (``bucket_size=None``) continues exactly from a KV cache.
@@ -32,6 +34,7 @@ no ``initial_state``; the whole-bucket pattern (``bucket_size=None``) continues 
 from __future__ import annotations
 
 from edgeattn._deps import require
+from edgeattn.ops.backend import choose_form
 from edgeattn.ops.softmax.step import KVCache
 from edgeattn.ops.utils import MODES, check_dims, check_mode, check_rank
 
@@ -260,9 +263,11 @@ def lsh_attention(
     from ``seed``. ``exclude_self`` defaults to True for shared QK, else False. ``bucket_size`` is the
     chunk of the sorted sequence (None: the whole bucket, which also allows ``initial_state`` (a
     ``KVCache`` of keys ``[B, H, L, K]``, values ``[B, H, L, V]``) and ``mode="recurrent"``). ``scale``
-    defaults to ``K ** -0.5``. Returns ``(o [B, T, H, V], KVCache or None)``.
+    defaults to ``K ** -0.5``. Returns ``(o [B, T, H, V], KVCache or None)``. ``mode="auto"`` runs
+    ``lsh_step`` for T == 1 (without a cache a lone token attends to itself under every bucket size and
+    causality) and "chunk" otherwise (``edgeattn.ops.backend.choose_form``).
     """
-    check_mode(mode, MODES)
+    check_mode(mode, ("auto", *MODES))
     check_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
     shared = k is None
@@ -296,9 +301,6 @@ def lsh_attention(
     if scale is None:
         scale = K**-0.5
     acc = torch.promote_types(q.dtype, torch.float32)
-    out_dtype = q.dtype
-    qh, kh, vh = (x.to(acc).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
-    rot = rotations.to(acc)
     L = 0
     if initial_state is not None:
         if not (isinstance(initial_state, tuple | list) and len(initial_state) == 2):
@@ -306,6 +308,21 @@ def lsh_attention(
         check_dims("initial_state.key", initial_state[0], (B, H, None, K), "[B, H, L, K]")
         L = initial_state[0].shape[2]
         check_dims("initial_state.value", initial_state[1], (B, H, L, V), "[B, H, L, V] (L as key)")
+    mode = choose_form(mode, T, "lsh_attention")
+    if mode == "step":
+        # Before any conversion below: the step traces exactly the ops of the exported step graph.
+        if initial_state is None:
+            initial_state = (q.new_zeros(B, H, 0, K, dtype=acc), v.new_zeros(B, H, 0, V, dtype=acc))
+        o, key, value = lsh_step(
+            q[:, 0], k[:, 0], v[:, 0], *initial_state, rotations, scale=scale, exclude_self=exclude_self
+        )
+        o = o.unsqueeze(1)
+        return (o if o.dtype == q.dtype else o.to(q.dtype)), (
+            KVCache(key, value) if output_final_state else None
+        )
+    out_dtype = q.dtype
+    qh, kh, vh = (x.to(acc).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+    rot = rotations.to(acc)
     cache_k = initial_state[0].to(acc) if initial_state is not None else qh.new_zeros(B, H, 0, K)
     cache_v = initial_state[1].to(acc) if initial_state is not None else vh.new_zeros(B, H, 0, V)
 

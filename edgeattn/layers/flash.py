@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.flash import FlashState, mixed_chunk_attention, mixed_chunk_step
+from edgeattn.ops.flash import FlashState, mixed_chunk_attention
 
 torch = require("torch")
 nn = torch.nn
@@ -54,33 +54,26 @@ class FLASH(Mixer):
         ]
 
     def forward(self, x, state=None):
-        B, T, _ = x.shape
+        B = x.shape[0]
         e, s = self.hidden, self.qk_dim
         u, v, z = F.silu(self.in_proj(x)).split([e, e, s], dim=-1)
         qq, kq, ql, kl = (z.unsqueeze(-2) * self.gamma + self.beta).unbind(-2)  # each [B, T, s]
-        if state is None and T == 1:
-            state = self.init_state(B, x.device)
-        init = None  # no state: the faster chunk-aligned path
+        init = None  # no state: the faster chunk-aligned path (one token: the step from zeros)
         if state is not None:
             self.check_state(state, B)
             init = FlashState(*(state[name] for name in FlashState._fields))
-        if T == 1:  # the exported step graph is exactly the single-token step
-            o, final = mixed_chunk_step(
-                qq[:, 0], kq[:, 0], ql[:, 0], kl[:, 0], v[:, 0], init, rel_bias=self.rel_bias, **self.scales
-            )
-            o = o.unsqueeze(1)
-        else:
-            o, final = mixed_chunk_attention(
-                qq,
-                kq,
-                ql,
-                kl,
-                v,
-                chunk_size=self.chunk,
-                rel_bias=self.rel_bias,
-                initial_state=init,
-                output_final_state=True,
-                **self.scales,
-            )
+        o, final = mixed_chunk_attention(
+            qq,
+            kq,
+            ql,
+            kl,
+            v,
+            chunk_size=self.chunk,
+            rel_bias=self.rel_bias,
+            initial_state=init,
+            output_final_state=True,
+            mode="auto",
+            **self.scales,
+        )
         y = self.o_proj(u * o.to(u.dtype))
         return y, dict(final._asdict())

@@ -5,13 +5,15 @@ Quadratic relu^2 attention inside fixed chunks of C tokens, linear attention acr
     o_t = sum_{j in c, j <= t} relu(quad_scale * q_quad_t . k_quad_j + b_{t-j})^2 v_j
           + lin_scale * q_lin_t (sum_{i in chunks < c} k_lin_i^T v_i)
 
-Four forms (naive loop, recurrent loop of the exported step, chunkwise, fully parallel); see README.md.
+Four forms (naive loop, recurrent loop of the exported step, chunkwise, fully parallel) and ``mode="auto"``
+(the layers' call: the step for one token, the chunk form otherwise, chosen in ``edgeattn.ops.backend``);
+see README.md.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
-from edgeattn.ops.backend import resolve_backend, use_kernel
+from edgeattn.ops.backend import choose_form, resolve_backend, use_kernel
 from edgeattn.ops.flash.chunk import chunk_mixed_attention, parallel_mixed_attention
 from edgeattn.ops.flash.naive import naive_mixed_chunk_attention
 from edgeattn.ops.flash.step import FlashState, mixed_chunk_step, zero_state
@@ -28,7 +30,8 @@ STATE_LAYOUT = (
 )
 
 
-def _check_state(initial_state, B: int, S: int, E: int, C: int, dtype) -> FlashState:
+def _check_state(initial_state, B: int, S: int, E: int, C: int) -> FlashState:
+    """The state as given, its shapes checked (not its values, not converted)."""
     if not (isinstance(initial_state, tuple | list) and len(initial_state) == len(FlashState._fields)):
         raise ValueError(f"initial_state must be a tuple {STATE_LAYOUT}, got {type(initial_state).__name__}")
     shapes = {
@@ -41,13 +44,14 @@ def _check_state(initial_state, B: int, S: int, E: int, C: int, dtype) -> FlashS
     for i, (name, x) in enumerate(zip(FlashState._fields, initial_state)):
         shape, layout = shapes[name]
         check_dims(f"initial_state[{i}] ({name})", x, shape, layout)
-    state = FlashState(*(x.to(dtype) for x in initial_state))
-    pos = state.position
+    return FlashState(*initial_state)
+
+
+def _check_position(pos: Tensor, C: int) -> None:
     if not tracing() and ((pos < 0) | (pos >= C) | (pos != torch.floor(pos))).any():
         raise ValueError(
             f"initial_state[4] (position) must hold integers in [0, chunk_size={C}), got {pos.tolist()}"
         )
-    return state
 
 
 def mixed_chunk_attention(
@@ -77,11 +81,14 @@ def mixed_chunk_attention(
     ``initial_state``, mid-chunk included.
 
     Returns ``(o [B, T, E] in q_quad's dtype, final FlashState or None)``. Computes in float32 (float64
-    for float64 inputs). ``backend`` ("auto", "torch", "triton") picks the chunk implementation
+    for float64 inputs). ``mode``: "naive", "recurrent" (a loop of ``mixed_chunk_step``), "chunk",
+    "parallel" or "auto": ``mixed_chunk_step`` for T == 1, "chunk" otherwise
+    (``edgeattn.ops.backend.choose_form``; the step checks the state's shapes, not its position's
+    values). ``backend`` ("auto", "torch", "triton") picks the chunk implementation
     (``edgeattn.ops.backend``); the Triton kernels cover no initial state, no final state, chunk_size
     * S <= 64 * 128 and float32/bfloat16/float16 inputs.
     """
-    check_mode(mode, ("naive", "parallel", "chunk", "recurrent"))
+    check_mode(mode, ("auto", "naive", "parallel", "chunk", "recurrent"))
     check_rank("q_quad", q_quad, 3, "[B, T, S]")
     B, T, S = q_quad.shape
     for name, x in (("k_quad", k_quad), ("q_lin", q_lin), ("k_lin", k_lin)):
@@ -94,9 +101,21 @@ def mixed_chunk_attention(
         check_dims("rel_bias", rel_bias, (C,), "[chunk_size]")
     # Accumulate in float32 (float64 inputs stay float64, for references).
     acc = torch.promote_types(q_quad.dtype, torch.float32)
-    state = None if initial_state is None else _check_state(initial_state, B, S, E, C, acc)
+    state = None if initial_state is None else _check_state(initial_state, B, S, E, C)
     quad_scale = 1.0 / C if quad_scale is None else quad_scale
     lin_scale = 1.0 / C if lin_scale is None else lin_scale
+    mode = choose_form(mode, T, "mixed_chunk_attention")
+    if mode == "step":
+        # Before any conversion below: the step traces exactly the ops of the exported step graph (and
+        # checks the state's shapes, not its position's values: no device sync per token).
+        state = _or_zeros(state, B, S, E, C, acc, q_quad.device)
+        xs = (x[:, 0] for x in (q_quad, k_quad, q_lin, k_lin, v))
+        o, final = mixed_chunk_step(*xs, state, quad_scale=quad_scale, lin_scale=lin_scale, rel_bias=rel_bias)
+        o = o.unsqueeze(1)
+        return (o if o.dtype == q_quad.dtype else o.to(q_quad.dtype)), (final if output_final_state else None)
+    if state is not None:
+        state = FlashState(*(x.to(acc) for x in state))
+        _check_position(state.position, C)
 
     out_dtype = q_quad.dtype
     xs = tuple(x.to(acc) for x in (q_quad, k_quad, q_lin, k_lin, v))
@@ -106,10 +125,10 @@ def mixed_chunk_attention(
     if mode == "naive":
         bias = q_quad.new_zeros(C, dtype=acc) if bias is None else bias
         o, final = naive_mixed_chunk_attention(
-            *xs, rel_bias=bias, initial_state=_or_zeros(state, B, S, E, C, xs), **kw
+            *xs, rel_bias=bias, initial_state=_or_zeros(state, B, S, E, C, acc, q_quad.device), **kw
         )
     elif mode == "recurrent":
-        final = _or_zeros(state, B, S, E, C, xs)
+        final = _or_zeros(state, B, S, E, C, acc, q_quad.device)
         outs = []
         for t in range(T):
             o_t, final = mixed_chunk_step(
@@ -145,5 +164,5 @@ def _use_kernel(q, C, initial_state, output_final_state, backend) -> bool:
     return use_kernel(q.device.type, backend, uncovered, "FLASH kernels")
 
 
-def _or_zeros(state, B, S, E, C, xs) -> FlashState:
-    return zero_state(B, S, E, C, xs[0].dtype, xs[0].device) if state is None else state
+def _or_zeros(state, B, S, E, C, dtype, device) -> FlashState:
+    return zero_state(B, S, E, C, dtype, device) if state is None else state

@@ -218,7 +218,7 @@ class _FeatureMapped(GatedRecurrenceMixer):
     def forward(self, x, state=None):
         if self.feature_map != "rff":
             return super().forward(x, state)
-        B, T, _ = x.shape
+        B = x.shape[0]
         q, k, v = self.project(x)
         q, k = self.features(q, k)
         if state is None:
@@ -226,9 +226,7 @@ class _FeatureMapped(GatedRecurrenceMixer):
         else:
             self.check_state(state, B)
         init = (state["recurrent_state"], state["normalizer"])
-        # T == 1: one exported step (the recurrent form of a single token), else the chunk form.
-        mode = "recurrent" if T == 1 else "chunk"
-        o, (S, z) = rff_recurrence(q, k, v, init, eps=self.eps, mode=mode, chunk_size=self.cfg.chunk_size)
+        o, (S, z) = rff_recurrence(q, k, v, init, eps=self.eps, mode="auto", chunk_size=self.cfg.chunk_size)
         return self.output(o.to(x.dtype), x), {"recurrent_state": S, "normalizer": z}
 
 

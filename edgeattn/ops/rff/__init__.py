@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from edgeattn._deps import require
+from edgeattn.ops.backend import choose_form
 from edgeattn.ops.common import gated_linear_attention
 from edgeattn.ops.utils import check_dims, check_rank
 
@@ -72,9 +73,13 @@ def safe_divide(num: Tensor, den: Tensor, weight_sum: Tensor, m: int, eps: float
 
 def rff_recurrence(fq, fk, v, initial_state=None, *, eps=1e-6, mode="chunk", chunk_size=64):
     """The normalized recurrence over ``rff_softmax_features`` (fq, fk [B, T, H, 2m + 1]), dividing
-    safely. ``initial_state`` (S [B, H, 2m + 1, V], z [B, H, 2m + 1]) or None.
-    Returns (o [B, T, H, V], (S, z))."""
+    safely. ``initial_state`` (S [B, H, 2m + 1, V], z [B, H, 2m + 1]) or None. ``mode``: a form of
+    ``gated_linear_attention`` or "auto": for T == 1 its recurrent form (one exported step), "chunk"
+    otherwise (``edgeattn.ops.backend.choose_form``; never its contrib op, the exported graphs keep plain
+    ops). Returns (o [B, T, H, V], (S, z))."""
     B, T, H, M = fq.shape
+    mode = choose_form(mode, T, "rff_recurrence")
+    mode = "recurrent" if mode == "step" else mode
     V = v.shape[-1]
     S0 = None
     if initial_state is not None:

@@ -3,15 +3,15 @@
     y = W_o (sigmoid(q_t) * sum_{i<=t} exp(k_i + w_{t,i}) v_i / sum_{i<=t} exp(k_i + w_{t,i}))
 
 q, k, v are linear projections of x; AFT mixes channel by channel, so n_heads plays no part. ``aft`` and
-``aft_local`` run the chunk form for T > 1 and the exported single step for T == 1 (see
-``edgeattn.ops.aft``); ``aft_full`` has no fixed-size state and is for training only.
+``aft_local`` call ``aft(mode="auto")``: the chunk form for T > 1, the exported single step for T == 1
+(see ``edgeattn.ops.aft``); ``aft_full`` has no fixed-size state and is for training only.
 """
 
 from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.aft import aft, aft_full, aft_state_names, aft_step
+from edgeattn.ops.aft import aft, aft_full, aft_state_names
 
 torch = require("torch")
 nn = torch.nn
@@ -76,20 +76,17 @@ class AFT(_Projections):
             self.check_state(state, B)
         names = aft_state_names(self.window)
         state = tuple(state[n] for n in names)
-        if T == 1:  # the exported step graph: the pure single-token function
-            o, state = aft_step(q[:, 0], k[:, 0], v[:, 0], self.decay(), self.window_bias(), state)
-            o = o.unsqueeze(1)
-        else:
-            o, state = aft(
-                q,
-                k,
-                v,
-                decay=self.decay(),
-                window_bias=self.window_bias(),
-                initial_state=state,
-                output_final_state=True,
-                chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
-            )
+        o, state = aft(
+            q,
+            k,
+            v,
+            decay=self.decay(),
+            window_bias=self.window_bias(),
+            initial_state=state,
+            output_final_state=True,
+            mode="auto",
+            chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
+        )
         return self.o_proj(o.to(x.dtype)), dict(zip(names, state))
 
 

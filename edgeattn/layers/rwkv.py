@@ -19,7 +19,7 @@ from __future__ import annotations
 from edgeattn._deps import require
 from edgeattn.layers.aft import chunk_dividing
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.aft import aft, aft_state_names, aft_step
+from edgeattn.ops.aft import aft, aft_state_names
 
 torch = require("torch")
 nn = torch.nn
@@ -73,21 +73,18 @@ class RWKV4(Mixer):
         bias = (self.time_first.float() + decay).unsqueeze(0)  # [1, D]
         names = aft_state_names(1)
         s = tuple(state[n] for n in names)
-        if T == 1:
-            o, s = aft_step(r[:, 0], k[:, 0], v[:, 0], decay, bias, s)
-            o = o.unsqueeze(1)
-        else:
-            # A chunk dividing T: no padded chunk, whose shapes the ONNX exporter cannot follow.
-            o, s = aft(
-                r,
-                k,
-                v,
-                decay=decay,
-                window_bias=bias,
-                initial_state=s,
-                output_final_state=True,
-                chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
-            )
+        # A chunk dividing T: no padded chunk, whose shapes the ONNX exporter cannot follow.
+        o, s = aft(
+            r,
+            k,
+            v,
+            decay=decay,
+            window_bias=bias,
+            initial_state=s,
+            output_final_state=True,
+            mode="auto",
+            chunk_size=chunk_dividing(int(T), self.cfg.chunk_size),
+        )
         new = {"shift": x[:, -1].float(), "ffn_shift": state["ffn_shift"], **dict(zip(names, s))}
         return self.o_proj(o.to(x.dtype)), new
 

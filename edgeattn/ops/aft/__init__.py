@@ -4,8 +4,9 @@
 
 ``aft``: w_{t,i} = window_bias[t-i] for t-i < W, else (t-i) * decay (AFT-simple with a learned decay,
 and AFT-local when a window bias is given). Four forms (naive loop, recurrent loop of the exported step,
-chunkwise, fully parallel) and a fixed-size state. ``aft_full``: learned pairwise w[t, i], parallel only.
-See README.md for the state and the stabilisation.
+chunkwise, fully parallel), ``mode="auto"`` (the layers' call: the step for one token, the chunk form
+otherwise, chosen in ``edgeattn.ops.backend``) and a fixed-size state. ``aft_full``: learned pairwise
+w[t, i], parallel only. See README.md for the state and the stabilisation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from edgeattn._deps import require
 from edgeattn.ops.aft.chunk import chunk_aft, parallel_aft, parallel_aft_full
 from edgeattn.ops.aft.naive import naive_aft, naive_aft_full
 from edgeattn.ops.aft.step import aft_step
-from edgeattn.ops.backend import use_kernel
+from edgeattn.ops.backend import choose_form, use_kernel
 from edgeattn.ops.utils import MODES, check_chunk_size, check_dims, check_log_gate, check_mode, check_rank
 
 torch = require("torch")
@@ -38,7 +39,8 @@ def _state_layouts(B: int, W: int, D: int):
     return shapes[:n], layouts[:n]
 
 
-def _check_initial_state(initial_state, B: int, W: int, D: int, dtype) -> tuple[Tensor, ...]:
+def _check_initial_state(initial_state, B: int, W: int, D: int) -> tuple[Tensor, ...]:
+    """The state's tensors as given (checked, not converted)."""
     names = aft_state_names(W)
     shapes, layouts = _state_layouts(B, W, D)
     if not isinstance(initial_state, tuple | list) or len(initial_state) != len(names):
@@ -47,11 +49,9 @@ def _check_initial_state(initial_state, B: int, W: int, D: int, dtype) -> tuple[
             f"initial_state must be a tuple of {len(names)} tensors ({', '.join(names)}) for a window of "
             f"W = {W} tokens, got {got}"
         )
-    out = []
     for i, (s, name, shape, layout) in enumerate(zip(initial_state, names, shapes, layouts)):
         check_dims(f"initial_state[{i}] ({name})", s, shape, layout)
-        out.append(s.to(dtype))
-    return tuple(out)
+    return tuple(initial_state)
 
 
 def _zero_state(B: int, W: int, D: int, dtype, device) -> tuple[Tensor, ...]:
@@ -90,34 +90,49 @@ def aft(
     (oldest first) and ``position`` ``[B]`` (filled slots, min(tokens seen, W)). All zeros starts a
     sequence. States are float32 (float64 for float64 inputs).
 
-    Returns ``(o [B, T, D] in q's dtype, final_state or None)``. ``backend`` ("auto", "torch",
-    "triton") picks the chunk implementation (``edgeattn.ops.backend``); the Triton kernels cover
-    a zero initial state, no final state and float32/bfloat16/float16 inputs.
+    Returns ``(o [B, T, D] in q's dtype, final_state or None)``. ``mode``: "naive", "recurrent" (a loop
+    of ``aft_step``), "chunk", "parallel" or "auto": ``aft_step`` for T == 1, "chunk" otherwise
+    (``edgeattn.ops.backend.choose_form``; the step checks the decay's shape but not its values).
+    ``backend`` ("auto", "torch", "triton") picks the chunk implementation (``edgeattn.ops.backend``);
+    the Triton kernels cover a zero initial state, no final state and float32/bfloat16/float16 inputs.
     """
-    check_mode(mode, MODES)
+    check_mode(mode, ("auto", *MODES))
     _check_qkv(q, k, v)
     B, T, D = q.shape
     check_chunk_size(chunk_size)
     # Accumulate in float32 (float64 inputs stay float64, for references).
     acc = torch.promote_types(q.dtype, torch.float32)
+    if decay is not None:
+        check_dims("decay", decay, (D,), "[D]")
+    if window_bias is not None and not (isinstance(window_bias, Tensor) and window_bias.dim() == 1):
+        check_dims("window_bias", window_bias, (None, D), "[W] or [W, D]")
+    W = 0 if window_bias is None else window_bias.shape[0]
+    if initial_state is None:
+        state = _zero_state(B, W, D, acc, q.device)
+    else:
+        state = _check_initial_state(initial_state, B, W, D)
+    mode = choose_form(mode, T, "aft")
+    if mode == "step":
+        # Before any conversion below: the step traces exactly the ops of the exported step graph (and
+        # checks the decay's shape, not its values: no device sync per token).
+        decay = q.new_zeros(D, dtype=acc) if decay is None else decay
+        if window_bias is not None and window_bias.dim() == 1:
+            window_bias = window_bias.unsqueeze(1).expand(-1, D)
+        o, state = aft_step(q[:, 0], k[:, 0], v[:, 0], decay, window_bias, state)
+        o = o.unsqueeze(1)
+        return (o if o.dtype == q.dtype else o.to(q.dtype)), (state if output_final_state else None)
     if decay is None:
         decay = q.new_zeros(D, dtype=acc)
     else:
-        check_dims("decay", decay, (D,), "[D]")
         check_log_gate("decay", decay)
         decay = decay.to(acc)
     if window_bias is None:
         wb = q.new_zeros(0, D, dtype=acc)
-    elif isinstance(window_bias, Tensor) and window_bias.dim() == 1:
+    elif window_bias.dim() == 1:
         wb = window_bias.to(acc).unsqueeze(1).expand(-1, D)
     else:
-        check_dims("window_bias", window_bias, (None, D), "[W] or [W, D]")
         wb = window_bias.to(acc)
-    W = wb.shape[0]
-    if initial_state is None:
-        state = _zero_state(B, W, D, acc, q.device)
-    else:
-        state = _check_initial_state(initial_state, B, W, D, acc)
+    state = tuple(x.to(acc) for x in state)
 
     out_dtype = q.dtype
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)

@@ -8,7 +8,10 @@ to the performer graph came in), copied to /tmp/ea-main2 and run as
 ``PYTHONPATH=/tmp/ea-main2 python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
 The four cases whose graphs issue 25 changed on purpose (gated_deltanet and kda: GatedRMSNorm as plain
 ops; gla_int4 and qwen3_5_hf_int4: one shared int4 embedding table) were re-recorded the same way from
-13868a7 with the `perf` branch merged in, still without the redesign. Rerecord it (from the code before a
+13868a7 with the `perf` branch merged in, still without the redesign. The aft and aft_local step graphs were
+re-recorded from branch arch4b (issue 21 item 4: the layer makes one `aft(mode="auto")` call, so the decay's
+Softplus and Neg, computed by the layer before the call, now precede the op's slices of q, k and v): the same
+nodes, initializers, inputs and outputs in another order, and ONNX Runtime's outputs bit-identical. Rerecord it (from the code before a
 change) only when a change of the graphs is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """

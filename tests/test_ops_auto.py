@@ -1,11 +1,13 @@
 """``mode="auto"``: each family op picks its form in one place (``edgeattn.ops.backend.choose_form``): the
 single-token step for T == 1, the chunk form otherwise, ONNX Runtime's contrib op while the export for the
-onnxruntime target traces. Each form is spied on to prove it ran, its result checked against the float64
-naive loop, and the contrib form exported and run by ONNX Runtime; and the ops never load the export code.
+onnxruntime target traces. Each form is spied on to prove it ran, its result checked against the explicit
+forms and the float64 naive loop, and the contrib form exported and run by ONNX Runtime; and the ops never
+load the export code.
 """
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import warnings
@@ -20,11 +22,21 @@ import torch.nn.functional as F
 import edgeattn.ops.common as common
 import edgeattn.ops.conv as conv
 import edgeattn.ops.delta as delta
+import edgeattn.ops.flash as flash_ops
+import edgeattn.ops.lsh as lsh_ops
+import edgeattn.ops.softmax as softmax_ops
 from edgeattn.export.contrib import fused_onnxruntime_op
 from edgeattn.ops import delta_rule, gated_linear_attention, short_conv
+from edgeattn.ops.aft import aft
 from edgeattn.ops.delta import gated_delta_gates
+from edgeattn.ops.flash import mixed_chunk_attention
+from edgeattn.ops.lsh import lsh_attention, lsh_rotations
 from edgeattn.ops.norm import gated_rms_norm
+from edgeattn.ops.rff import gaussian_projection, rff_recurrence, rff_softmax_features
+from edgeattn.ops.softmax import softmax_attention
 from tests.helpers import assert_close
+
+aft_ops = importlib.import_module("edgeattn.ops.aft")  # the module, not edgeattn.ops.aft the function
 
 B, H, K, V = 2, 2, 8, 6
 
@@ -122,6 +134,118 @@ def test_short_conv_auto_runs_the_step_for_one_token_and_the_chunk_form_otherwis
     )
     assert_close("y", y, ref_y, 1e-5)
     assert_close("state", S, ref_S, 1e-5)
+
+
+def f64_tree(x):
+    """Every floating tensor in x (a tensor, tuple, named tuple or dict) as float64."""
+    if isinstance(x, torch.Tensor):
+        return x.double() if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {n: f64_tree(y) for n, y in x.items()}
+    if isinstance(x, tuple):
+        items = [f64_tree(y) for y in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    return x
+
+
+def aft_inputs(T, gen):
+    fixed = torch.Generator().manual_seed(10)
+    kw = dict(decay=-torch.rand(6, generator=fixed), window_bias=torch.randn(3, 6, generator=fixed))
+    return tuple(torch.randn(B, T, 6, generator=gen) for _ in range(3)), kw
+
+
+def flash_inputs(T, gen):
+    fixed = torch.Generator().manual_seed(11)
+    kw = dict(chunk_size=4, rel_bias=torch.randn(4, generator=fixed))
+    return (*(torch.randn(B, T, 5, generator=gen) for _ in range(4)), torch.randn(B, T, 7, generator=gen)), kw
+
+
+def lsh_inputs(T, gen):
+    q = torch.randn(B, T, H, K, generator=gen)
+    rotations = lsh_rotations(K, 4, 2, torch.Generator().manual_seed(12))
+    kw = dict(rotations=rotations, bucket_size=None, exclude_self=True)
+    return (q, F.normalize(q, dim=-1), torch.randn(B, T, H, V, generator=gen)), kw
+
+
+def softmax_inputs(window):
+    def inputs(T, gen):
+        q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+        kw = {} if window is None else dict(window=window, sink=2)
+        return (q, k, torch.randn(B, T, H, V, generator=gen)), kw
+
+    return inputs
+
+
+def rff_inputs(T, gen):
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    fq, fk = rff_softmax_features(q, k, gaussian_projection(5, K, torch.Generator().manual_seed(13)))
+    return (fq, fk, torch.randn(B, T, H, V, generator=gen)), dict(chunk_size=4)
+
+
+def rff_op(fq, fk, v, *, initial_state, output_final_state, mode, **kw):
+    """rff_recurrence in the signature of the others (it always returns its state)."""
+    return rff_recurrence(fq, fk, v, initial_state, mode=mode, **kw)
+
+
+# op, its inputs, the module whose forms are spied on, the form auto runs for T == 1 and for T > 1
+AUTO = {
+    "aft": (aft, aft_inputs, aft_ops, "aft_step", "chunk_aft"),
+    "flash": (mixed_chunk_attention, flash_inputs, flash_ops, "mixed_chunk_step", "chunk_mixed_attention"),
+    "lsh": (lsh_attention, lsh_inputs, lsh_ops, "lsh_step", "_dense"),
+    "softmax": (softmax_attention, softmax_inputs(None), softmax_ops, "softmax_step", "chunk_softmax"),
+    "swa": (softmax_attention, softmax_inputs(4), softmax_ops, "window_step", "chunk_window"),
+    "rff": (rff_op, rff_inputs, common, "gated_recurrence_step", "chunk_gated_recurrence"),
+}
+
+
+def flat(state):
+    return [state] if isinstance(state, torch.Tensor) else [x for s in state for x in flat(s)]
+
+
+@pytest.mark.parametrize("T", [1, 9])
+@pytest.mark.parametrize("family", list(AUTO))
+def test_auto_runs_the_step_for_one_token_and_the_chunk_form_otherwise(monkeypatch, family, T):
+    """From a state mid-sequence (a prefix of 5 tokens: mid-chunk, the window filled), auto runs the one
+    expected form and agrees with the explicit recurrent and chunk forms and the float64 naive loop."""
+    op, make, module, step_form, chunk_form = AUTO[family]
+    gen = torch.Generator().manual_seed(5)
+    prefix, kw = make(5, gen)
+    args, _ = make(T, gen)
+    _, S0 = op(*prefix, **kw, initial_state=None, output_final_state=True, mode="chunk")
+    calls = []
+    for name in (step_form, chunk_form):
+        spy(monkeypatch, module, name, calls)
+    o, S = op(*args, **kw, initial_state=S0, output_final_state=True, mode="auto")
+    assert calls == [step_form if T == 1 else chunk_form]
+    assert o.dtype == args[0].dtype
+    ref_o, ref_S = op(
+        *f64_tree(args), **f64_tree(kw), initial_state=f64_tree(S0), output_final_state=True, mode="naive"
+    )
+    forms = {
+        m: op(*args, **kw, initial_state=S0, output_final_state=True, mode=m) for m in ("recurrent", "chunk")
+    }
+    for name, (want_o, want_S) in {"naive": (ref_o, ref_S), **forms}.items():
+        assert_close(f"o vs {name}", o, want_o, 1e-5)
+        for i, (got, want) in enumerate(zip(flat(S), flat(want_S), strict=True)):
+            assert_close(f"state[{i}] vs {name}", got, want.to(got.dtype), 1e-5)
+
+
+@pytest.mark.parametrize("bucket_size, causal", [(4, True), (None, False)])
+def test_lsh_auto_runs_the_step_for_one_token_without_a_cache_under_any_pattern(
+    monkeypatch, bucket_size, causal
+):
+    """One token without a cache attends to itself alone whatever the bucket size (the chunked pattern
+    has no recurrent form of its own) and causality."""
+    (q, k, v), kw = lsh_inputs(1, torch.Generator().manual_seed(6))
+    kw.update(bucket_size=bucket_size, causal=causal)
+    calls = []
+    for name in ("lsh_step", "_dense", "_chunked"):
+        spy(monkeypatch, lsh_ops, name, calls)
+    o, _ = lsh_attention(q, k, v, **kw, mode="auto")
+    assert calls == ["lsh_step"]
+    ref, _ = lsh_attention(*f64(q, k, v), **kw, mode="naive")
+    assert_close("o", o, ref, 1e-6)
+    assert_close("o is v", o, v, 1e-6)
 
 
 class Ops(torch.nn.Module):

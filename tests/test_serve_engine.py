@@ -61,19 +61,19 @@ def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
         t1 = await h1.text()
         h2 = engine.submit(Request(second, max_tokens=20, temperature=0))
         t2 = await h2.text()
+        # the conversation holds one state in memory: its last reply's (the second prompt superseded the
+        # first turn's reply, and the second reply the second prompt)
+        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
+        assert engine.cache.bytes == entry
         h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
         t3 = await h3.text()
-        # the conversation holds two states in memory: its last prompt's and its last reply's (the
-        # first turn's were superseded by the second prompt, which extends them)
-        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
-        assert engine.cache.bytes == 2 * entry
         return t1, h1, t2, h2, t3, h3
 
     t1, h1, t2, h2, t3, h3 = _run(_with_engine(serve_gla, body, slots=2))
     assert t1 == greedy_text(serve_gla, first, 20) and h1.cached_tokens == 0
     assert h2.cached_tokens == len(first) + len(reply)  # the state after the first prompt and its reply
     assert t2 == want
-    assert h3.cached_tokens == len(second) and t3 == want
+    assert h3.cached_tokens == 0 and t3 == want  # the second prompt's state left memory with its reply
 
     # the resumed state equals a fresh prefill up to rounding (other chunk boundaries, the reply stepped)
     sess = open_session(serve_gla)
@@ -264,19 +264,60 @@ def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
     assert tb == bytes(free).decode("utf-8", errors="replace")
 
 
-def test_a_conversation_holds_two_states_whatever_its_length(serve_gla):
-    # each turn sends the history with the reply rewritten (as a reply with invalid UTF-8 comes back from
-    # a client): the cached reply state is not a prefix of the next prompt, and still leaves memory
+def test_a_conversation_holds_one_state_whatever_its_length(serve_gla):
+    # a conversation whose turns extend the reply's tokens resumes from the reply each turn; one whose
+    # reply comes back rewritten (as a reply with invalid UTF-8 from a client) finds neither its last
+    # prompt nor its reply (the reply's state replaced the prompt's); each holds one state throughout
     async def body(engine):
-        history, previous, sizes = _ids(text_prompt(40, 9)), 0, []
-        for _ in range(4):
-            h = engine.submit(Request(history, max_tokens=8, temperature=0))
-            reply = await h.text()
-            assert h.cached_tokens == previous  # resumed from the last prompt, not from its reply
-            previous = len(history)
-            history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
-            sizes.append(engine.cache.bytes)
+        sizes = []
+        for exact in (True, False):
+            history, previous = _ids(text_prompt(40, 9 + exact)), 0
+            for _ in range(4):
+                h = engine.submit(Request(history, max_tokens=8, temperature=0))
+                reply = await h.text()
+                assert h.cached_tokens == previous
+                if exact:
+                    history = history + greedy_ids(serve_gla, history, 8) + _ids(" next")
+                    previous = len(history) - len(" next")
+                else:
+                    history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
+                sizes.append(engine.cache.bytes)
         return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
 
     sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
-    assert sizes == [2 * entry] * 4
+    assert sizes == [entry] * 4 + [2 * entry] * 4
+
+
+def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
+    def state(v):
+        return {"s": np.full((1, 4), v, np.float32)}
+
+    logits = np.zeros(8, np.float32)
+    entry = 4 * 4 + 8 * 4
+    cache = PrefixCache("f" * 64, {"s": (1, 4)}, 100 * entry)
+    prompt, reply = [1, 2, 3], [4, 5]
+    cache.put(prompt, state(1), logits, supersede=True)
+    assert (len(cache), cache.bytes) == (1, entry)
+    cache.put(prompt + reply, state(2), logits, reply_to=prompt)
+    assert (len(cache), cache.bytes) == (1, entry)  # the reply's state replaced the prompt's
+    assert cache.lookup(prompt + [9]) is None
+    hit = cache.lookup(prompt + reply + [6])
+    assert hit.n == 5 and hit.state["s"][0, 0] == 2
+    turn2 = prompt + reply + [6, 7]  # the next turn: its prompt supersedes the reply, its reply the prompt
+    cache.put(turn2, state(3), logits, supersede=True)
+    assert (len(cache), cache.bytes) == (1, entry)
+    cache.put(turn2 + [8], state(4), logits, reply_to=turn2)
+    assert (len(cache), cache.bytes) == (1, entry)
+    turn3 = turn2 + [80, 9]  # the reply came back re-encoded: turn 3 does not extend it, and supersedes it
+    cache.put(turn3, state(5), logits, supersede=True)
+    assert (len(cache), cache.lookup(turn3).n) == (1, 9)
+
+    # a system prompt that several requests resume from stays
+    system = [20, 21, 22]
+    cache.put(system, state(6), logits, supersede=True)
+    for question in ([30], [31]):
+        assert cache.lookup(system + question).n == 3
+        cache.put(system + question, state(7), logits, supersede=True)
+        cache.put(system + question + [40], state(8), logits, reply_to=system + question)
+    assert cache.lookup(system + [50]).n == 3
+    assert (len(cache), cache.bytes) == (4, 4 * entry)  # turn 3, the system prompt, the two replies

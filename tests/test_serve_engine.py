@@ -61,19 +61,20 @@ def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
         t1 = await h1.text()
         h2 = engine.submit(Request(second, max_tokens=20, temperature=0))
         t2 = await h2.text()
-        # the conversation holds one state in memory: its last reply's (the second prompt superseded the
-        # first turn's reply, and the second reply the second prompt)
-        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
-        assert engine.cache.bytes == entry
         h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
         t3 = await h3.text()
+        # the conversation holds two states in memory: its last prompt's and its last reply's, whose text
+        # (invalid UTF-8 from random weights) cannot come back as its tokens (the first turn's were
+        # superseded by the second prompt, which extends them)
+        entry = engine.state_bytes + 4 * engine.manifest.vocab_size
+        assert engine.cache.bytes == 2 * entry
         return t1, h1, t2, h2, t3, h3
 
     t1, h1, t2, h2, t3, h3 = _run(_with_engine(serve_gla, body, slots=2))
     assert t1 == greedy_text(serve_gla, first, 20) and h1.cached_tokens == 0
     assert h2.cached_tokens == len(first) + len(reply)  # the state after the first prompt and its reply
     assert t2 == want
-    assert h3.cached_tokens == 0 and t3 == want  # the second prompt's state left memory with its reply
+    assert h3.cached_tokens == len(second) and t3 == want
 
     # the resumed state equals a fresh prefill up to rounding (other chunk boundaries, the reply stepped)
     sess = open_session(serve_gla)
@@ -265,12 +266,16 @@ def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
 
 
 def test_a_conversation_holds_one_state_whatever_its_length(serve_gla):
-    # a conversation whose turns extend the reply's tokens resumes from the reply each turn; one whose
-    # reply comes back rewritten (as a reply with invalid UTF-8 from a client) finds neither its last
-    # prompt nor its reply (the reply's state replaced the prompt's); each holds one state throughout
+    # turns that extend the reply's tokens resume from the reply and hold one state; when the reply's text
+    # cannot come back as its tokens (invalid UTF-8 from random weights), the client sends it rewritten,
+    # the turn resumes from the last prompt, and the conversation holds two
     async def body(engine):
         sizes = []
         for exact in (True, False):
+            # as if the replies were text that encodes back to them (the client sends back their ids)
+            engine.tokenizer.round_trips = (
+                (lambda ids: True) if exact else type(engine.tokenizer)().round_trips
+            )
             history, previous = _ids(text_prompt(40, 9 + exact)), 0
             for _ in range(4):
                 h = engine.submit(Request(history, max_tokens=8, temperature=0))
@@ -280,12 +285,13 @@ def test_a_conversation_holds_one_state_whatever_its_length(serve_gla):
                     history = history + greedy_ids(serve_gla, history, 8) + _ids(" next")
                     previous = len(history) - len(" next")
                 else:
+                    previous = len(history)
                     history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
                 sizes.append(engine.cache.bytes)
         return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
 
     sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
-    assert sizes == [entry] * 4 + [2 * entry] * 4
+    assert sizes == [entry] * 4 + [3 * entry] * 4  # the first conversation's last reply stays
 
 
 def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
@@ -312,12 +318,18 @@ def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
     cache.put(turn3, state(5), logits, supersede=True)
     assert (len(cache), cache.lookup(turn3).n) == (1, 9)
 
-    # a system prompt that several requests resume from stays
+    # a prompt that another request resumed from while its own ran (a system prompt) stays
     system = [20, 21, 22]
-    cache.put(system, state(6), logits, supersede=True)
-    for question in ([30], [31]):
-        assert cache.lookup(system + question).n == 3
-        cache.put(system + question, state(7), logits, supersede=True)
-        cache.put(system + question + [40], state(8), logits, reply_to=system + question)
+    cache.put(system, state(6), logits, supersede=True)  # request A's prompt
+    assert cache.lookup(system + [30]).n == 3  # request B's, while A decodes
+    cache.put(system + [41], state(7), logits, reply_to=system)  # A's reply
+    cache.put(system + [30], state(8), logits, supersede=True)  # B's prompt
     assert cache.lookup(system + [50]).n == 3
-    assert (len(cache), cache.bytes) == (4, 4 * entry)  # turn 3, the system prompt, the two replies
+    assert (len(cache), cache.bytes) == (4, 4 * entry)  # turn 3, the system prompt, A's reply, B's prompt
+
+    # a reply whose text does not encode back to its ids: its prompt stays for the next turn
+    cache.put([60, 61], state(9), logits, supersede=True)
+    cache.put([60, 61, 62], state(10), logits, reply_to=[60, 61], round_trips=False)
+    assert (len(cache), cache.lookup([60, 61, 99]).n) == (6, 2)
+    cache.put([60, 61, 99], state(11), logits, supersede=True)  # the next turn: both leave
+    assert len(cache) == 5

@@ -76,6 +76,14 @@ class ByteTokenizer:
         if tail:
             yield tail
 
+    def round_trips(self, ids: Iterable[int]) -> bool:
+        """Whether the text of ``ids`` encodes back to them (a reply a client can send back as it came)."""
+        ids = list(ids)
+        return self._encode_plain(self.decode(ids)) == ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decoder(self) -> _ByteDecoder:
         """A push-style ``stream``: ``d.push(id)`` returns the text the id completes (maybe ""),
         ``d.flush()`` what is left at the end."""
@@ -103,6 +111,9 @@ class HFTokenizer(ByteTokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
 
     def decoder(self) -> _GrowingDecoder:
         """Decode the growing sequence and give what is new; a trailing U+FFFD (an incomplete byte

@@ -8,17 +8,18 @@ the ids), so a lookup costs O(len(tokens)) whatever the number of entries.
 
 Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes).
 The engine keeps one state per conversation in memory, and the states that several requests share:
-- it stores the state after a finished reply with ``reply_to`` (the prompt's ids): the entry of that
-  prompt, which the reply's extends, leaves memory unless a lookup has used it (``Entry.uses``: a prompt
-  that other requests share, such as a system prompt, or a regenerated turn, stays);
-- it stores a prompt's state with ``supersede``: the reply entries of shorter prefixes of the prompt leave
-  memory (the conversation has moved on) unless another request also resumed from them, and so do the
-  replies to shorter prefixes that the prompt does not extend (a reply whose text came back re-encoded
-  to other tokens) unless a lookup has used them. Prompt entries are never superseded (shared ones are
-  kept; others left at their reply).
-The price: a next turn that does not extend the reply (a reply the client sends back re-encoded to other
-tokens, an edited earlier message) finds neither the reply nor its prompt in memory (the disk, if any,
-still holds both).
+- it stores the state after a finished reply with ``reply_to`` (the prompt's ids): the prompt's entry,
+  which the reply's extends, is marked shared if another request has resumed from it meanwhile
+  (``Entry.uses``: a system prompt, a regenerated turn), else it leaves memory, provided the reply's text
+  encodes back to its token ids (``round_trips``: the client can send it back and land on the reply's
+  state; a reply that cannot, such as invalid UTF-8 from a byte-level model, keeps its prompt's entry);
+- it stores a prompt's state with ``supersede``: the entries of shorter prefixes of the prompt leave
+  memory (the conversation has moved on) unless shared or used by another request too, and so do the
+  replies to shorter prefixes that the prompt does not extend (a reply that came back re-encoded to
+  other tokens) unless a lookup has used them or the prefix is shared (they are other conversations').
+A conversation whose replies come back as they were generated so holds one state, one whose replies come
+back re-encoded two (its last prompt's and its last reply's). A next turn that extends neither (an edited
+earlier message) finds nothing in memory (the disk, if any, holds every entry).
 Disk (``directory``): every entry is also written as a state file (``edgeattn.runtimes.state_file``:
 checksummed, written atomically) named ``{n}-{key}.state``, holding the state tensors plus one more tensor,
 ``next_token_logits`` ``[1, vocab]``; the directory is indexed at start (by file name, nothing read), and an
@@ -56,6 +57,7 @@ class Entry:
     state: dict  # batch-1 state by graph input name
     logits: np.ndarray  # [vocab] next-token logits
     uses: int = 0  # lookups that resumed from it
+    shared: bool = False  # another request resumed from it while its own ran: never superseded
 
     @property
     def nbytes(self) -> int:
@@ -150,11 +152,14 @@ class PrefixCache:
         self.misses += 1
         return None
 
-    def put(self, tokens, state: dict, logits, supersede: bool = False, reply_to=None) -> None:
+    def put(
+        self, tokens, state: dict, logits, supersede: bool = False, reply_to=None, round_trips: bool = True
+    ) -> None:
         """Store the state after ``tokens`` (a copy is not made: give arrays nobody changes). With
         ``supersede`` the entries of shorter prefixes of ``tokens`` leave memory (not the disk), and so do
-        the replies recorded for them. ``reply_to``: the ids of the prompt this state is the reply to (a
-        prefix of ``tokens``), whose entry leaves memory unless a lookup has used it."""
+        the replies recorded for them, unless shared. ``reply_to``: the ids of the prompt this state is the
+        reply to (a prefix of ``tokens``); its entry is marked shared if a lookup has used it, else leaves
+        memory when ``round_trips`` (the reply's text encodes back to its ids: the next turn can extend it)."""
         if not self.enabled or len(tokens) == 0:
             return
         key = self.key(tokens)
@@ -163,10 +168,10 @@ class PrefixCache:
             for m, old in self._prefix_keys(np.asarray(tokens)):
                 if m >= n:
                     continue
-                if old in self._prompt_of:  # a reply this prompt extends, unless another request did too
-                    self._forget(old, unless_used=2)
+                self._forget(old, unless_used=2)  # used by this request alone: the conversation moved on
                 reply = self._replies.get(old)
-                if reply is not None and reply[1] != key:  # a reply this prompt does not extend
+                mine = old not in self._mem or not self._mem[old].shared  # not another conversation's reply
+                if reply is not None and reply[1] != key and mine:  # a reply this prompt does not extend
                     self._forget(reply[1], unless_used=1)
         entry = Entry(n, state, np.asarray(logits, dtype=np.float32).reshape(-1))
         if key in self._mem:
@@ -187,7 +192,9 @@ class PrefixCache:
             self._replies[prompt] = (len(reply_to), key)
             self._prompt_of[key] = prompt
             held = self._mem.get(prompt)
-            if held is not None and held.uses == 0:
+            if held is not None and held.uses > 0:
+                held.shared = True
+            elif held is not None and round_trips:
                 self._forget(prompt)
 
     def _unlink(self, key: str) -> None:
@@ -200,10 +207,10 @@ class PrefixCache:
             self._replies.pop(prompt, None)
 
     def _forget(self, key: str, unless_used: int | None = None) -> None:
-        """Take ``key`` out of memory (a copy on disk stays findable), unless ``unless_used`` or more
-        lookups have used it."""
+        """Take ``key`` out of memory (a copy on disk stays findable); with ``unless_used``, unless it is
+        shared or that many lookups have used it."""
         entry = self._mem.get(key)
-        if entry is not None and (unless_used is None or entry.uses < unless_used):
+        if entry is not None and (unless_used is None or not (entry.shared or entry.uses >= unless_used)):
             del self._mem[key]
             self._left(key, entry)
 

@@ -22,8 +22,9 @@ The graph calls and the cache run in one worker thread, so the loop stays free t
 run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
 string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
 consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
-supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's, unless another
-request resumed from it: one state per conversation (see ``edgeattn.serve.cache``).
+supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's (unless another
+request resumed from it, or the reply's text does not encode back to its tokens): one state per
+conversation (see ``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
 or resumed from the cache. Without a cache hit the prompt is consumed in the same prefill-graph chunks as
@@ -388,6 +389,7 @@ class Engine:
                     self.streams.get_state(sid),
                     self.streams.logits(sid),
                     reply_to=h.prompt,
+                    round_trips=self.tokenizer.round_trips(gen),
                 )
             self.streams.drop(sid)
 

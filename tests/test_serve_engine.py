@@ -152,6 +152,58 @@ def test_utf8_characters_are_never_split():
     assert [p for p in pieces if p] == list(text)  # each character whole, once complete
 
 
+def _hf_tokenizers(tmp_path):
+    """A byte-level BPE without merges (every multi-byte character split across tokens) and one trained
+    with merges (tokens that end inside a character), as tokenizer.json files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    plain = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    trained = Tokenizer(models.BPE())
+    for tok in (plain, trained):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld, 日本語のテキスト, a€b😀c 😀😀 €€ ÿÿ"] * 20
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=264, initial_alphabet=alphabet))
+    paths = []
+    for name, tok in (("plain", plain), ("trained", trained)):
+        paths.append(tmp_path / f"{name}.json")
+        tok.save(str(paths[-1]))
+    return paths
+
+
+def _counted(decode, lengths: list):
+    def counted(ids):
+        lengths.append(len(ids))
+        return decode(ids)
+
+    return counted
+
+
+def test_streamed_text_equals_decoding_the_whole_reply(tmp_path):
+    from tokenizers import Tokenizer
+
+    from edgeattn.artifact.tokenizer import HFTokenizer
+
+    text = "héllo wörld, 日本語のテキスト: a€b😀c ÿ " * 30
+    rng = np.random.default_rng(0)
+    for path in _hf_tokenizers(tmp_path):
+        ref = Tokenizer.from_file(str(path))  # the reference: the tokenizers library decoding at once
+        tok = HFTokenizer(path, {})
+        valid = ref.encode(text).ids
+        assert any(ref.decode(valid[:k]).endswith("\ufffd") for k in range(len(valid)))  # split characters
+        lengths = []  # of every id list the decoder decodes
+        tok.decode = _counted(tok.decode, lengths)
+        for ids in (valid, [int(i) for i in rng.integers(0, ref.get_vocab_size(), 400)]):
+            lengths.clear()
+            d = tok.decoder()
+            pieces = [d.push(i) for i in ids] + [d.flush()]
+            assert "".join(pieces) == ref.decode(ids)
+            assert max(lengths) <= 16  # a window of the ids each time, never the whole reply
+            if ids is valid:  # valid UTF-8: no piece holds a replacement character (a split one)
+                assert not any("\ufffd" in piece for piece in pieces)
+
+
 def test_prefix_cache_lru_and_disk(serve_gla, tmp_path, caplog):
     sess = open_session(serve_gla)
     m = sess.manifest

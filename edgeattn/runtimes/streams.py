@@ -345,10 +345,15 @@ class Streams:
         whose ids all have the same length, consumed together at batch B in the chunks ``prefill`` uses
         (full chunks through the prefill graph, the rest as ``Session.prefill`` does), each row from its
         own state (a batch-1 dict, or None: zeros) and position. Returns ``prefill``'s triple per piece.
-        With a KV buffer the pieces are prefilled one after another (GroupQueryAttention takes a batch of
-        one where a call has several tokens and a past)."""
+        With a KV buffer only new prompts whose pieces fit one call (``prefill_tokens``) are prefilled
+        together (GroupQueryAttention takes a batch of one where a call has several tokens and a past),
+        others one after another."""
         with self.lock:
-            if len(pieces) == 1 or any(self._kv(e) for e in self._entries):
+            alone = len(pieces) == 1
+            if any(self._kv(e) for e in self._entries):
+                first = all(state is None and pos == 0 for _, state, pos in pieces)
+                alone = alone or not first or len(pieces[0][0]) > self.manifest.prefill_tokens
+            if alone:
                 return [self.prefill(ids, state=state, position=pos) for ids, state, pos in pieces]
             ids = np.stack([np.asarray(p[0], dtype=np.int64) for p in pieces])  # [B, T]
             if ids.ndim != 2 or ids.shape[1] == 0:

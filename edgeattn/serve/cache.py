@@ -29,7 +29,9 @@ holds every entry ever written (no eviction there).
 
 Models with a KV-buffer layer (softmax layers on GroupQueryAttention) cache their buffer as it is in the
 state: the whole preallocated ``[1, Hkv, max_length, D]`` key and value buffers per layer, whatever the
-position, so an entry costs the full buffer bytes (``state_bytes`` of the artifact), not only the prefix.
+position, so an entry counts the full buffer bytes (``state_bytes`` of the artifact) against the capacity;
+in memory the slots past its position are zeros that ``Streams`` never wrote (pages the OS does not
+commit), so its RSS is about the prefix's.
 """
 
 from __future__ import annotations

@@ -355,9 +355,12 @@ class Streams:
                 alone = alone or not first or len(pieces[0][0]) > self.manifest.prefill_tokens
             if alone:
                 return [self.prefill(ids, state=state, position=pos) for ids, state, pos in pieces]
-            ids = np.stack([np.asarray(p[0], dtype=np.int64) for p in pieces])  # [B, T]
-            if ids.ndim != 2 or ids.shape[1] == 0:
-                raise ValueError("prefill_many takes non-empty 1-D pieces of one length")
+            rows = [np.asarray(p[0]) for p in pieces]
+            if any(
+                r.ndim != 1 or r.size == 0 or r.dtype.kind not in "iu" or r.size != rows[0].size for r in rows
+            ):
+                raise ValueError("prefill_many takes non-empty 1-D pieces of token ids, all of one length")
+            ids = np.stack(rows).astype(np.int64)  # [B, T]
             B, T = ids.shape
             cur = []  # [B, ...] per state entry, a row per piece
             for e in self._entries:

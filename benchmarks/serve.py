@@ -9,15 +9,24 @@ What it measures: a GLA model (random weights: speed and memory do not depend on
    from its own 32-byte prompt: aggregate tokens/s (all tokens / wall time from the first request to the
    last token) and its ratio to N = 1; p50 and p99 time to first token (TTFT) and inter-token latency
    (ITL, the gaps between streamed chunks); the server's RSS after the round.
-2. A 10-turn chat (``--turns``) whose history grows to ``--history`` bytes (= tokens, byte-level): each
-   turn sends the whole conversation with a new user message and takes a 16-token greedy reply. Run
-   against a fresh server with the prefix cache (empty) and one with ``--state-cache-mb 0``: TTFT per turn,
-   the ``cached_tokens`` reported, and the cached server's RSS growth over the conversation next to the
-   state bytes of one stream. (``--parts`` runs one of the two.)
+2. A 10-turn chat (``--turns``): each turn sends the whole conversation with a new user message of
+   ``--user-tokens`` (30-50) tokens and takes a greedy reply of ``--reply-tokens`` (340), so that the
+   prompt reaches ~4k tokens at turn 10. Run against a fresh server with the prefix cache (empty) and one
+   with ``--state-cache-mb 0``: TTFT per turn, its prompt tokens and the ``cached_tokens`` reported. For
+   the reply's state to be found next turn the text the client sends back must encode to the same token
+   ids, which a byte-level vocabulary with random weights does not give (it emits invalid UTF-8): the
+   models get a ``tokenizer.json`` built here (``char_tokenizer``: every token one printable character,
+   a concatenating decoder, so decode -> encode gives the ids back; checked before the run, and each
+   reply's text re-encoded to its token count). Then ``--rss-conversations`` (4) more such chats run
+   together on each server; the RSS growth they cause divided by their number is set next to the bytes
+   of one stream's state (the server fixes glibc's mmap threshold, so freed states go back to the
+   system). ``--tokenizer bytes`` runs the older chat instead: the byte-level tokenizer, user messages
+   that fill ``--history`` bytes over the turns and 16-token replies (which come back re-encoded).
+   (``--parts`` runs one of the two parts.)
 
 ``--model qwen35``: the imported Qwen3.5 layout at a small size (``SMALL``) instead, exported with
-``--dynamic-batch``: its softmax layers keep a KV buffer of ``--history`` + 512 tokens per stream, which
-``Streams`` copies whole when a stream joins or leaves the batch.
+``--dynamic-batch``: its softmax layers keep a KV buffer of ``--history`` + 512 tokens per stream (its
+prompts are prefilled one at a time: GroupQueryAttention takes a batch of one for several tokens).
 
     python benchmarks/serve.py [--d-model 768 --layers 12 --heads 12] [--threads 2]
     python benchmarks/serve.py --model qwen35 [--clients 1,4,16]   # the imported Qwen3.5 shape, small
@@ -186,30 +195,111 @@ async def concurrency(server: Server, model: str, ns: list[int], max_tokens: int
     return rows
 
 
-async def conversation(server: Server, model: str, turns: int, history: int, reply_tokens: int) -> list[dict]:
+def char_tokenizer(vocab_size: int):
+    """A ``tokenizers`` tokenizer of ``vocab_size`` tokens, each one printable character (and a newline,
+    for the chat template), with no merges and a concatenating decoder (``decoders.Fuse``): any ids decode
+    to a text that encodes back to them, so a reply comes back to the server as the tokens it was."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = ["\n"] + [c for c in map(chr, range(0x20, 0x250)) if c.isprintable()]
+    if vocab_size > len(chars):
+        raise SystemExit(
+            f"char_tokenizer has {len(chars)} characters, the model's vocabulary is {vocab_size}"
+        )
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars[:vocab_size])}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def with_char_tokenizer(art: Path) -> Path:
+    """A sibling of artifact ``art`` (its files linked) whose manifest names a ``char_tokenizer`` of its
+    vocabulary; its round trip is checked on random ids first."""
+    import numpy as np
+
+    data = json.loads((art / "edgeattn.json").read_text())
+    V = data["vocab_size"]
+    tok = char_tokenizer(V)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, V, 20_000)]
+    if tok.encode(tok.decode(ids)).ids != ids:
+        raise SystemExit("char_tokenizer: decode -> encode does not give the ids back")
+    out = art.parent / f"{art.name}-chars"
+    out.mkdir(exist_ok=True)
+    for f in art.iterdir():
+        if f.name not in ("edgeattn.json", "tokenizer.json") and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    tok.save(str(out / "tokenizer.json"))
+    old = data.get("tokenizer") or {}
+    data["tokenizer"] = {
+        "type": "huggingface",
+        "path": "tokenizer.json",
+        "vocab_size": V,
+        "eos_token_ids": old.get("eos_token_ids", []),
+        "bos_token_id": None,
+        "pad_token_id": None,
+        "chat_template": None,
+    }
+    if "tokenizer.json" in data.get("files", {}):  # an imported model lists its own, with a checksum
+        from edgeattn.artifact.manifest import sha256_file
+
+        path = out / "tokenizer.json"
+        data["files"]["tokenizer.json"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    (out / "edgeattn.json").write_text(json.dumps(data, indent=1))
+    return out
+
+
+async def conversation(server: Server, model: str, args, seed: int = 1) -> list[dict]:
+    """One chat of ``args.turns`` turns (see the module docstring): a row per turn."""
     import numpy as np
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-    rng = np.random.default_rng(1)
-    per_turn = max(1, history // turns - reply_tokens - 24)  # the template adds "user: ...\nassistant: "
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1200)
+    rng = np.random.default_rng(seed)
+    tok = char_tokenizer(args.vocab) if args.tokenizer == "chars" else None
+    if tok is None:  # the older chat: long user messages filling --history bytes, 16-token replies
+        reply_tokens = 16
+        per_turn = max(
+            1, args.history // args.turns - reply_tokens - 24
+        )  # the template: "user: ...\nassistant: "
+    else:
+        reply_tokens = args.reply_tokens
+    lo, hi = (int(x) for x in args.user_tokens.split("-"))
     messages, rows = [], []
-    rss0 = server.rss()
-    for t in range(turns):
-        messages.append({"role": "user", "content": "".join(chr(c) for c in rng.integers(97, 123, per_turn))})
+    for t in range(args.turns):
+        n = per_turn if tok is None else int(rng.integers(lo, hi + 1))
+        words = rng.integers(97, 123, n)
+        words[rng.random(n) < 0.18] = 32  # lowercase words and spaces
+        messages.append({"role": "user", "content": "".join(chr(c) for c in words)})
         r = await stream_one(client, model, messages=messages, max_tokens=reply_tokens)
         messages.append({"role": "assistant", "content": r["text"]})
-        rows.append(
-            {
-                "turn": t + 1,
-                "prompt_tokens": r["prompt_tokens"],
-                "cached_tokens": r["cached"],
-                "ttft_ms": 1e3 * r["ttft"],
-            }
-        )
-    rows[-1]["rss_growth_mib"] = (server.rss() - rss0) / MiB
+        row = {
+            "turn": t + 1,
+            "prompt_tokens": r["prompt_tokens"],
+            "cached_tokens": r["cached"],
+            "completion_tokens": r["tokens"],
+            "ttft_ms": 1e3 * r["ttft"],
+        }
+        if tok is not None:  # the reply's text is its tokens, one character each
+            row["reply_round_trips"] = len(tok.encode(r["text"]).ids) == r["tokens"]
+        rows.append(row)
     await client.close()
     return rows
+
+
+async def conversations(server: Server, model: str, args) -> tuple[list[dict], float]:
+    """The timed chat alone, then ``--rss-conversations`` more together: (its rows, RSS growth per chat
+    of the latter, in bytes)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    await stream_one(client, model, prompt=[3, 4, 5, 6], max_tokens=4)  # warm-up (the graphs' first runs)
+    await client.close()
+    rows = await conversation(server, model, args)
+    k = args.rss_conversations
+    if not k:
+        return rows, None
+    rss0 = server.rss()
+    await asyncio.gather(*(conversation(server, model, args, seed=100 + i) for i in range(k)))
+    return rows, (server.rss() - rss0) / k
 
 
 def build_qwen35(args, workdir: Path) -> Path:
@@ -245,7 +335,21 @@ def main(argv=None) -> int:
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated numbers of concurrent clients")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request in the concurrency rounds")
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--history", type=int, default=4096, help="bytes of conversation after the last turn")
+    p.add_argument("--user-tokens", default="30-50", help="tokens of each user message (a range)")
+    p.add_argument("--reply-tokens", type=int, default=340, help="max_tokens of each reply in the chat")
+    p.add_argument("--rss-conversations", type=int, default=4, help="chats run together to measure RSS")
+    p.add_argument(
+        "--tokenizer",
+        choices=("chars", "bytes"),
+        default="chars",
+        help="bytes: the older chat (byte-level tokenizer, user messages filling --history, 16-token replies)",
+    )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=4096,
+        help="conversation tokens the KV buffer must hold (qwen35: + 512)",
+    )
     p.add_argument(
         "--model", choices=("gla", "qwen35"), default="gla", help="qwen35: the imported Qwen3.5 shape, small"
     )
@@ -256,18 +360,22 @@ def main(argv=None) -> int:
     if args.quick:
         args.d_model, args.layers, args.heads = 64, 2, 2
         args.clients, args.max_tokens, args.turns, args.history = "1,4", 8, 3, 600
+        args.reply_tokens, args.rss_conversations = 40, 2
     ns = [int(x) for x in args.clients.split(",")]
     parts = set(args.parts.split(","))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="edgeattn-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     art = build(args, workdir) if args.model == "gla" else build_qwen35(args, workdir)
+    if args.tokenizer == "chars":
+        art = with_char_tokenizer(art)
+    args.vocab = json.loads((art / "edgeattn.json").read_text())["vocab_size"]
     params = json.loads((art / "edgeattn.json").read_text())["model"]
     params = {k: params.get(k) for k in ("d_model", "n_layers", "n_heads", "vocab_size", "mixer")}
     model = art.name
     slots = str(max(ns))
     common = ["--threads", str(args.threads), "--slots", slots, "--max-queue", slots]
 
-    rows, cached, uncached, state_bytes = [], [], [], None
+    rows, cached, uncached, state_bytes, rss = [], [], [], None, {}
     if "concurrency" in parts:
         server = Server(art, *common, log=workdir / "serve-load.log")
         try:
@@ -275,18 +383,18 @@ def main(argv=None) -> int:
             state_bytes = server.state_bytes()
         finally:
             server.stop()
-    if "conversation" in parts:  # fresh servers: an empty cache, so its growth is the conversation's
-        server = Server(art, *common, log=workdir / "serve-cache.log")
-        try:
-            state_bytes = server.state_bytes()
-            cached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
-        finally:
-            server.stop()
-        server = Server(art, *common, "--state-cache-mb", "0", log=workdir / "serve-nocache.log")
-        try:
-            uncached = asyncio.run(conversation(server, model, args.turns, args.history, 16))
-        finally:
-            server.stop()
+    if "conversation" in parts:  # fresh servers: an empty cache, so its growth is the conversations'
+        for label, extra in (("cache", ()), ("no_cache", ("--state-cache-mb", "0"))):
+            server = Server(art, *common, *extra, log=workdir / f"serve-{label}.log")
+            try:
+                state_bytes = server.state_bytes()
+                convo, rss[label] = asyncio.run(conversations(server, model, args))
+            finally:
+                server.stop()
+            if label == "cache":
+                cached = convo
+            else:
+                uncached = convo
 
     print(f"{args.model}: {params}, --threads {args.threads}, --slots {slots}")
     if rows:
@@ -303,22 +411,25 @@ def main(argv=None) -> int:
                 f"{r['rss_mib']:.0f} |"
             )
     if cached:
+        reply = "16-token replies" if args.tokenizer == "bytes" else f"replies of {args.reply_tokens} tokens"
+        print(f"\nA {args.turns}-turn chat to {cached[-1]['prompt_tokens']} prompt tokens, {reply}:\n")
         print(
-            f"\nA {args.turns}-turn chat to {cached[-1]['prompt_tokens']} prompt tokens, 16-token replies:\n"
+            "| turn | prompt tokens | cached_tokens | reply re-encodes | TTFT ms, cache | "
+            "TTFT ms, --state-cache-mb 0 | speed-up |"
         )
-        print(
-            "| turn | prompt tokens | cached_tokens | TTFT ms, cache | TTFT ms, --state-cache-mb 0 | speed-up |"
-        )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for a, b in zip(cached, uncached):
+            same = {True: "yes", False: "no", None: "-"}[a.get("reply_round_trips")]
             print(
-                f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_ms']:.0f} | "
+                f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {same} | {a['ttft_ms']:.0f} | "
                 f"{b['ttft_ms']:.0f} | {b['ttft_ms'] / a['ttft_ms']:.1f}x |"
             )
-        print(
-            f"\nServer RSS growth over the cached conversation (from an empty cache): "
-            f"{cached[-1]['rss_growth_mib']:.1f} MiB (one stream's state: {state_bytes / MiB:.2f} MiB)"
-        )
+        if rss.get("cache") is not None:
+            print(
+                f"\nServer RSS growth per conversation ({args.rss_conversations} more chats run together after the "
+                f"first): {rss['cache'] / MiB:.2f} MiB with the cache, {rss['no_cache'] / MiB:.2f} MiB without "
+                f"(one stream's state: {state_bytes / MiB:.2f} MiB)"
+            )
     ttft_cached = [a["ttft_ms"] for a in cached[1:]]
     print(
         json.dumps(
@@ -329,6 +440,8 @@ def main(argv=None) -> int:
                 "max_tokens": args.max_tokens,
                 "concurrency": rows,
                 "conversation": {"cache": cached, "no_cache": uncached},
+                "rss_growth_per_conversation": rss,
+                "tokenizer": args.tokenizer,
                 "last_turn_speedup": uncached[-1]["ttft_ms"] / cached[-1]["ttft_ms"] if cached else None,
                 "cached_ttft_ms_median_turns_2_on": statistics.median(ttft_cached) if ttft_cached else None,
                 "state_bytes": state_bytes,

@@ -63,8 +63,9 @@ def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
         t2 = await h2.text()
         h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
         t3 = await h3.text()
-        # the conversation holds two states in memory: its last prompt's and its last reply's (the
-        # first turn's were superseded by the second prompt, which extends them)
+        # the conversation holds two states in memory: its last prompt's and its last reply's, whose text
+        # (invalid UTF-8 from random weights) cannot come back as its tokens (the first turn's were
+        # superseded by the second prompt, which extends them)
         entry = engine.state_bytes + 4 * engine.manifest.vocab_size
         assert engine.cache.bytes == 2 * entry
         return t1, h1, t2, h2, t3, h3
@@ -151,6 +152,58 @@ def test_utf8_characters_are_never_split():
     assert [p for p in pieces if p] == list(text)  # each character whole, once complete
 
 
+def _hf_tokenizers(tmp_path):
+    """A byte-level BPE without merges (every multi-byte character split across tokens) and one trained
+    with merges (tokens that end inside a character), as tokenizer.json files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    plain = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    trained = Tokenizer(models.BPE())
+    for tok in (plain, trained):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld, 日本語のテキスト, a€b😀c 😀😀 €€ ÿÿ"] * 20
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=264, initial_alphabet=alphabet))
+    paths = []
+    for name, tok in (("plain", plain), ("trained", trained)):
+        paths.append(tmp_path / f"{name}.json")
+        tok.save(str(paths[-1]))
+    return paths
+
+
+def _counted(decode, lengths: list):
+    def counted(ids):
+        lengths.append(len(ids))
+        return decode(ids)
+
+    return counted
+
+
+def test_streamed_text_equals_decoding_the_whole_reply(tmp_path):
+    from tokenizers import Tokenizer
+
+    from edgeattn.artifact.tokenizer import HFTokenizer
+
+    text = "héllo wörld, 日本語のテキスト: a€b😀c ÿ " * 30
+    rng = np.random.default_rng(0)
+    for path in _hf_tokenizers(tmp_path):
+        ref = Tokenizer.from_file(str(path))  # the reference: the tokenizers library decoding at once
+        tok = HFTokenizer(path, {})
+        valid = ref.encode(text).ids
+        assert any(ref.decode(valid[:k]).endswith("\ufffd") for k in range(len(valid)))  # split characters
+        lengths = []  # of every id list the decoder decodes
+        tok.decode = _counted(tok.decode, lengths)
+        for ids in (valid, [int(i) for i in rng.integers(0, ref.get_vocab_size(), 400)]):
+            lengths.clear()
+            d = tok.decoder()
+            pieces = [d.push(i) for i in ids] + [d.flush()]
+            assert "".join(pieces) == ref.decode(ids)
+            assert max(lengths) <= 16  # a window of the ids each time, never the whole reply
+            if ids is valid:  # valid UTF-8: no piece holds a replacement character (a split one)
+                assert not any("\ufffd" in piece for piece in pieces)
+
+
 def test_prefix_cache_lru_and_disk(serve_gla, tmp_path, caplog):
     sess = open_session(serve_gla)
     m = sess.manifest
@@ -220,7 +273,7 @@ def test_artifacts_that_cannot_batch_are_served_one_at_a_time(serve_root, kind):
 def test_a_kv_buffer_hybrid_exported_with_a_dynamic_batch_is_batched(serve_root):
     # Gated DeltaNet + a softmax layer on a GroupQueryAttention KV buffer of 96 tokens
     art = export_tiny(serve_root, "gated_deltanet,softmax", max_seq_len=96)
-    prompts = [text_prompt(n, 50 + i) for i, n in enumerate((20, 9, 35, 17))]
+    prompts = [text_prompt(n, 50 + i) for i, n in enumerate((12, 9, 35, 12))]  # two prefilled together
     want = [greedy_text(art, p, 16) for p in prompts]
     second = _ids(prompts[0]) + greedy_ids(art, _ids(prompts[0]), 16) + _ids("more")
 
@@ -264,19 +317,71 @@ def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
     assert tb == bytes(free).decode("utf-8", errors="replace")
 
 
-def test_a_conversation_holds_two_states_whatever_its_length(serve_gla):
-    # each turn sends the history with the reply rewritten (as a reply with invalid UTF-8 comes back from
-    # a client): the cached reply state is not a prefix of the next prompt, and still leaves memory
+def test_a_conversation_holds_one_state_whatever_its_length(serve_gla):
+    # turns that extend the reply's tokens resume from the reply and hold one state; when the reply's text
+    # cannot come back as its tokens (invalid UTF-8 from random weights), the client sends it rewritten,
+    # the turn resumes from the last prompt, and the conversation holds two
     async def body(engine):
-        history, previous, sizes = _ids(text_prompt(40, 9)), 0, []
-        for _ in range(4):
-            h = engine.submit(Request(history, max_tokens=8, temperature=0))
-            reply = await h.text()
-            assert h.cached_tokens == previous  # resumed from the last prompt, not from its reply
-            previous = len(history)
-            history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
-            sizes.append(engine.cache.bytes)
+        sizes = []
+        for exact in (True, False):
+            # as if the replies were text that encodes back to them (the client sends back their ids)
+            engine.tokenizer.round_trips = (
+                (lambda ids: True) if exact else type(engine.tokenizer)().round_trips
+            )
+            history, previous = _ids(text_prompt(40, 9 + exact)), 0
+            for _ in range(4):
+                h = engine.submit(Request(history, max_tokens=8, temperature=0))
+                reply = await h.text()
+                assert h.cached_tokens == previous
+                if exact:
+                    history = history + greedy_ids(serve_gla, history, 8) + _ids(" next")
+                    previous = len(history) - len(" next")
+                else:
+                    previous = len(history)
+                    history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
+                sizes.append(engine.cache.bytes)
         return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
 
     sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
-    assert sizes == [2 * entry] * 4
+    assert sizes == [entry] * 4 + [3 * entry] * 4  # the first conversation's last reply stays
+
+
+def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
+    def state(v):
+        return {"s": np.full((1, 4), v, np.float32)}
+
+    logits = np.zeros(8, np.float32)
+    entry = 4 * 4 + 8 * 4
+    cache = PrefixCache("f" * 64, {"s": (1, 4)}, 100 * entry)
+    prompt, reply = [1, 2, 3], [4, 5]
+    cache.put(prompt, state(1), logits, supersede=True)
+    assert (len(cache), cache.bytes) == (1, entry)
+    cache.put(prompt + reply, state(2), logits, reply_to=prompt)
+    assert (len(cache), cache.bytes) == (1, entry)  # the reply's state replaced the prompt's
+    assert cache.lookup(prompt + [9]) is None
+    hit = cache.lookup(prompt + reply + [6])
+    assert hit.n == 5 and hit.state["s"][0, 0] == 2
+    turn2 = prompt + reply + [6, 7]  # the next turn: its prompt supersedes the reply, its reply the prompt
+    cache.put(turn2, state(3), logits, supersede=True)
+    assert (len(cache), cache.bytes) == (1, entry)
+    cache.put(turn2 + [8], state(4), logits, reply_to=turn2)
+    assert (len(cache), cache.bytes) == (1, entry)
+    turn3 = turn2 + [80, 9]  # the reply came back re-encoded: turn 3 does not extend it, and supersedes it
+    cache.put(turn3, state(5), logits, supersede=True)
+    assert (len(cache), cache.lookup(turn3).n) == (1, 9)
+
+    # a prompt that another request resumed from while its own ran (a system prompt) stays
+    system = [20, 21, 22]
+    cache.put(system, state(6), logits, supersede=True)  # request A's prompt
+    assert cache.lookup(system + [30]).n == 3  # request B's, while A decodes
+    cache.put(system + [41], state(7), logits, reply_to=system)  # A's reply
+    cache.put(system + [30], state(8), logits, supersede=True)  # B's prompt
+    assert cache.lookup(system + [50]).n == 3
+    assert (len(cache), cache.bytes) == (4, 4 * entry)  # turn 3, the system prompt, A's reply, B's prompt
+
+    # a reply whose text does not encode back to its ids: its prompt stays for the next turn
+    cache.put([60, 61], state(9), logits, supersede=True)
+    cache.put([60, 61, 62], state(10), logits, reply_to=[60, 61], round_trips=False)
+    assert (len(cache), cache.lookup([60, 61, 99]).n) == (6, 2)
+    cache.put([60, 61, 99], state(11), logits, supersede=True)  # the next turn: both leave
+    assert len(cache) == 5

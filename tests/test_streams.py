@@ -99,6 +99,29 @@ def test_streams_equal_separate_sessions_as_streams_come_and_go(arts, mixer, tar
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=TOL)  # state values reach ~20
 
 
+@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet,softmax"])
+def test_prefill_many_equals_separate_sessions(arts, mixer):
+    # pieces of one length at batch 3, each against its own batch-1 session; the GLA's first row resumes
+    # from a state, while a KV buffer batches new prompts only, whose piece fits one prefill call
+    art = arts[mixer, "onnxruntime"]
+    kv = "softmax" in mixer
+    s = Streams(art, max_streams=4)
+    n = PREFILL if kv else 2 * PREFILL + 5
+    heads = [None if kv else _prompt(7, 40), None, None]
+    pieces = [_prompt(n, 41 + i) for i in range(3)]
+    starts = [(None, 0) if h is None else s.prefill(h)[::2] for h in heads]  # (state, position)
+    out = s.prefill_many([(p, st, pos) for p, (st, pos) in zip(pieces, starts)])
+    for head, piece, (state, logits, pos) in zip(heads, pieces, out):
+        ref = open_session(art)
+        if head is not None:
+            ref.prefill(head[None])
+        want = ref.prefill(piece[None])[0]
+        assert pos == n + (0 if head is None else len(head))
+        np.testing.assert_allclose(logits, want, atol=TOL)
+        for name, a in ref.get_state().items():
+            np.testing.assert_allclose(state[name], a, atol=TOL)
+
+
 def test_per_stream_sampling_equals_the_single_session_sampler(arts):
     art = arts["gla", "onnxruntime"]
     params = [

@@ -76,6 +76,14 @@ class ByteTokenizer:
         if tail:
             yield tail
 
+    def round_trips(self, ids: Iterable[int]) -> bool:
+        """Whether the text of ``ids`` encodes back to them (a reply a client can send back as it came)."""
+        ids = list(ids)
+        return self._encode_plain(self.decode(ids)) == ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decoder(self) -> _ByteDecoder:
         """A push-style ``stream``: ``d.push(id)`` returns the text the id completes (maybe ""),
         ``d.flush()`` what is left at the end."""
@@ -104,9 +112,12 @@ class HFTokenizer(ByteTokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
     def decoder(self) -> _GrowingDecoder:
-        """Decode the growing sequence and give what is new; a trailing U+FFFD (an incomplete byte
-        sequence of a byte-level BPE) waits for the next token."""
+        """A push-style decoder (as ``ByteTokenizer.decoder``) that decodes a short window of the ids per
+        token; a trailing U+FFFD (an incomplete byte sequence of a byte-level BPE) waits for the next token."""
         return _GrowingDecoder(self.decode)
 
     def token_text(self, tid) -> str:
@@ -141,23 +152,30 @@ class _ByteDecoder:
 
 
 class _GrowingDecoder:
+    """Text-generation-inference's incremental detokenization: decode only a window of the ids, from
+    ``prefix`` (the start of the last piece handed out, kept for context: decoders that strip a leading space
+    or join byte tokens need it) to the end, and hand out what follows the text of ``prefix:read`` once
+    it does not end in U+FFFD (an incomplete byte sequence). Each push decodes a few tokens, not the reply."""
+
     def __init__(self, decode):
-        self._decode, self._seen, self._done = decode, [], ""
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # ids[prefix:read] is the last piece handed out
 
     def push(self, tok: int) -> str:
-        self._seen.append(int(tok))
-        text = self._decode(self._seen)
-        if text.endswith("\ufffd") or not text.startswith(self._done):
-            return ""
-        piece, self._done = text[len(self._done) :], text
-        return piece
+        self._ids.append(int(tok))
+        return self._next(final=False)
 
     def flush(self) -> str:
-        text = self._decode(self._seen)
-        if len(text) > len(self._done) and text.startswith(self._done):
-            piece, self._done = text[len(self._done) :], text
-            return piece
-        return ""
+        return self._next(final=True)
+
+    def _next(self, final: bool) -> str:
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
 
 
 def load_tokenizer(manifest) -> ByteTokenizer:

@@ -298,12 +298,19 @@ class OnnxRuntimeSession(Session):
 
     def _get_state(self) -> dict[str, np.ndarray]:
         # float32 copies (a float16 KV buffer widened)
-        out = {e.input: v.numpy().astype(np.float32) for e, v in zip(self.manifest.state, self._current())}
+        kvs = self._kv_np or [None] * len(self.manifest.state)
+        out = {
+            e.input: v.numpy().astype(np.float32)
+            for e, v, kv in zip(self.manifest.state, self._current(), kvs)
+            if kv is None
+        }
         n = self._filled(out)
-        for e, kv in zip(self.manifest.state, self._kv_np):
-            if kv is not None:  # slots past the position hold stale tokens, never read: zeros, as written
-                out[e.input][:, :, n:] = 0
-        return out
+        for e, kv in zip(self.manifest.state, kvs):
+            if kv is not None:  # the filled slots only; those past the position hold stale tokens, never
+                a = np.zeros(kv.shape, np.float32)  # read: zeros, as written (pages the OS has not committed)
+                a[:, :, :n] = kv[:, :, :n]
+                out[e.input] = a
+        return {e.input: out[e.input] for e in self.manifest.state}
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         if self.dynamic:

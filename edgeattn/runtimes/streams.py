@@ -4,6 +4,7 @@
     a = streams.add(prompt_ids, temperature=0.8, top_k=40, seed=1)   # prefilled alone, at batch 1
     b = streams.add(other_ids, temperature=0, max_new_tokens=64)     # greedy
     new = streams.step()            # {stream id: new token} for every live stream, ONE graph call at batch N
+    pieces = streams.prefill_many([(ids_a, None, 0), (ids_b, state_b, pos_b)])  # prompts at batch 2 (equal lengths)
     streams.drop(a)                 # frees its row
     streams.get_state(b); streams.save_state(b, path)   # batch-1 state, as Session.get_state / save_state
     c = streams.add(state=path, logits=last_logits)     # resume from a saved state (or give prompt_ids)
@@ -168,6 +169,24 @@ class Streams:
                 io.bind_ortvalue_output(e.output, vals[1 - p][i])
             self._bindings.append(io)
 
+    def _kv(self, e) -> bool:
+        """Whether entry ``e`` is a KV buffer ``[B, Hkv, max_length, D]`` (its slots at or past a stream's
+        position are never read: GroupQueryAttention reads and writes below it)."""
+        return e.shared and len(e.shape) == 4 and e.shape[2] == self.manifest.max_length
+
+    def _row(self, arrays: list[np.ndarray], i: int, filled: int) -> dict[str, np.ndarray]:
+        """Row ``i`` of [N, ...] state arrays, copied as a batch-1 state dict: of a KV buffer only the
+        ``filled`` slots below the position, the rest zeros (pages the OS commits only when written)."""
+        out = {}
+        for a, e in zip(arrays, self._entries):
+            if self._kv(e):
+                row = np.zeros((1, *a.shape[1:]), a.dtype)
+                row[:, :, :filled] = a[i : i + 1, :, :filled]
+            else:
+                row = a[i : i + 1].copy()
+            out[e.input] = row
+        return out
+
     def _current(self) -> list[np.ndarray]:
         """The live rows of the current set, [N, ...] views."""
         n = len(self._rows)
@@ -274,8 +293,12 @@ class Streams:
         n = len(self._rows)
         if n == self._capacity:
             self._grow(2 * self._capacity)
+        filled = self._streams[sid].position
         for a, e in zip(self._bufs[self._cur], self._entries):
-            a[n] = row[e.input][0]
+            if self._kv(e):  # the slots past the position are never read: the row's old ones stay
+                a[n, :, :filled] = row[e.input][0, :, :filled]
+            else:
+                a[n] = row[e.input][0]
         self._rows.append(sid)
         self._bind()
 
@@ -317,17 +340,84 @@ class Streams:
                 last = sess.prefill(ids[None].astype(np.int64))[0]
                 return sess.get_state(), np.array(last, dtype=np.float32), sess.position
 
+    def prefill_many(self, pieces: list[tuple]) -> list[tuple[dict, np.ndarray, int]]:
+        """``prefill`` of several prompts at once: ``pieces`` is a list of ``(prompt_ids, state, position)``
+        whose ids all have the same length, consumed together at batch B in the chunks ``prefill`` uses
+        (full chunks through the prefill graph, the rest as ``Session.prefill`` does), each row from its
+        own state (a batch-1 dict, or None: zeros) and position. Returns ``prefill``'s triple per piece.
+        With a KV buffer only new prompts whose pieces fit one call (``prefill_tokens``) are prefilled
+        together (GroupQueryAttention takes a batch of one where a call has several tokens and a past),
+        others one after another."""
+        with self.lock:
+            alone = len(pieces) == 1
+            if any(self._kv(e) for e in self._entries):
+                first = all(state is None and pos == 0 for _, state, pos in pieces)
+                alone = alone or not first or len(pieces[0][0]) > self.manifest.prefill_tokens
+            if alone:
+                return [self.prefill(ids, state=state, position=pos) for ids, state, pos in pieces]
+            rows = [np.asarray(p[0]) for p in pieces]
+            if any(
+                r.ndim != 1 or r.size == 0 or r.dtype.kind not in "iu" or r.size != rows[0].size for r in rows
+            ):
+                raise ValueError("prefill_many takes non-empty 1-D pieces of token ids, all of one length")
+            ids = np.stack(rows).astype(np.int64)  # [B, T]
+            B, T = ids.shape
+            cur = []  # [B, ...] per state entry, a row per piece
+            for e in self._entries:
+                a = np.zeros((B, *self._row_shape(e)), np.float32)
+                for r, (_, state, position) in enumerate(pieces):
+                    if state is None:
+                        continue
+                    row = np.asarray(state[e.input], dtype=np.float32)[0]
+                    if self._kv(e):
+                        a[r, :, :position] = row[:, :position]
+                    else:
+                        a[r] = row
+                cur.append(a)
+            C = self.manifest.prefill_tokens
+            spans = [(c, min(c + C, T)) for c in range(0, T, C)]
+            if spans[-1][1] - spans[-1][0] < C and not self._single.any_tokens:  # the rest one step at a time
+                last = spans.pop()
+                spans += [(t, t + 1) for t in range(*last)]
+            for a, b in spans:
+                graph = "prefill" if b - a == C or self._single.any_tokens else "step"
+                cur, logits = self._run_batch(graph, ids[:, a:b], cur)
+            out = []
+            for r, (_, _, position) in enumerate(pieces):
+                state = self._row(cur, r, int(position) + T)
+                out.append((state, np.array(logits[r, -1], dtype=np.float32), int(position) + T))
+            return out
+
+    def _run_batch(self, graph: str, ids: np.ndarray, state: list[np.ndarray]):
+        """One call of ``graph`` on ids [B, n] from ``state`` ([B, ...] per entry): the new state (a shared
+        entry, a KV buffer, written in place) and the logits."""
+        ort = self._ort
+        sess = self._single.sessions[graph]
+        io = sess.io_binding()
+        keep = [np.ascontiguousarray(ids)]  # the arrays under the OrtValues must outlive the run
+        io.bind_ortvalue_input(self.manifest.input_ids_name, ort.OrtValue.ortvalue_from_numpy(keep[0]))
+        io.bind_output(self.manifest.logits_name, "cpu")
+        new = []
+        for a, e in zip(state, self._entries):
+            b = a if e.shared else np.empty_like(a)
+            keep += [a, b]
+            io.bind_ortvalue_input(e.input, ort.OrtValue.ortvalue_from_numpy(a))
+            io.bind_ortvalue_output(e.output, ort.OrtValue.ortvalue_from_numpy(b))
+            new.append(b)
+        sess.run_with_iobinding(io)
+        return new, io.get_outputs()[0].numpy()
+
     def _stream(self, sid) -> _Stream:
         if sid not in self._streams:
             raise ValueError(f"no stream with id {sid!r} (held: {sorted(self._streams)})")
         return self._streams[sid]
 
-    def _park(self, sids: list[int]) -> None:
-        """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream."""
+    def _park(self, sids: list[int], keep: bool = True) -> None:
+        """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream (``keep``)."""
         live = self._current()
         for i, s in enumerate(self._rows):
-            if s in sids and self._streams.get(s) is not None:
-                self._streams[s].parked = {e.input: c[i : i + 1].copy() for c, e in zip(live, self._entries)}
+            if keep and s in sids and self._streams.get(s) is not None:
+                self._streams[s].parked = self._row(live, i, self._streams[s].position)
         rows, cur = self._rows, self._bufs[self._cur]
         for i in sorted((i for i, s in enumerate(rows) if s in sids), reverse=True):
             last = len(rows) - 1
@@ -343,7 +433,7 @@ class Streams:
         with self.lock:
             self._stream(sid)
             if sid in self._rows:
-                self._park([sid])
+                self._park([sid], keep=False)
             del self._streams[sid]
 
     def done(self, sid: int) -> bool:
@@ -372,8 +462,7 @@ class Streams:
             st = self._stream(sid)
             if st.parked is not None:
                 return {k: v.copy() for k, v in st.parked.items()}
-            i = self._rows.index(sid)
-            return {e.input: c[i : i + 1].copy() for c, e in zip(self._current(), self._entries)}
+            return self._row(self._current(), self._rows.index(sid), st.position)
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:
         """Write the stream's state as a state file (``Session.load_state`` and ``add(state=path)`` read it)."""
@@ -449,6 +538,9 @@ class SerialStreams(Streams):
             self._busy()
             return super().prefill(prompt_ids, state=state, position=position)
 
+    def prefill_many(self, pieces: list[tuple]) -> list[tuple[dict, np.ndarray, int]]:
+        return [self.prefill(ids, state=state, position=pos) for ids, state, pos in pieces]
+
     def _load(self, state, position: int):
         self._busy()
         return super()._load(state, position)
@@ -457,9 +549,9 @@ class SerialStreams(Streams):
         self._single.set_state(row, position=self._streams[sid].position)
         self._rows.append(sid)
 
-    def _park(self, sids: list[int]) -> None:
+    def _park(self, sids: list[int], keep: bool = True) -> None:
         for sid in sids:
-            if sid in self._rows and sid in self._streams:
+            if keep and sid in self._rows and sid in self._streams:
                 self._streams[sid].parked = self._single.get_state()
         self._rows = [s for s in self._rows if s not in sids]
 

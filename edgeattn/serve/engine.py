@@ -14,15 +14,19 @@ and get their text through their own queue. Each iteration of the task:
 
 1. admits waiting requests while fewer than ``slots`` are active (prefilling or decoding);
 2. prefills ONE bounded piece (``prefill_piece`` tokens, a multiple of the artifact's prefill tokens) of the
-   oldest admitted prompt, starting from the longest prefix the cache holds; when the prompt is done its
-   state is cached and it joins the batch;
+   oldest admitted prompt, starting from the longest prefix the cache holds, together with the piece of
+   every other admitted prompt whose piece has the same length (one batched call: ``Streams.prefill_many``),
+   ``PREFILL_ROUND_PIECES`` pieces' worth of tokens at most; a prompt that is done has its state cached
+   and joins the batch;
 3. steps every live stream in ONE step-graph call (``Streams.step``) and hands each its token.
 
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
 run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
 string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
 consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
-supersedes the cached states of shorter prefixes of it (see ``edgeattn.serve.cache``).
+supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's (unless another
+request resumed from it, or the reply's text does not encode back to its tokens): one state per
+conversation (see ``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
 or resumed from the cache. Without a cache hit the prompt is consumed in the same prefill-graph chunks as
@@ -51,6 +55,7 @@ from edgeattn.serve.cache import PrefixCache
 
 MiB = 2**20
 DEFAULT_PREFILL_TOKENS = 256  # the bound of one prefill piece between two steps (rounded to the chunk)
+PREFILL_ROUND_PIECES = 2  # prompt tokens prefilled between two steps: at most this many full pieces' worth
 FIXED_STATE_MAX_PROMPT = 65536  # --max-prompt-tokens default where the state is fixed-size
 
 
@@ -289,10 +294,8 @@ class Engine:
                 continue
             try:
                 if self._prefilling:
-                    h = self._prefilling[0]
-                    done = await self._call(self._prefill_piece, h)
-                    if done:
-                        self._prefilling.popleft()
+                    for h in await self._call(self._prefill_pieces, list(self._prefilling)):
+                        self._prefilling.remove(h)
                         self._live[h.sid] = h
                 if self._live:
                     out, finished = await self._call(self._step)
@@ -322,39 +325,57 @@ class Engine:
 
     # ---- in the worker thread: graph calls and the cache ----
 
-    def _prefill_piece(self, h: Handle) -> bool:
-        """One piece of ``h``'s prompt (the cache is looked up first); True once ``h`` is a live stream."""
-        n = int(h.prompt.size)
-        if h.state is None:
-            hit = self.cache.lookup(h.prompt) if self.cache.enabled else None
-            if hit is not None:
-                h.cached_tokens = hit.n
-                h.state = (hit.state, hit.logits, hit.n)
-            else:
-                h.state = (None, None, 0)
-            self.metrics["cache_hits" if hit is not None else "cache_misses"] += 1
-        state, logits, pos = h.state
-        if pos < n:
-            piece = h.prompt[pos : pos + self.prefill_piece]
-            state, logits, pos = self.streams.prefill(piece, state=state, position=pos)
-            h.state = (state, logits, pos)
-            if pos < n:
-                return False
-            self.cache.put(h.prompt, state, logits, supersede=True)
-        r = h.request
-        h.sid = self.streams.add(
-            state=state,
-            logits=logits,
-            position=pos,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            seed=r.seed,
-            stop_ids=[],  # the engine ends a stream at an end-of-sequence token itself (after consuming it)
-            max_new_tokens=h.max_new,
-        )
-        h.state = None
-        return True
+    def _prefill_pieces(self, handles: list[Handle]) -> list[Handle]:
+        """One piece of the prompt of the oldest handle and of every other whose next piece has the same
+        length, in one batched call (the cache is looked up first); returns the handles that became live
+        streams."""
+        for h in handles:
+            if h.state is None:
+                hit = self.cache.lookup(h.prompt) if self.cache.enabled else None
+                if hit is not None:
+                    h.cached_tokens = hit.n
+                    h.state = (hit.state, hit.logits, hit.n)
+                else:
+                    h.state = (None, None, 0)
+                self.metrics["cache_hits" if hit is not None else "cache_misses"] += 1
+
+        def piece(h):
+            pos = h.state[2]
+            return h.prompt[pos : pos + self.prefill_piece]
+
+        todo = [h for h in handles if h.state[2] < h.prompt.size]
+        if todo:
+            n = piece(todo[0]).size
+            group = [h for h in todo if piece(h).size == n][
+                : max(1, PREFILL_ROUND_PIECES * self.prefill_piece // n)
+            ]
+            out = self.streams.prefill_many([(piece(h), h.state[0], h.state[2]) for h in group])
+            self.metrics["prefill_calls"] += 1
+            self.metrics["prefill_rows"] += len(group)
+            for h, (state, logits, pos) in zip(group, out):
+                h.state = (state, logits, pos)
+                if pos == h.prompt.size:
+                    self.cache.put(h.prompt, state, logits, supersede=True)
+        live = []
+        for h in handles:
+            state, logits, pos = h.state
+            if pos < h.prompt.size:
+                continue
+            r = h.request
+            h.sid = self.streams.add(
+                state=state,
+                logits=logits,
+                position=pos,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                seed=r.seed,
+                stop_ids=[],  # the engine ends a stream at an end-of-sequence token itself (after consuming it)
+                max_new_tokens=h.max_new,
+            )
+            h.state = None
+            live.append(h)
+        return live
 
     def _step(self) -> tuple[dict[int, list[int]], list[int]]:
         """One batched step: the new tokens of every live stream and the streams that ended (their state
@@ -386,7 +407,8 @@ class Engine:
                     tokens,
                     self.streams.get_state(sid),
                     self.streams.logits(sid),
-                    reply_to=self.cache.key(h.prompt),
+                    reply_to=h.prompt,
+                    round_trips=self.tokenizer.round_trips(gen),
                 )
             self.streams.drop(sid)
 

@@ -8,6 +8,22 @@ import socket
 import sys
 
 MiB = 2**20
+MMAP_THRESHOLD = 128 * 2**10  # glibc's default, fixed: freed state buffers go back to the system
+
+
+def return_freed_buffers() -> bool:
+    """Fix glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``), so that every buffer above it
+    (a cached state's tensors) is its own mapping, returned to the system when freed: the server's RSS then
+    follows the states it holds. glibc otherwise raises the threshold after the first such buffer is freed,
+    and later ones stay in its heap. False where the C library is not glibc (nothing changed)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def startup_lines(engine, name: str) -> list[str]:
@@ -36,6 +52,7 @@ def run_server(artifact, name: str, api_key: str | None, *, sock: socket.socket,
     from edgeattn.serve.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    return_freed_buffers()
     engine = Engine(artifact, **options)
     app = create_app(engine, name, api_key)
     for line in startup_lines(engine, name):

@@ -30,6 +30,7 @@ prompts are prefilled one at a time: GroupQueryAttention takes a batch of one fo
 
     python benchmarks/serve.py [--d-model 768 --layers 12 --heads 12] [--threads 2]
     python benchmarks/serve.py --model qwen35 [--clients 1,4,16]   # the imported Qwen3.5 shape, small
+    python benchmarks/serve.py --model qwen35 --qwen-size medium    # the same layout at the GLA's size
     python benchmarks/serve.py --quick        # a tiny model, N = 1, 4: checks the harness
 
 Prints markdown tables, then one JSON line.
@@ -69,6 +70,20 @@ SMALL = dict(  # the imported Qwen3.5 layout (benchmarks/imported.py) at a small
     linear_conv_kernel_dim=4,
     tie_word_embeddings=True,
 )
+# The same layout at about the GLA's size (92M parameters): 9 Gated DeltaNet and 3 softmax layers, hidden 768.
+MEDIUM = dict(
+    SMALL,
+    hidden_size=768,
+    num_hidden_layers=12,
+    intermediate_size=2304,
+    num_attention_heads=6,
+    head_dim=128,
+    linear_num_key_heads=6,
+    linear_num_value_heads=12,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
+QWEN_SIZES = {"small": SMALL, "medium": MEDIUM}
 
 
 class Server:
@@ -309,14 +324,14 @@ def build_qwen35(args, workdir: Path) -> Path:
     import imported
 
     max_len = args.history + 512
-    art = workdir / f"qwen35-small-{max_len}-dyn"
+    art = workdir / f"qwen35-{args.qwen_size}-{max_len}-dyn"
     if (art / "edgeattn.json").is_file():
         return art
-    hf, _ = imported.build_hf(workdir, SMALL, max_len)
-    imported.cli("import", str(hf), "--out", str(workdir / "ckpt-qwen35"), "--force")
+    hf, _ = imported.build_hf(workdir / args.qwen_size, QWEN_SIZES[args.qwen_size], max_len)
+    imported.cli("import", str(hf), "--out", str(workdir / args.qwen_size / "ckpt"), "--force")
     imported.cli(
         "export",
-        str(workdir / "ckpt-qwen35"),
+        str(workdir / args.qwen_size / "ckpt"),
         "--out",
         str(art),
         "--dynamic-batch",
@@ -352,6 +367,12 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--model", choices=("gla", "qwen35"), default="gla", help="qwen35: the imported Qwen3.5 shape, small"
+    )
+    p.add_argument(
+        "--qwen-size",
+        choices=tuple(QWEN_SIZES),
+        default="small",
+        help="qwen35's size: small (~14M parameters) or medium (~92M, the GLA's size)",
     )
     p.add_argument("--parts", default="concurrency,conversation", help="which measurements to run")
     p.add_argument("--workdir", type=Path, default=None, help="where the model is built (kept for reuse)")

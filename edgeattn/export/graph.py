@@ -110,3 +110,58 @@ def release_memory() -> None:
             ctypes.CDLL(None).malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             pass
+
+
+# initializers at least this large reach ``session`` as numpy views of the proto's bytes (no copy)
+VIEW_BYTES = 1 << 16
+
+
+def session(model, options=None):
+    """An ONNX Runtime CPU session of the in-memory ``model`` (any size: protobuf's 2 GB limit applies to
+    the rest of the graph only) that holds no second copy of its large weights: each initializer of at least
+    ``VIEW_BYTES`` with a numpy type is handed to ONNX Runtime as a view of its ``raw_data``
+    (``add_external_initializers``) and left out of the serialized graph. Keep ``model`` alive as long as
+    the session."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    so = options or ort.SessionOptions()
+    g = model.graph
+    views, names, values = {}, [], []
+    for init in g.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL or len(init.raw_data) < VIEW_BYTES:
+            continue
+        try:
+            dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        except (KeyError, ValueError):
+            continue
+        if dtype.kind not in "fiub":  # int4/uint4 and friends have no numpy view
+            continue
+        names.append(init.name)
+        values.append(
+            ort.OrtValue.ortvalue_from_numpy(np.frombuffer(init.raw_data, dtype).reshape(init.dims))
+        )
+        views[init.name] = onnx.TensorProto(
+            name=init.name, data_type=init.data_type, dims=init.dims, data_location=onnx.TensorProto.EXTERNAL
+        )
+        for k, v in (("location", "in-memory"), ("offset", "0"), ("length", str(len(init.raw_data)))):
+            views[init.name].external_data.add(key=k, value=v)
+    light = onnx.ModelProto(
+        ir_version=model.ir_version,
+        opset_import=model.opset_import,
+        functions=model.functions,
+        graph=onnx.GraphProto(
+            name=g.name,
+            node=g.node,
+            input=g.input,
+            output=g.output,
+            value_info=g.value_info,
+            initializer=[views.get(i.name, i) for i in g.initializer],
+        ),
+    )
+    if names:
+        so.add_external_initializers(names, values)
+    sess = ort.InferenceSession(light.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess._edgeattn_views = values  # the views live as long as the session
+    return sess

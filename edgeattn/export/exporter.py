@@ -179,7 +179,7 @@ def _export_graph(
     target: str,
     dynamic_batch: bool = False,
 ) -> None:
-    """Trace ``module`` over ``tokens`` tokens into ``path`` (``_finish_graph`` does the rest); ``tokens=None``:
+    """Trace ``module`` over ``tokens`` tokens into ``path`` (``_graph_passes`` does the rest); ``tokens=None``:
     a dynamic token axis (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
     from edgeattn.ops.common.fused import fused_onnxruntime_op
 
@@ -567,7 +567,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
             from edgeattn.export.precision import CHECK_TOKENS, check_ids
 
             ids = check_ids(plan.batch_size, tokens or CHECK_TOKENS, cfg.vocab_size)
-            references.append((ids, _torch_logits(module, entries, ids)))
+            references.append(_torch_logits(module, entries, ids))
         traces.append(_trace(module, tokens, plan, tmp / f".trace-{i}"))
     if not plan.genai:  # genai's graph is traced from the model later
         source.model = None
@@ -584,10 +584,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         if plan.precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
-            options = plan.quantization or {}
-            graph = convert_precision(graph, plan.precision, entries, references[i], name, **options)
-            if large:
-                release_memory()
+            graph = convert_precision(graph, plan.precision, entries, **(plan.quantization or {}))
         if plan.prefill_logits == "last":
             from edgeattn.export.optimize import last_token_logits
 
@@ -596,14 +593,20 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
                     f"{name}: no head MatMul writes the logits; export with prefill_logits 'all'"
                 )
         if plan.kv_dtype != "float32":
-            from edgeattn.export.precision import CHECK_TOKENS, check_ids, convert_kv_dtype
+            from edgeattn.export.precision import set_kv_dtype
 
-            ids = check_ids(plan.batch_size, plan.shapes[i][1] or CHECK_TOKENS, cfg.vocab_size)
-            kv_entries = convert_kv_dtype(graph, entries, plan.kv_dtype, ids, name)
-        files += package.graph(name, graph)
-        del graph
+            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype)
+        written, graph = package.graph(name, graph)  # the weights leave memory: the graph as written
+        files += written
         if large:
             release_memory()
+        if plan.precision != "fp32" or plan.kv_dtype != "float32":
+            from edgeattn.export.precision import CHECK_TOKENS, check_ids, check_logits
+
+            ids = check_ids(plan.batch_size, plan.shapes[i][1] or CHECK_TOKENS, cfg.vocab_size)
+            reference = references[i] if references else None
+            check_logits(graph, kv_entries, ids, tmp, reference, plan.precision, plan.kv_dtype, name)
+        del graph
     entries = kv_entries
     tokenizer = None
     if plan.genai:

@@ -37,20 +37,26 @@ class Package:
         self.hashes[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         return name
 
-    def graph(self, name: str, model) -> list[str]:
-        """Write the in-memory graph ``model`` as ``name`` (its large weights leave it); returns the files
-        written (the graph, and its own external-data file where it has one)."""
+    def graph(self, name: str, model) -> tuple[list[str], object]:
+        """Write the in-memory graph ``model`` as ``name``; returns the files written (the graph, and its own
+        external-data file where it has one) and the graph as written, a new message whose large weights
+        are external (drop ``model``: protobuf frees a message's memory only with the whole message)."""
+        import onnx
+
         files = []
         if self.weights is not None:
             self.weights.add(model)
-        elif sum(len(i.raw_data) for i in model.graph.initializer) > INLINE_BYTES:
-            data = f"{name}.data"
-            own = WeightsWriter(self.root / data, data)
+        elif sum(i.ByteSize() for i in model.graph.initializer) > INLINE_BYTES:  # (raw_data would copy)
+            own_name = f"{name}.data"
+            own = WeightsWriter(self.root / own_name, own_name)
             own.add(model)
             own.close()
-            self.hashes[data] = {"sha256": own.sha256, "bytes": own.offset}
-            files.append(data)
-        return [self.write(name, model.SerializeToString()), *files]
+            self.hashes[own_name] = {"sha256": own.sha256, "bytes": own.offset}
+            files.append(own_name)
+        data = model.SerializeToString()
+        written = onnx.ModelProto()
+        written.ParseFromString(data)
+        return [self.write(name, data), *files], written
 
     def close_weights(self) -> dict | None:
         """Finish ``weights.bin``; its table for the manifest (None without shared weights)."""

@@ -32,7 +32,7 @@ import warnings
 
 import numpy as np
 
-from edgeattn.export.graph import release_memory, session, sort_topologically
+from edgeattn.export.graph import sort_topologically
 
 
 class PrecisionWarning(UserWarning):
@@ -158,18 +158,18 @@ KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3}
 
 def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
     """The in-memory graph ``model`` with its shared KV buffers (the ``entries`` marked ``shared``) in
-    ``kv_dtype`` (in place); returns the entries with their dtype set. Only GroupQueryAttention reads and
-    writes them."""
+    ``kv_dtype`` (in place; float32 sets them back); returns the entries with their dtype set. Only
+    GroupQueryAttention reads and writes them."""
     import onnx
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     names = {n for e in entries if e.get("shared") for n in (e["input"], e["output"])}
     entries = [{**e, "dtype": kv_dtype} if e.get("shared") else e for e in entries]
-    if kv_dtype == "float32" or not names:
+    if not names:
         return entries
     others = [n for n in model.graph.node if names & set(n.input) and n.op_type != "GroupQueryAttention"]
-    if others:
+    if others and kv_dtype != "float32":
         raise ValueError(
             f"a KV buffer is read by {others[0].op_type}, not GroupQueryAttention: no --kv-dtype"
         )
@@ -180,23 +180,53 @@ def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
     return entries
 
 
-def convert_kv_dtype(
-    model, entries: list[dict], kv_dtype: str, ids: np.ndarray, name: str = "the graph"
-) -> list[dict]:
-    """``set_kv_dtype`` on the in-memory graph ``model``, warning (``PrecisionWarning``) when its logits
-    over ``ids`` (``check_ids``) differ from the float32 buffer's by more than ``KV_TOLERANCE``; returns
-    the entries with their dtype set. Both runs read the same weights (``graph.session``: no copy)."""
-    ref = graph_logits(model, entries, ids)
-    out = set_kv_dtype(model, entries, kv_dtype)
-    rel = relative_error(graph_logits(model, out, ids), ref)
-    if not rel <= KV_TOLERANCE[kv_dtype]:
-        warnings.warn(
-            f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
-            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
-            PrecisionWarning,
-            stacklevel=2,
-        )
-    return out
+def check_logits(
+    model,
+    entries: list[dict],
+    ids: np.ndarray,
+    folder: str | os.PathLike,
+    reference: list[np.ndarray] | None,
+    precision: str,
+    kv_dtype: str = "float32",
+    name: str = "the graph",
+) -> None:
+    """The precision checks of the converted graph ``model`` (in memory, its large weights external in
+    ``folder``: what the packager left of it), warning (``PrecisionWarning``) where its logits over ``ids``
+    (``check_ids``) differ by more than stated: from the float32 ``reference`` (the torch model's logits over
+    the same ids) by more than ``edgeattn check`` accepts for ``precision``; with a float16 KV buffer
+    (``kv_dtype``), from the same graph over a float32 buffer by more than ``KV_TOLERANCE``. A graph that
+    returns the last token's logits only is compared on that token."""
+    import onnx
+
+    over32 = model
+    if kv_dtype != "float32":
+        over32 = onnx.ModelProto()
+        over32.CopyFrom(model)
+        set_kv_dtype(over32, entries, "float32")
+    entries32 = [{**e, "dtype": "float32"} for e in entries]
+    logits = graph_logits(over32, entries32, ids, folder)
+    del over32
+    if reference is not None:
+        from edgeattn.export.check import DEFAULT_TOLERANCE
+
+        tokens = logits[0].shape[1]
+        rel = relative_error(logits, [r[:, -tokens:] for r in reference])
+        if not rel <= DEFAULT_TOLERANCE[precision]:
+            warnings.warn(
+                f"{name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
+                f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+    if kv_dtype != "float32":
+        rel = relative_error(graph_logits(model, entries, ids, folder), logits)
+        if not rel <= KV_TOLERANCE[kv_dtype]:
+            warnings.warn(
+                f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
+                f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+                PrecisionWarning,
+                stacklevel=2,
+            )
 
 
 INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
@@ -358,19 +388,9 @@ def quantize_int4(
     return q.model.model
 
 
-def convert_precision(
-    model,
-    precision: str,
-    entries: list[dict],
-    reference: tuple[np.ndarray, list[np.ndarray]] | None = None,
-    name: str = "the graph",
-    **options,
-):
-    """The in-memory float32 graph ``model`` in ``precision`` (``model`` is consumed: its weights are
-    converted in place where the converter allows); ``options`` are int4's. ``reference``: ``(ids,
-    logits)``, the float32 logits of the same model over ``ids`` (``check_ids``; the exporter computes them
-    with the torch model): a ``PrecisionWarning`` when the converted graph's differ by more than ``edgeattn
-    check`` accepts."""
+def convert_precision(model, precision: str, entries: list[dict], **options):
+    """The in-memory float32 graph ``model`` in ``precision``; ``options`` are int4's. ``check_logits``
+    measures the result (the exporter runs it on the packaged graph, once the weights left memory)."""
     for i, n in enumerate(model.graph.node):  # the converter's node_block_list needs names
         if not n.name:
             n.name = f"{n.op_type}_{i}"
@@ -389,19 +409,6 @@ def convert_precision(
         model = quantize_int4(model, **{**INT4_DEFAULTS, **options})
     else:
         raise ValueError(f"unknown precision {precision!r}")
-    release_memory()  # the float32 weights the converter dropped
-    if reference is not None:
-        from edgeattn.export.check import DEFAULT_TOLERANCE
-
-        ids, want = reference
-        rel = relative_error(graph_logits(model, entries, ids), want)
-        if not rel <= DEFAULT_TOLERANCE[precision]:
-            warnings.warn(
-                f"{name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
-                f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
-                PrecisionWarning,
-                stacklevel=2,
-            )
     return model
 
 
@@ -441,9 +448,9 @@ def check_ids(batch: int, tokens: int, vocab: int, calls: int = CHECK_CALLS) -> 
     return text.reshape(calls, batch, tokens)
 
 
-def graph_logits(model, entries: list[dict], ids: np.ndarray) -> list[np.ndarray]:
-    """The float32 logits of the in-memory graph ``model`` over the consecutive calls ``ids`` [calls, B, T],
-    its state starting at zero and fed back (``graph.session``: its weights are not copied)."""
+def graph_logits(model, entries: list[dict], ids: np.ndarray, folder: str | os.PathLike) -> list[np.ndarray]:
+    """The float32 logits of the in-memory graph ``model`` (its external data in ``folder``) over the
+    consecutive calls ``ids`` [calls, B, T], its state starting at zero and fed back."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -451,7 +458,8 @@ def graph_logits(model, entries: list[dict], ids: np.ndarray) -> list[np.ndarray
     so.intra_op_num_threads = 1
     # no prepacked copies of the weights: a few calls do not repay them
     so.add_session_config_entry("session.disable_prepacking", "1")
-    sess = session(model, so)
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {e["input"] for e in entries}
     ids_name = next(i.name for i in sess.get_inputs() if i.name not in names)
     types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}

@@ -102,6 +102,7 @@ class WeightsWriter:
         if renames:
             for node in model.graph.node:
                 node.input[:] = [renames.get(i, i) for i in node.input]
+        self.file.flush()  # readable as the graph's external data from here on
 
     def close(self) -> dict:
         """The table the manifest keeps under ``"weights"``: ``{"path", "bytes", "tensors": [{"names",

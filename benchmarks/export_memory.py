@@ -43,6 +43,7 @@ STAGES = [
     ("edgeattn.export.exporter", "_load_trace"),  # the traced graph into memory
     ("edgeattn.export.exporter", "_finish_graph"),  # before: optional inputs, optimizer, tied embedding
     ("edgeattn.export.exporter", "_graph_passes"),  # after: the same, in memory
+    ("edgeattn.export.exporter", "_spill"),  # after: the passed graph through a scratch file
     ("edgeattn.export.precision", "convert_precision"),
     ("edgeattn.export.precision", "quantize_int4"),
     ("edgeattn.export.precision", "graph_logits"),  # after: the converted graph's check logits

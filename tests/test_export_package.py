@@ -11,12 +11,19 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+from edgeattn.export import exporter
 from edgeattn.export.exporter import export_model
 from tests.export_helpers import make_checkpoint
 
 
-def test_export_writes_each_file_once_and_reads_none_back(tmp_path, monkeypatch):
-    # two graphs sharing weights.bin, a precision pass with its check, a checkpoint kept
+@pytest.mark.parametrize("large", [False, True])
+def test_export_writes_each_file_once_and_reads_none_back(tmp_path, monkeypatch, large):
+    """Two graphs sharing weights.bin, a precision pass with its check, a checkpoint kept; ``large``: the
+    path of models over ``LARGE_MODEL_BYTES`` (each passed graph through a scratch file, not the artifact)."""
+    if large:
+        monkeypatch.setattr(exporter, "LARGE_MODEL_BYTES", 0)
     ckpt = make_checkpoint(tmp_path / "ckpt", "gla,softmax", seed=0)
     out = tmp_path / "art"
     opened = []
@@ -29,7 +36,8 @@ def test_export_writes_each_file_once_and_reads_none_back(tmp_path, monkeypatch)
     monkeypatch.setattr(builtins, "open", spy)
     monkeypatch.setattr(io, "open", spy)  # pathlib's read_bytes/write_text
     export_model(ckpt, out, precision="fp16", one_graph=False, prefill_chunk=16)
-    monkeypatch.undo()
+    monkeypatch.setattr(builtins, "open", real)
+    monkeypatch.setattr(io, "open", real)
 
     def artifact_name(path: Path | None) -> str | None:
         """The path relative to the artifact of a file opened inside its temporary directory (the first

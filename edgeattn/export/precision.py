@@ -21,6 +21,11 @@
   Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
   float32 buffer at 16384 tokens (``benchmarks/ort_ops.py``, benchmarks/RESULTS.md), so float32 stays the
   default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
+
+Every pass here works on an in-memory ``onnx.ModelProto``. The checks (``check_logits``) run a converted
+graph as packaged (its weights in the artifact's ``weights.bin``) over a few calls of Python source text
+(``check_ids``) and compare its logits with the torch model's over the same ids, which the exporter
+computes before it frees the model: no float32 ONNX copy of the weights is held for them.
 """
 
 from __future__ import annotations

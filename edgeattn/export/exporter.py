@@ -643,7 +643,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         )
         scratch.rmdir()
         graphs.append(GENAI_GRAPH)
-        files += package.graph(GENAI_GRAPH, graph)
+        files += package.graph(GENAI_GRAPH, graph)[0]
         del graph
         files += [package.write(n, data) for n, data in extra.items()]
     weights = package.close_weights()

@@ -551,9 +551,9 @@ def export_model(
 def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     """Trace, run the passes and package the artifact of ``plan`` into the empty directory ``tmp``.
 
-    Memory: the torch model and one ONNX copy of the weights are never held together (every graph is
-    traced first, the precision check's reference logits computed from the torch model, the model freed,
-    then each graph loaded, passed and packaged in turn), and the packager writes each file once."""
+    Memory: every graph is traced first (through scratch files) and the precision check's reference
+    logits computed, then the torch model is freed before any graph is loaded; each graph is then loaded,
+    passed and packaged in turn (one in memory at a time), and the packager writes each file once."""
     from edgeattn.artifact.sources import CONFIG, WEIGHTS
     from edgeattn.artifact.tokenizer import TOKENIZER_JSON
     from edgeattn.export.package import Package
@@ -627,7 +627,6 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
             check_logits(graph, kv_entries, ids, tmp, reference, plan.precision, plan.kv_dtype, name)
         del graph
     entries = kv_entries
-    tokenizer = None
     if plan.genai:
         from edgeattn.export.genai import genai_files
 

@@ -38,10 +38,19 @@ STAGES = [
     ("edgeattn.convert", "Source.write_checkpoint"),  # after: the checkpoint written inside the artifact
     ("edgeattn.models.lm", "EdgeLM.load"),
     ("edgeattn.models.lm", "EdgeLM.save"),
+    ("edgeattn.export.exporter", "_torch_logits"),  # the precision check's reference (torch model)
     ("edgeattn.export.exporter", "_export_graph"),  # torch.onnx.export of one graph
-    ("edgeattn.export.exporter", "_finish_graph"),  # optional inputs, optimizer, tied embedding
+    ("edgeattn.export.exporter", "_load_trace"),  # the traced graph into memory
+    ("edgeattn.export.exporter", "_finish_graph"),  # before: optional inputs, optimizer, tied embedding
+    ("edgeattn.export.exporter", "_graph_passes"),  # after: the same, in memory
+    ("edgeattn.export.exporter", "_spill"),  # after: the passed graph through a scratch file
     ("edgeattn.export.precision", "convert_precision"),
-    ("edgeattn.export.weights", "share_weights"),
+    ("edgeattn.export.precision", "quantize_int4"),
+    ("edgeattn.export.precision", "graph_logits"),  # after: the converted graph's check logits
+    ("edgeattn.export.precision", "logit_error"),  # before: the two sessions of the check
+    ("edgeattn.export.weights", "share_weights"),  # before: weights.bin from the graph files
+    ("edgeattn.export.package", "Package.graph"),  # after: a graph into weights.bin and its file
+    ("edgeattn.export.package", "Package.manifest"),
     ("edgeattn.export.manifest", "write_manifest"),
     ("edgeattn.artifact.manifest", "write_manifest"),
 ]

@@ -30,7 +30,6 @@ from edgeattn.artifact.manifest import (
     TARGETS,
     build_manifest,
     sha256_file,
-    write_manifest,
 )
 from edgeattn.artifact.sources import CHECKPOINT
 from edgeattn.export.genai import GENAI_CONFIG, GENAI_GRAPH
@@ -180,7 +179,7 @@ def _export_graph(
     target: str,
     dynamic_batch: bool = False,
 ) -> None:
-    """Trace ``module`` over ``tokens`` tokens into ``path`` (``_finish_graph`` does the rest); ``tokens=None``:
+    """Trace ``module`` over ``tokens`` tokens into ``path`` (``_graph_passes`` does the rest); ``tokens=None``:
     a dynamic token axis (``TOKEN_AXIS``, traced at 3 tokens: the fused ops' form, which takes any length)."""
     from edgeattn.export.contrib import fused_onnxruntime_op
 
@@ -222,46 +221,73 @@ def _export_graph(
         )
 
 
-def _finish_graph(path: Path, target: str, optimize: bool = True, tie: bool = False) -> None:
-    """The ONNX side of an export traced by ``_export_graph``: torch's spilled weight files gathered into
-    one ``PATH.data`` (over 2 GB), the fused ops' optional inputs, the graph optimizer, a tied embedding
-    stored once. Runs without the torch model, so that a large model's weights are not held twice."""
-    if target == "onnxruntime" or tie:
-        import onnx
+def _trace(module, tokens: int | None, plan: ExportPlan, scratch: Path):
+    """Trace ``module`` over ``tokens`` tokens (``_export_graph``) through a file in the new directory
+    ``scratch`` (over 2 GB torch writes each weight to its own file there); returns the graph's path."""
+    scratch.mkdir()
+    path = scratch / "graph.onnx"
+    _export_graph(module, tokens, plan.batch_size, plan.entries, path, plan.target, plan.dynamic_batch)
+    return path
 
+
+def _load_trace(path: Path):
+    """The traced graph at ``path`` in memory, weights and all; its scratch directory removed."""
+    import onnx
+
+    graph = onnx.load(str(path))
+    shutil.rmtree(path.parent)
+    return graph
+
+
+def _spill(graph, scratch: Path) -> Path:
+    """Save ``graph`` into the new directory ``scratch`` (its weights in one file beside it) for
+    ``_load_trace`` to read back once the caller has dropped it: protobuf frees a message's memory only with
+    the whole message, so the weights that the passes replaced (fused, transposed, dropped) stay resident
+    until then (at 0.8B parameters, 2 GB more under the precision converter)."""
+    import onnx
+
+    scratch.mkdir()
+    path = scratch / "graph.onnx"
+    onnx.save(graph, str(path), save_as_external_data=True, location="graph.onnx.data")
+    return path
+
+
+def _graph_passes(graph, target: str, optimize: bool = True, tie: bool = False) -> None:
+    """The ONNX side of a traced graph, in memory and in place: the fused ops' optional inputs, the graph
+    optimizer, a tied embedding stored once."""
+    if target == "onnxruntime":
         from edgeattn.export.graph import fix_optional_inputs
 
-        graph = onnx.load(str(path), load_external_data=False)
-        # Over 2 GB torch writes each weight to its own file beside the graph: read them in, then remove
-        # them (the next graph's export writes files of the same names) and save one PATH.data instead.
-        from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
-
-        spilled = {  # initializers' and Constant nodes' files
-            e.value for t in _get_all_tensors(graph) for e in t.external_data if e.key == "location"
-        }
-        if spilled:
-            load_external_data_for_model(graph, str(path.parent))
-            for name in spilled:
-                (path.parent / name).unlink()
-        changed = bool(spilled)
-        if target == "onnxruntime":
-            changed = fix_optional_inputs(graph) or changed
-        if optimize and target == "onnxruntime":
+        fix_optional_inputs(graph)
+        if optimize:
             from edgeattn.export.optimize import optimize_graph
 
             optimize_graph(graph)
-            changed = True
-        if tie:
-            from edgeattn.export.optimize import share_tied_embedding
+    if tie:
+        from edgeattn.export.optimize import share_tied_embedding
 
-            changed = bool(share_tied_embedding(graph)) or changed
-        if changed:
-            big = sum(len(i.raw_data) for i in graph.graph.initializer) > 2**31 - 2**26
-            onnx.save(graph, str(path), save_as_external_data=big, location=f"{path.name}.data")
+        share_tied_embedding(graph)
 
 
-def _carry_tokenizer(root: Path, cfg, tmp: Path) -> dict | None:
-    """Copy a model's tokenizer.json (and chat template) from its directory ``root`` into the artifact; its
+def _torch_logits(module, entries: list[dict], ids) -> list:
+    """The float32 logits of the torch ``module`` (``GraphModule``) over the consecutive calls ``ids``
+    [calls, B, T] (``precision.check_ids``), its state starting at zero: the reference that the precision
+    check measures a converted graph against (as ``edgeattn check`` measures an artifact). One call over
+    the whole text, split per call: the same logits as feeding the state back (what the check tests the
+    graph for), for a fraction of the time (the chunk forms cost per call, not per token)."""
+    calls, batch, tokens = ids.shape
+    text = torch.from_numpy(ids.transpose(1, 0, 2).reshape(batch, calls * tokens).copy())  # [B, calls*T]
+    state = [
+        torch.zeros([0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"]))
+        for e in entries
+    ]
+    with torch.no_grad():
+        logits = module(text, *state)[0].float().numpy()  # [B, calls*T, V]
+    return [logits[:, c * tokens : (c + 1) * tokens] for c in range(calls)]
+
+
+def _carry_tokenizer(root: Path, cfg, package) -> dict | None:
+    """Write a model's tokenizer.json (and chat template) from its directory ``root`` into the artifact; its
     manifest entry. None for byte-level models (no tokenizer.json there)."""
     from edgeattn.artifact.tokenizer import CHAT_TEMPLATE, TOKENIZER_JSON, check_vocabulary, tokenizer_info
 
@@ -270,10 +296,9 @@ def _carry_tokenizer(root: Path, cfg, tmp: Path) -> dict | None:
     info = tokenizer_info(root)
     info.update(cfg.extra.get("tokenizer", {}))  # special ids recorded at import (from the model's configs)
     check_vocabulary(info["vocab_size"], cfg.vocab_size)
-    shutil.copy2(root / TOKENIZER_JSON, tmp / TOKENIZER_JSON)
+    package.write(TOKENIZER_JSON, (root / TOKENIZER_JSON).read_bytes())
     if info["chat_template"]:
-        (tmp / CHAT_TEMPLATE).write_text(info["chat_template"])
-        info["chat_template"] = CHAT_TEMPLATE
+        info["chat_template"] = package.write(CHAT_TEMPLATE, info["chat_template"].encode())
     return info
 
 
@@ -284,11 +309,19 @@ def min_onnxruntime(cfg, target: str) -> str:
     return FUSED_DELTA_MIN_ORT if DELTA_FAMILIES & set(cfg.mixers) else FUSED_MIN_ORT
 
 
-def fingerprint(checkpoint: Path) -> str:
+def checkpoint_hashes(checkpoint: Path) -> tuple[str, dict[str, dict]]:
+    """The fingerprint of the checkpoint directory ``checkpoint`` (its config.json's bytes and
+    model.safetensors' sha256) and the sha256 and size of those two files, by name (each read once)."""
+    from edgeattn.artifact.sources import CONFIG, WEIGHTS
+
+    config, weights = (checkpoint / CONFIG).read_bytes(), sha256_file(checkpoint / WEIGHTS)
     h = hashlib.sha256()
-    h.update((checkpoint / "config.json").read_bytes())
-    h.update(sha256_file(checkpoint / "model.safetensors").encode())
-    return h.hexdigest()
+    h.update(config)
+    h.update(weights.encode())
+    return h.hexdigest(), {
+        CONFIG: {"sha256": hashlib.sha256(config).hexdigest(), "bytes": len(config)},
+        WEIGHTS: {"sha256": weights, "bytes": (checkpoint / WEIGHTS).stat().st_size},
+    }
 
 
 @dataclass
@@ -516,78 +549,115 @@ def export_model(
 
 
 def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
-    """Trace, run the passes and package the artifact of ``plan`` into the empty directory ``tmp``."""
+    """Trace, run the passes and package the artifact of ``plan`` into the empty directory ``tmp``.
+
+    Memory: every graph is traced first (through scratch files) and the precision check's reference
+    logits computed, then the torch model is freed before any graph is loaded; each graph is then loaded,
+    passed and packaged in turn (one in memory at a time), and the packager writes each file once."""
+    from edgeattn.artifact.sources import CONFIG, WEIGHTS
+    from edgeattn.artifact.tokenizer import TOKENIZER_JSON
+    from edgeattn.export.package import Package
+
     model, cfg, entries = source.model, source.model.cfg, plan.entries
     # The checkpoint first, while the model is in memory: it is the artifact's fingerprint (written only
-    # when kept, or when the model has no checkpoint directory of its own to hash)
+    # when kept, or when the model has no checkpoint directory of its own to hash); hashed once, for both
+    # (an edgeattn checkpoint is hashed at its source; safetensors writes a converted one, read back once)
     ckpt = tmp / CHECKPOINT_DIR
     if plan.include_checkpoint or source.kind != CHECKPOINT:
         source.write_checkpoint(ckpt)
-    print_ = fingerprint(ckpt if ckpt.is_dir() else source.root)
+    print_, hashes = checkpoint_hashes(source.root if source.kind == CHECKPOINT else ckpt)
     if not plan.include_checkpoint and ckpt.is_dir():
         shutil.rmtree(ckpt)
+    package = Package(tmp, plan.shared_weights)
+    if plan.include_checkpoint:
+        package.hashes.update({f"{CHECKPOINT_DIR}/{n}": hashes[n] for n in (CONFIG, WEIGHTS)})
     module = GraphModule(model, plan.batch_size).eval()
     large = sum(p.numel() * p.element_size() for p in model.parameters()) > LARGE_MODEL_BYTES
     if large:  # what the converter freed goes back to the system before tracing holds more
         release_memory()
-    for i, (name, tokens) in enumerate(plan.shapes):
-        _export_graph(module, tokens, plan.batch_size, entries, tmp / name, plan.target, plan.dynamic_batch)
-        if i == len(plan.shapes) - 1 and not plan.genai:  # genai's graph is traced from the model later
-            source.model = None
-            del module, model  # its weights, before the ONNX side holds its own copy
-            if large:  # a full collection costs ~0.2 s: only where the memory matters
-                release_memory()
-        _finish_graph(tmp / name, plan.target, plan.optimize, plan.tie)
-        if large:  # each pass's graph, freed, goes back to the system before the next one loads its own
-            release_memory()
-    graphs = [name for name, _ in plan.shapes]
+    traces = [_trace(module, tokens, plan, tmp / f".trace-{i}") for i, (_, tokens) in enumerate(plan.shapes)]
+    references = []  # the precision check's, from the torch model (after tracing: not on top of its peak)
     if plan.precision != "fp32":
-        from edgeattn.export.precision import convert_precision
+        from edgeattn.export.precision import CHECK_TOKENS, check_ids
 
-        for name in graphs:
-            convert_precision(tmp / name, plan.precision, entries, **(plan.quantization or {}))
-            if large:
-                release_memory()
-    if plan.prefill_logits == "last":
-        import onnx
+        if large:
+            release_memory()
+        for _, tokens in plan.shapes:
+            ids = check_ids(plan.batch_size, tokens or CHECK_TOKENS, cfg.vocab_size)
+            references.append(_torch_logits(module, entries, ids))
+    if not plan.genai:  # genai's graph is traced from the model later
+        source.model = None
+        del module, model  # its weights, before the ONNX side holds its own copy
+        if large:  # a full collection costs ~0.2 s: only where the memory matters
+            release_memory()
+    graphs, kv_entries = [name for name, _ in plan.shapes], entries
+    files = []
+    for i, name in enumerate(graphs):
+        graph = _load_trace(traces[i])
+        _graph_passes(graph, plan.target, plan.optimize, plan.tie)
+        if large and plan.precision != "fp32":  # the replaced weights leave before the converter's own
+            path = _spill(graph, tmp / f".trace-{i}")
+            del graph
+            release_memory()
+            graph = _load_trace(path)
+        if plan.precision != "fp32":
+            from edgeattn.export.precision import convert_precision
 
-        from edgeattn.export.optimize import last_token_logits
+            graph = convert_precision(graph, plan.precision, entries, **(plan.quantization or {}))
+        if plan.prefill_logits == "last":
+            from edgeattn.export.optimize import last_token_logits
 
-        for name in graphs:
-            graph = onnx.load(str(tmp / name), load_external_data=False)
             if not last_token_logits(graph):
                 raise ValueError(
                     f"{name}: no head MatMul writes the logits; export with prefill_logits 'all'"
                 )
-            onnx.save(graph, str(tmp / name))
-    if plan.kv_dtype != "float32":
-        from edgeattn.export.precision import convert_kv_dtype
+        if plan.kv_dtype != "float32":
+            from edgeattn.export.precision import set_kv_dtype
 
-        for name in graphs:
-            kv_entries = convert_kv_dtype(tmp / name, entries, plan.kv_dtype, plan.precision)
-        entries = kv_entries
-    extra = []
+            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype)
+        written, graph = package.graph(name, graph)  # the weights leave memory: the graph as written
+        files += written
+        if large:
+            release_memory()
+        if plan.precision != "fp32" or plan.kv_dtype != "float32":
+            from edgeattn.export.precision import CHECK_TOKENS, check_ids, check_logits
+
+            ids = check_ids(plan.batch_size, plan.shapes[i][1] or CHECK_TOKENS, cfg.vocab_size)
+            reference = references[i] if references else None
+            check_logits(graph, kv_entries, ids, tmp, reference, plan.precision, plan.kv_dtype, name)
+        del graph
+    entries = kv_entries
     if plan.genai:
-        from edgeattn.export.genai import write_genai_files
+        from edgeattn.export.genai import genai_files
 
-        extra = write_genai_files(tmp, model, plan.batch_size, max_length=plan.length, optimize=plan.optimize)
+        scratch = tmp / ".trace-genai"
+        scratch.mkdir()
+        graph, extra = genai_files(
+            scratch,
+            model,
+            plan.batch_size,
+            max_length=plan.length,
+            optimize=plan.optimize,
+            tokenizer=(source.root / TOKENIZER_JSON).is_file(),
+        )
+        scratch.rmdir()
         graphs.append(GENAI_GRAPH)
-    files = [*graphs, *[f for f in extra if f not in graphs]]
-    weights = None
-    if plan.shared_weights:
-        from edgeattn.export.weights import share_weights
-
-        weights = share_weights(tmp, graphs)
+        files += package.graph(GENAI_GRAPH, graph)[0]
+        del graph
+        files += [package.write(n, data) for n, data in extra.items()]
+    weights = package.close_weights()
+    if weights is not None:
         files.append(weights["path"])
-    tokenizer = _carry_tokenizer(source.root, cfg, tmp)
+    tokenizer = _carry_tokenizer(source.root, cfg, package)
     if tokenizer is not None:
         files += [tokenizer["path"]] + ([tokenizer["chat_template"]] if tokenizer["chat_template"] else [])
         if plan.genai:  # genai's Tokenizer reads tokenizer_config.json beside tokenizer.json
-            from edgeattn.export.genai import carry_tokenizer_config
+            from edgeattn.artifact.tokenizer import TOKENIZER_CONFIG
+            from edgeattn.export.genai import tokenizer_config
 
-            files.append(carry_tokenizer_config(source.root, tmp, plan.length))
+            files.append(package.write(TOKENIZER_CONFIG, tokenizer_config(source.root, plan.length)))
     if plan.include_checkpoint:
-        files += [f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/model.safetensors"]
+        files += [f"{CHECKPOINT_DIR}/{CONFIG}", f"{CHECKPOINT_DIR}/{WEIGHTS}"]
     import onnxruntime
 
     manifest = build_manifest(
@@ -616,7 +686,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     )
     if plan.prefill_logits == "last":
         manifest["prefill_logits"] = "last"
-    write_manifest(tmp, manifest)
+    package.manifest(manifest)
 
 
 def read_manifest_json(out: Path) -> dict:

@@ -114,9 +114,10 @@ class GenaiModule(torch.nn.Module):
         return (logits, *outs)
 
 
-def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True) -> list[dict]:
-    """Write the dynamic-token-axis graph (onnxruntime target: fused ops) to ``path``; return its state entries.
-    ``optimize``: run the lean-graph pass (``edgeattn.export.optimize``) on it, as on the artifact's graphs."""
+def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True):
+    """The dynamic-token-axis graph (onnxruntime target: fused ops), traced through the scratch file
+    ``path`` (removed) and returned in memory, with its state entries. ``optimize``: run the lean-graph
+    pass (``edgeattn.export.optimize``) on it, as on the artifact's graphs."""
     import onnx
 
     from edgeattn.export.contrib import fused_onnxruntime_op
@@ -142,16 +143,14 @@ def export_genai_graph(model, path: Path, batch_size: int, optimize: bool = True
             do_constant_folding=True,
         )
     graph = onnx.load(str(path))
-    changed = fix_optional_inputs(graph)
+    Path(path).unlink()
+    fix_optional_inputs(graph)
     if optimize:
         from edgeattn.export.optimize import optimize_graph, share_tied_embedding
 
         optimize_graph(graph)
         share_tied_embedding(graph)  # a tied embedding stored once
-        changed = True
-    if changed:
-        onnx.save(graph, str(path))
-    return entries
+    return graph, entries
 
 
 def byte_tokenizer_json() -> str:
@@ -241,31 +240,26 @@ def genai_config(cfg, entries: list[dict], *, max_length: int, threads: int | No
     }
 
 
-def write_genai_files(
-    root: Path, model, batch_size: int, *, max_length: int, optimize: bool = True
-) -> list[str]:
-    """Write model.onnx, genai_config.json and (byte-level models) tokenizer files into ``root``; return their names."""
-    entries = export_genai_graph(model, root / GENAI_GRAPH, batch_size, optimize)
+def genai_files(
+    scratch: Path, model, batch_size: int, *, max_length: int, optimize: bool = True, tokenizer: bool = False
+) -> tuple:
+    """The genai graph (in memory, traced through a file in ``scratch``) and the contents of
+    genai_config.json and, for a byte-level model without a ``tokenizer`` of its own, the tokenizer files,
+    by name."""
+    graph, entries = export_genai_graph(model, Path(scratch) / GENAI_GRAPH, batch_size, optimize)
     conf = genai_config(model.cfg, entries, max_length=max_length)
-    (root / GENAI_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
-    files = [GENAI_GRAPH, GENAI_CONFIG]
-    if (
-        model.cfg.vocab_size == 256
-        and not model.cfg.extra.get("tokenizer")
-        and not (root / TOKENIZER).exists()
-    ):
-        (root / TOKENIZER).write_text(byte_tokenizer_json())
-        files += [TOKENIZER, carry_tokenizer_config(None, root, max_length)]
-    return files
+    files = {GENAI_CONFIG: (json.dumps(conf, indent=2) + "\n").encode()}
+    if model.cfg.vocab_size == 256 and not model.cfg.extra.get("tokenizer") and not tokenizer:
+        files[TOKENIZER] = byte_tokenizer_json().encode()
+        files[TOKENIZER_CONFIG] = tokenizer_config(None, max_length)
+    return graph, files
 
 
-def carry_tokenizer_config(checkpoint: Path | None, root: Path, max_length: int) -> str:
-    """Write ``tokenizer_config.json`` into ``root`` (onnxruntime-genai's Tokenizer reads it beside
+def tokenizer_config(checkpoint: Path | None, max_length: int) -> bytes:
+    """The contents of ``tokenizer_config.json`` (onnxruntime-genai's Tokenizer reads it beside
     tokenizer.json): the checkpoint's own (an imported model's, copied at import), else a minimal one."""
     src = None if checkpoint is None else Path(checkpoint) / TOKENIZER_CONFIG
     if src is not None and src.is_file():
-        (root / TOKENIZER_CONFIG).write_bytes(src.read_bytes())
-    else:
-        tok_conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
-        (root / TOKENIZER_CONFIG).write_text(json.dumps(tok_conf, indent=2) + "\n")
-    return TOKENIZER_CONFIG
+        return src.read_bytes()
+    tok_conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
+    return (json.dumps(tok_conf, indent=2) + "\n").encode()

@@ -21,6 +21,11 @@
   Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
   float32 buffer at 16384 tokens (``benchmarks/ort_ops.py``, benchmarks/RESULTS.md), so float32 stays the
   default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
+
+Every pass here works on an in-memory ``onnx.ModelProto``. The checks (``check_logits``) run a converted
+graph as packaged (its weights in the artifact's ``weights.bin``) over a few calls of Python source text
+(``check_ids``) and compare its logits with the torch model's over the same ids, which the exporter
+computes before it frees the model: no float32 ONNX copy of the weights is held for them.
 """
 
 from __future__ import annotations
@@ -29,11 +34,10 @@ import logging
 import os
 import tempfile
 import warnings
-from pathlib import Path
 
 import numpy as np
 
-from edgeattn.export.graph import release_memory, sort_topologically
+from edgeattn.export.graph import sort_topologically
 
 
 class PrecisionWarning(UserWarning):
@@ -157,20 +161,20 @@ KV_DTYPES = ("float32", "float16")
 KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3}
 
 
-def set_kv_dtype(path: Path, entries: list[dict], kv_dtype: str) -> list[dict]:
-    """The graph at ``path`` with its shared KV buffers (the ``entries`` marked ``shared``) in ``kv_dtype``
-    (in place); returns the entries with their dtype set. Only GroupQueryAttention reads and writes them."""
+def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
+    """The in-memory graph ``model`` with its shared KV buffers (the ``entries`` marked ``shared``) in
+    ``kv_dtype`` (in place; float32 sets them back); returns the entries with their dtype set. Only
+    GroupQueryAttention reads and writes them."""
     import onnx
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     names = {n for e in entries if e.get("shared") for n in (e["input"], e["output"])}
     entries = [{**e, "dtype": kv_dtype} if e.get("shared") else e for e in entries]
-    if kv_dtype == "float32" or not names:
+    if not names:
         return entries
-    model = onnx.load(str(path), load_external_data=False)
     others = [n for n in model.graph.node if names & set(n.input) and n.op_type != "GroupQueryAttention"]
-    if others:
+    if others and kv_dtype != "float32":
         raise ValueError(
             f"a KV buffer is read by {others[0].op_type}, not GroupQueryAttention: no --kv-dtype"
         )
@@ -178,32 +182,56 @@ def set_kv_dtype(path: Path, entries: list[dict], kv_dtype: str) -> list[dict]:
     for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         if v.name in names:
             v.type.tensor_type.elem_type = elem
-    onnx.save(model, str(path))
     return entries
 
 
-def convert_kv_dtype(path: Path, entries: list[dict], kv_dtype: str, precision: str) -> list[dict]:
-    """``set_kv_dtype`` on the graph at ``path``, warning (``PrecisionWarning``) when its logits differ from
-    the float32 buffer's by more than ``KV_TOLERANCE``; returns the entries with their dtype set."""
+def check_logits(
+    model,
+    entries: list[dict],
+    ids: np.ndarray,
+    folder: str | os.PathLike,
+    reference: list[np.ndarray] | None,
+    precision: str,
+    kv_dtype: str = "float32",
+    name: str = "the graph",
+) -> None:
+    """The precision checks of the converted graph ``model`` (in memory, its large weights external in
+    ``folder``: what the packager left of it), warning (``PrecisionWarning``) where its logits over ``ids``
+    (``check_ids``) differ by more than stated: from the float32 ``reference`` (the torch model's logits over
+    the same ids) by more than ``edgeattn check`` accepts for ``precision``; with a float16 KV buffer
+    (``kv_dtype``), from the same graph over a float32 buffer by more than ``KV_TOLERANCE``. A graph that
+    returns the last token's logits only is compared on that token."""
     import onnx
 
-    path = Path(path)
-    fd, ref = tempfile.mkstemp(suffix=".onnx", dir=path.parent)  # beside it: the same external data
-    os.close(fd)
-    try:
-        onnx.save(onnx.load(str(path), load_external_data=False), ref)
-        out = set_kv_dtype(path, entries, kv_dtype)
-        rel = logit_error(ref, path, entries)
-    finally:
-        os.unlink(ref)
-    if not rel <= KV_TOLERANCE[kv_dtype]:
-        warnings.warn(
-            f"{path.name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
-            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
-            PrecisionWarning,
-            stacklevel=2,
-        )
-    return out
+    over32 = model
+    if kv_dtype != "float32":
+        over32 = onnx.ModelProto()
+        over32.CopyFrom(model)
+        set_kv_dtype(over32, entries, "float32")
+    entries32 = [{**e, "dtype": "float32"} for e in entries]
+    logits = graph_logits(over32, entries32, ids, folder)
+    del over32
+    if reference is not None:
+        from edgeattn.export.check import DEFAULT_TOLERANCE
+
+        tokens = logits[0].shape[1]
+        rel = relative_error(logits, [r[:, -tokens:] for r in reference])
+        if not rel <= DEFAULT_TOLERANCE[precision]:
+            warnings.warn(
+                f"{name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
+                f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+    if kv_dtype != "float32":
+        rel = relative_error(graph_logits(model, entries, ids, folder), logits)
+        if not rel <= KV_TOLERANCE[kv_dtype]:
+            warnings.warn(
+                f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
+                f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+                PrecisionWarning,
+                stacklevel=2,
+            )
 
 
 INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
@@ -365,115 +393,95 @@ def quantize_int4(
     return q.model.model
 
 
-def convert_precision(path: Path, precision: str, entries: list[dict], **options) -> None:
-    """Rewrite the graph at ``path`` in ``precision`` (in place, atomically); ``options`` are int4's."""
-    import onnx
-
-    path = Path(path)
-    model = onnx.load(str(path))
+def convert_precision(model, precision: str, entries: list[dict], **options):
+    """The in-memory float32 graph ``model`` in ``precision``; ``options`` are int4's. ``check_logits``
+    measures the result (the exporter runs it on the packaged graph, once the weights left memory)."""
     for i, n in enumerate(model.graph.node):  # the converter's node_block_list needs names
         if not n.name:
             n.name = f"{n.op_type}_{i}"
-    reference = str(path)  # float32, to measure the conversion's error against (replaced only at the end)
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=path.parent)
-    os.close(fd)
-    try:
-        if precision == "fp16":
-            from onnxruntime.transformers.float16 import convert_float_to_float16
+    if precision == "fp16":
+        from onnxruntime.transformers.float16 import convert_float_to_float16
 
-            converted = convert_float_to_float16(
-                model,
-                keep_io_types=True,
-                op_block_list=FP32_OPS,
-                node_block_list=fp32_nodes(model, entries),
-            )
-            _drop_round_trips(converted)
-            sort_topologically(converted)
-            onnx.save(converted, tmp)
-            del converted
-        elif precision == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
+        block = fp32_nodes(model, entries)
+        model = convert_float_to_float16(
+            model, keep_io_types=True, op_block_list=FP32_OPS, node_block_list=block
+        )
+        _drop_round_trips(model)
+        sort_topologically(model)
+    elif precision == "int8":
+        model = quantize_int8(model)
+    elif precision == "int4":
+        model = quantize_int4(model, **{**INT4_DEFAULTS, **options})
+    else:
+        raise ValueError(f"unknown precision {precision!r}")
+    return model
 
-            weights = {i.name for i in model.graph.initializer}
-            matmuls = [
-                n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights
-            ]
-            src = tmp + ".src.onnx"
-            onnx.save(model, src)
-            root = logging.getLogger()
-            level = root.level
-            root.setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
-            try:
-                quantize_dynamic(src, tmp, nodes_to_quantize=matmuls, weight_type=QuantType.QInt8)
-            finally:
-                root.setLevel(level)
-                os.unlink(src)
-        elif precision == "int4":
-            onnx.save(quantize_int4(model, **{**INT4_DEFAULTS, **options}), tmp)
-        else:
-            raise ValueError(f"unknown precision {precision!r}")
-        # the graphs in memory go before the two sessions that measure the error load both from disk (at
-        # 0.8B parameters they held 4 GB more at the export's peak)
+
+def quantize_int8(model):
+    """ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose weights are
+    initializers (int8 weights). Its quantizer reads and writes files: through a scratch directory."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    weights = {i.name for i in model.graph.initializer}
+    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights]
+    with tempfile.TemporaryDirectory(prefix="edgeattn-int8-") as scratch:
+        src, dst = os.path.join(scratch, "src.onnx"), os.path.join(scratch, "int8.onnx")
+        onnx.save(model, src)
         del model
-        release_memory()
-        rel = logit_error(reference, tmp, entries)
-        from edgeattn.export.check import DEFAULT_TOLERANCE
-
-        if not rel <= DEFAULT_TOLERANCE[precision]:
-            warnings.warn(
-                f"{path.name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
-                f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
-                PrecisionWarning,
-                stacklevel=2,
-            )
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
+        try:
+            quantize_dynamic(src, dst, nodes_to_quantize=matmuls, weight_type=QuantType.QInt8)
+        finally:
+            root.setLevel(level)
+        return onnx.load(dst)
 
 
-def logit_error(
-    reference: bytes | str, path: str | os.PathLike, entries: list[dict], calls: int = 4
-) -> float:
-    """Relative logit error (max |diff| / max |logit|, as ``edgeattn check``) of the graph at ``path`` against
-    the float32 ``reference`` graph (serialized, or a path), over ``calls`` consecutive calls on Python source text with the state
-    fed back (errors that build up in the state show)."""
-    import onnxruntime as ort
+# The precision checks: a few consecutive calls of Python source text, the state fed back (errors that
+# build up in the state show); a graph with a dynamic token axis runs them as prefills of CHECK_TOKENS
+CHECK_CALLS = 4
+CHECK_TOKENS = 16
 
+
+def check_ids(batch: int, tokens: int, vocab: int, calls: int = CHECK_CALLS) -> np.ndarray:
+    """The token ids [calls, batch, tokens] that the precision checks feed a graph and its reference."""
     from edgeattn.export.check import default_text
+
+    text = np.frombuffer(default_text(batch * tokens * calls), np.uint8).astype(np.int64) % vocab
+    return text.reshape(calls, batch, tokens)
+
+
+def graph_logits(model, entries: list[dict], ids: np.ndarray, folder: str | os.PathLike) -> list[np.ndarray]:
+    """The float32 logits of the in-memory graph ``model`` (its external data in ``folder``) over the
+    consecutive calls ``ids`` [calls, B, T], its state starting at zero and fed back."""
+    import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
-    # no prepacked copies of the weights: a few calls do not repay them, and at 0.8B parameters the fp32
-    # reference session's prepacked copy was the int4 export's peak of memory
+    # no prepacked copies of the weights: a few calls do not repay them
     so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {e["input"] for e in entries}
-    runs = []  # [calls] logits per graph: one session at a time, so that both never sit in memory together
-    for m in (reference, path):
-        sess = ort.InferenceSession(m if isinstance(m, bytes) else str(m), so)
-        ids_input = next(i for i in sess.get_inputs() if i.name not in names)
-        B, T = ids_input.shape
-        if not isinstance(B, int):  # a dynamic batch: run at the batch the state shapes are listed at
-            B = entries[0]["shape"][0] if entries else 1
-        if not isinstance(T, int):  # one graph with a dynamic token axis: run it as a prefill of 16 tokens
-            T = 16
-        vocab = sess.get_outputs()[0].shape[-1]
-        text = np.frombuffer(default_text(B * T * calls), np.uint8).astype(np.int64) % vocab
-        text = text.reshape(calls, B, T)  # [calls, B, T]
-        types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}
-        state = {  # a state input's element type is the graph's own (a float16 KV buffer)
-            e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], types[e["input"]])
-            for e in entries
-        }
-        logits = []
-        for c in range(calls):
-            out = sess.run(None, {ids_input.name: text[c], **state})
-            state.update({e["input"]: o for e, o in zip(entries, out[1:])})
-            logits.append(out[0].astype(np.float64))
-        runs.append(logits)
-        del sess
-    diff = max(float(np.abs(b - a).max()) for a, b in zip(*runs))
-    scale = max(float(np.abs(a).max()) for a in runs[0])
+    ids_name = next(i.name for i in sess.get_inputs() if i.name not in names)
+    types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}
+    state = {  # a state input's element type is the graph's own (a float16 KV buffer)
+        e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], types[e["input"]])
+        for e in entries
+    }
+    logits = []
+    for call in ids:
+        out = sess.run(None, {ids_name: call, **state})
+        state.update({e["input"]: o for e, o in zip(entries, out[1:])})
+        logits.append(out[0].astype(np.float32, copy=False))
+    return logits
+
+
+def relative_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """Relative logit error (max |diff| / max |logit| of ``want``, as ``edgeattn check``) over the calls."""
+    diff = max(float(np.abs(b.astype(np.float64) - a).max()) for a, b in zip(want, got))
+    scale = max(float(np.abs(a).max()) for a in want)
     return diff / max(scale, 1e-12)

@@ -36,89 +36,115 @@ def _raw(init) -> bytes:
     return numpy_helper.to_array(init).tobytes()
 
 
-def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = WEIGHTS_FILE) -> dict:
-    """Move the large initializers of the graphs under ``root`` into ``root / data_name``, once each.
+class WeightsWriter:
+    """Moves the large initializers of in-memory graphs (``add``, one graph after another) into one
+    external-data file at ``path``, each content once, and hashes the file as it writes it (``sha256``,
+    ``bytes`` after ``close``). Every name means one content across the graphs: a name that another graph
+    used for other contents is renamed (its nodes follow)."""
 
-    Two initializers with the same bytes, dtype and shape are stored once; one name that means different
-    contents in two graphs is renamed in the later graph (its nodes follow), so every name maps to one
-    tensor. Returns ``{"path": data_name, "bytes": n, "tensors": [{"names", "dtype", "shape", "offset",
-    "length", "sha256"}]}``.
-    """
+    def __init__(self, path: str | os.PathLike, data_name: str = WEIGHTS_FILE):
+        self.data_name = data_name
+        self.tensors: dict[str, dict] = {}  # content key -> entry
+        self.by_name: dict[str, str] = {}  # initializer name -> content key
+        self.offset = 0
+        self.hash = hashlib.sha256()
+        self.file = open(path, "wb")
+
+    def _write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.hash.update(data)
+        self.offset += len(data)
+
+    def add(self, model) -> None:
+        """Point ``model``'s large initializers at the file (changed in place; their bytes leave memory)."""
+        import onnx
+
+        renames = {}
+        for init in model.graph.initializer:
+            # Every name, small tensors' too, means one content across the graphs: the runtime hands
+            # the shared tensors to every session by name, which would shadow another graph's small one.
+            raw = _raw(init) if init.data_type in ONNX_DTYPES else init.SerializeToString()
+            digest = hashlib.sha256(raw).hexdigest()
+            key = f"{init.data_type}:{list(init.dims)}:{digest}"
+            if init.name in self.by_name and self.by_name[init.name] != key:
+                new = f"{init.name}.{digest[:12]}"
+                renames[init.name] = new
+                init.name = new
+            self.by_name[init.name] = key
+            if init.data_type not in ONNX_DTYPES or len(raw) < MIN_BYTES:
+                continue
+            if key not in self.tensors:
+                self._write(b"\0" * (-self.offset % ALIGN))
+                self.tensors[key] = {
+                    "names": [],
+                    "dtype": ONNX_DTYPES[init.data_type],
+                    "shape": list(init.dims),
+                    "offset": self.offset,
+                    "length": len(raw),
+                    "sha256": digest,
+                }
+                self._write(raw)
+            entry = self.tensors[key]
+            if init.name not in entry["names"]:
+                entry["names"].append(init.name)
+            del raw
+            init.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                init.ClearField(field)
+            init.data_location = onnx.TensorProto.EXTERNAL
+            del init.external_data[:]
+            for k, v in (
+                ("location", self.data_name),
+                ("offset", entry["offset"]),
+                ("length", entry["length"]),
+            ):
+                init.external_data.add(key=k, value=str(v))
+        if renames:
+            for node in model.graph.node:
+                node.input[:] = [renames.get(i, i) for i in node.input]
+        self.file.flush()  # readable as the graph's external data from here on
+
+    def close(self) -> dict:
+        """The table the manifest keeps under ``"weights"``: ``{"path", "bytes", "tensors": [{"names",
+        "dtype", "shape", "offset", "length", "sha256"}]}``."""
+        self.file.close()
+        return {"path": self.data_name, "bytes": self.offset, "tensors": list(self.tensors.values())}
+
+    @property
+    def sha256(self) -> str:
+        return self.hash.hexdigest()
+
+
+def share_weights(root: str | os.PathLike, graphs: list[str], data_name: str = WEIGHTS_FILE) -> dict:
+    """Move the large initializers of the graph files ``graphs`` under ``root`` into ``root / data_name``,
+    once each (``WeightsWriter``; the exporter does this in memory), rewriting the graphs. Returns the
+    table of ``WeightsWriter.close``."""
     import onnx
 
     root = Path(root)
-    tensors: dict[str, dict] = {}  # content key -> entry
-    by_name: dict[str, str] = {}  # initializer name -> content key
     tmp = root / f".{data_name}.tmp"
-    offset = 0
-    spilled = set()  # external-data files the graphs came with (over 2 GB), removed once moved
-    spilled |= {
-        f"{g}.data" for g in graphs
-    }  # the exporter's files over 2 GB (orphaned by a precision change)
-    with open(tmp, "wb") as f:
+    spilled = set()  # external-data files the graphs came with, removed once moved
+    writer = WeightsWriter(tmp, data_name)
+    try:
         for g in graphs:  # one graph in memory at a time
-            head = onnx.load(str(root / g), load_external_data=False)
+            model = onnx.load(str(root / g), load_external_data=False)
             spilled |= {
-                e.value for i in head.graph.initializer for e in i.external_data if e.key == "location"
+                e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"
             }
-            del head
-            model = onnx.load(str(root / g))
-            renames = {}
-            for init in model.graph.initializer:
-                # Every name, small tensors' too, means one content across the graphs: the runtime hands
-                # the shared tensors to every session by name, which would shadow another graph's small one.
-                raw = _raw(init) if init.data_type in ONNX_DTYPES else init.SerializeToString()
-                digest = hashlib.sha256(raw).hexdigest()
-                key = f"{init.data_type}:{list(init.dims)}:{digest}"
-                if init.name in by_name and by_name[init.name] != key:
-                    new = f"{init.name}.{digest[:12]}"
-                    renames[init.name] = new
-                    init.name = new
-                by_name[init.name] = key
-                if init.data_type not in ONNX_DTYPES or len(raw) < MIN_BYTES:
-                    continue
-                if key not in tensors:
-                    pad = -offset % ALIGN
-                    f.write(b"\0" * pad)
-                    offset += pad
-                    f.write(raw)
-                    tensors[key] = {
-                        "names": [],
-                        "dtype": ONNX_DTYPES[init.data_type],
-                        "shape": list(init.dims),
-                        "offset": offset,
-                        "length": len(raw),
-                        "sha256": digest,
-                    }
-                    offset += len(raw)
-                entry = tensors[key]
-                if init.name not in entry["names"]:
-                    entry["names"].append(init.name)
-                init.ClearField("raw_data")
-                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                    init.ClearField(field)
-                init.data_location = onnx.TensorProto.EXTERNAL
-                del init.external_data[:]
-                for k, v in (
-                    ("location", data_name),
-                    ("offset", entry["offset"]),
-                    ("length", entry["length"]),
-                ):
-                    init.external_data.add(key=k, value=str(v))
-            if renames:
-                for node in model.graph.node:
-                    node.input[:] = [renames.get(i, i) for i in node.input]
+            onnx.load_external_data_for_model(model, str(root))
+            writer.add(model)
             with open(root / f".{g}.tmp", "wb") as part:
                 part.write(model.SerializeToString())
             del model
-    try:
+        table = writer.close()
         for g in graphs:
             os.replace(root / f".{g}.tmp", root / g)
         os.replace(tmp, root / data_name)
         for name in spilled - {data_name}:
             (root / name).unlink(missing_ok=True)
     finally:
+        writer.file.close()
         for leftover in [tmp, *(root / f".{g}.tmp" for g in graphs)]:
             if leftover.exists():
                 leftover.unlink()
-    return {"path": data_name, "bytes": offset, "tensors": list(tensors.values())}
+    return table

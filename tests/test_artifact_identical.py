@@ -8,7 +8,9 @@ to the performer graph came in), copied to /tmp/ea-main2 and run as
 ``PYTHONPATH=/tmp/ea-main2 python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
 The four cases whose graphs issue 25 changed on purpose (gated_deltanet and kda: GatedRMSNorm as plain
 ops; gla_int4 and qwen3_5_hf_int4: one shared int4 embedding table) were re-recorded the same way from
-13868a7 with the `perf` branch merged in, still without the redesign. Rerecord it (from the code before a
+13868a7 with the `perf` branch merged in, still without the redesign; those two int4 cases again when the
+int4 default block size went from 32 to 128 (issue 25, item 4), from the `perf2` branch (514140d plus that
+change), whose other 15 cases still hashed as recorded. Rerecord it (from the code before a
 change) only when a change of the graphs is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """

@@ -6,8 +6,8 @@ One transformers Qwen3.5 text model with random weights (speed and memory do not
   ONNX Runtime's LinearAttention op, the gated full-attention layers through GroupQueryAttention over a
   preallocated KV buffer (past and present one buffer);
 - ``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p PRECISION -e cpu``, run by its Generator.
-int4 on both sides is ONNX Runtime's MatMulNBits (edgeattn: block 32, symmetric, accuracy level 4; genai:
-its CPU defaults). Measured by benchmarks/peers.py's workers (a fresh process per model and repeat,
+int4 on both sides is ONNX Runtime's MatMulNBits (edgeattn: the export's default, block 128, symmetric,
+accuracy level 4; ``--int4-blocks 32,64``: also exports with those block sizes; genai: its CPU defaults). Measured by benchmarks/peers.py's workers (a fresh process per model and repeat,
 interleaved): decode ms/token at each context (edgeattn: a KV buffer holding c random tokens set directly;
 genai: c random tokens prefilled), process RSS after the steps, prefill tokens/s (1024 tokens).
 
@@ -65,6 +65,8 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py --paired [--rounds 8] [--block 4] [--gap 0.1] [--repeats 1] [--workdir DIR]
     python benchmarks/imported.py --paired --workdir DIR --report   # the pairs logged in DIR/paired.jsonl
     python benchmarks/imported.py --quick [--paired]
+    python benchmarks/imported.py --paired --precisions int4 --int4-blocks 32 [--prefill 4096] \
+        [--max-len 16424]   # also the block-32 export, paired against the default (block 128) one
     python benchmarks/imported.py --precisions int4 --llama-python /tmp/llama/bin/python \
         --llama-src /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [--repeats 3]
 
@@ -136,10 +138,18 @@ def runtimes(precision: str) -> tuple[str, ...]:
     return ("edgeattn", "genai", "llama") if precision == "int4" else ("edgeattn", "genai")
 
 
-def labels(precisions) -> dict:
+def block_variant(block: int) -> str:
+    """The edgeattn int4 export with ``--int4-block-size block`` (``--int4-blocks``)."""
+    return f"{name_of('edgeattn', 'int4')}-b{block}"
+
+
+def labels(precisions, blocks=()) -> dict:
     out = {}
     for p in precisions:
         out[name_of("edgeattn", p)] = f"edgeattn {p} (ONNX Runtime session)"
+    for b in blocks:
+        out[block_variant(b)] = f"edgeattn int4 block {b}"
+    for p in precisions:
         out[name_of("genai", p)] = f"onnxruntime-genai {p} (its builder + Generator)"
     out[LLAMA] = "llama.cpp Q4_0 (llama-cpp-python 0.3.36, f16 KV)"
     return out
@@ -276,13 +286,18 @@ def cli(*args: str) -> None:
         raise RuntimeError(f"edgeattn {args[0]} failed: {tail[0]}")
 
 
-def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True) -> Path:
+def build_edgeattn(
+    root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True, block: int | None = None
+) -> Path:
     """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint``; ``optimize=False``:
-    ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too."""
+    ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too;
+    ``block``: int4 with ``--int4-block-size block`` (the export's default otherwise)."""
     ckpt = root / "ckpt"
     if not ckpt.is_dir():
         cli("import", str(hf), "--out", str(ckpt), "--force")
-    out = root / name_of("edgeattn", precision)
+    out = root / (block_variant(block) if block else name_of("edgeattn", precision))
+    if not optimize and block:
+        raise ValueError("--int4-blocks needs the optimizer (drop --no-optimize)")
     if not optimize:
         code = (
             "import sys; from edgeattn.export import export_model; export_model(sys.argv[1], sys.argv[2], "
@@ -306,19 +321,20 @@ def build_edgeattn(root: Path, hf: Path, precision: str, prefill_chunk: int, opt
         "--force",
         "--prefill-chunk",
         str(prefill_chunk),
+        *(["--int4-block-size", str(block)] if block else []),
     )
     return out
 
 
 def run_paired(
-    models: dict, pairs: list[tuple[int, str]], repeats: int, opts: dict, timeout: float, log: Path
+    models: dict, pairs: list[tuple[int, str, str]], repeats: int, opts: dict, timeout: float, log: Path
 ) -> None:
-    """``repeats`` fresh pairs of processes per (threads, precision) in ``pairs``, each measured by
-    ``peers.measure_pair`` (edgeattn the base, genai the peer); each result appended to ``log`` as it comes.
-    ``opts``: contexts, rounds, block, prefill, gap, max_len (genai's Generator length)."""
+    """``repeats`` fresh pairs of processes per (threads, base, peer) in ``pairs``, each measured by
+    ``peers.measure_pair`` (base: an edgeattn export; peer: genai's, or an ``--int4-blocks`` export);
+    each result appended to ``log`` as it comes. ``opts``: contexts, rounds, block, prefill, gap, max_len
+    (genai's Generator length)."""
     for r in range(repeats):
-        for th, p in pairs:
-            names = [name_of("edgeattn", p), name_of("genai", p)]
+        for th, *names in pairs:
             cfgs = [
                 {"model": n, "path": models[n]["path"], "threads": th, "max_len": opts["max_len"]}
                 for n in names
@@ -336,7 +352,7 @@ def run_paired(
                 f"ratio {v['ratio']:.2f}"
                 for c, v in res["ratios"].items()
             )
-            print(f"[pair {r + 1}/{repeats}] {key} (edgeattn/genai): {status}", file=sys.stderr, flush=True)
+            print(f"[pair {r + 1}/{repeats}] {key} ({names[0]}/peer): {status}", file=sys.stderr, flush=True)
 
 
 def summarize_paired(log: Path) -> tuple[dict, dict, int]:
@@ -374,22 +390,26 @@ def summarize_paired(log: Path) -> tuple[dict, dict, int]:
 
 
 def print_paired(
-    ratios: dict, precisions: list[str], contexts: list[int], threads: list[int], opts: dict
+    ratios: dict, precisions: list[str], contexts: list[int], threads: list[int], opts: dict, blocks=()
 ) -> None:
-    """The paired ratios, one row per precision."""
+    """The paired ratios, one row per precision, then one per ``--int4-blocks`` export."""
     lo, hi = contexts[0], contexts[-1]
     for th in threads:
         print(
             f"\npaired ratios, {th} thread(s): decode genai / edgeattn ms, per pair of processes the median "
             f"over {opts['rounds']} rounds of the ratio of the block medians ({opts['block']} steps each, the "
             "two alternating), the median over pairs [min-max over all rounds]; prefill edgeattn / genai "
-            "tok/s; RSS genai / edgeattn (> 1: edgeattn faster or smaller)\n"
+            "tok/s; RSS genai / edgeattn (> 1: edgeattn faster or smaller); rows int4 bN: the block-N export "
+            "in genai's place against the default int4 export (< 1: block N faster or smaller)\n"
         )
         head = " | ".join(f"decode @{c}" for c in contexts)
         print(f"| precision | {head} | prefill | RSS @{lo} | RSS @{hi} | RSS after prefill |")
         print("|---|" + "---|" * len(contexts) + "---|---|---|---|")
-        for p in precisions:
-            r = ratios.get(f"{name_of('genai', p)}@{th}")
+        rows = [(p, name_of("genai", p)) for p in precisions] + [
+            (f"int4 b{b}", block_variant(b)) for b in blocks
+        ]
+        for p, peer in rows:
+            r = ratios.get(f"{peer}@{th}")
             if r is None:
                 print(f"| {p} | not run |")
                 continue
@@ -424,6 +444,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="--paired: rounds of one block on each per context")
     ap.add_argument("--block", type=int, default=4, help="--paired: decode steps per block")
     ap.add_argument("--gap", type=float, default=0.1, help="--paired: seconds of pause before each block")
+    ap.add_argument("--prefill", type=int, default=1024, help="prefill tokens (from an empty state)")
+    ap.add_argument(
+        "--int4-blocks", default="", help="also edgeattn int4 exports with these block sizes (e.g. 64,128)"
+    )
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=0,
+        help="KV buffers' length (default: longest context or prefill + steps + 8)",
+    )
     ap.add_argument("--llama-python", default=None, help="interpreter with llama_cpp (int4 peer; see above)")
     ap.add_argument(
         "--llama-src", type=Path, default=None, help="llama.cpp source with convert_hf_to_gguf.py"
@@ -437,11 +467,13 @@ def main() -> None:
         ap.error(f"precisions must be among {', '.join(PRECISIONS)}")
     repeats = 1 if args.quick else args.repeats
     steps = 4 if args.quick else args.steps
-    prefill = 64 if args.quick else 1024
+    prefill = 64 if args.quick else args.prefill
     chunk = 16 if args.quick else args.prefill_chunk
-    max_len = (
-        max(*contexts, prefill) + steps + 8
-    )  # genai's worker asks for this; edgeattn's KV buffer the same
+    blocks = [] if args.quick else [int(b) for b in args.int4_blocks.split(",") if b.strip()]
+    if blocks and "int4" not in precisions:
+        ap.error("--int4-blocks needs int4 among --precisions")
+    # genai's worker asks for this; edgeattn's KV buffer the same (a longer --max-len reuses longer models)
+    max_len = max(max(*contexts, prefill) + steps + 8, 0 if args.quick else args.max_len)
     rounds, block = (2, 2) if args.quick else (args.rounds, args.block)
     if args.paired and (rounds < 1 or block < 1 or rounds * block > steps + 7):
         ap.error(f"--rounds x --block must be 1 to --steps + 7 = {steps + 7} (the KV buffers' room)")
@@ -462,32 +494,33 @@ def main() -> None:
         no_llama = None if args.quick or args.paired else llama_ready(args.llama_python, args.llama_src)
         if no_llama and "int4" in precisions and not args.report:
             print(f"llama.cpp: skipped ({no_llama})", file=sys.stderr)
-        wanted = [
-            name_of(r, p)
+        # (name, runtime, precision, int4 block size or None): each --int4-blocks export after the default one
+        specs = [
+            spec
             for p in precisions
             for r in runtimes(p)
-            if r != "llama" or not (args.quick or args.paired)
+            for spec in [(name_of(r, p), r, p, None)]
+            + [(block_variant(b), r, p, b) for b in (blocks if (r, p) == ("edgeattn", "int4") else [])]
         ]
+        wanted = [n for n, r, _, _ in specs if r != "llama" or not (args.quick or args.paired)]
         if args.models:
             wanted = [n for n in wanted if n in args.models.split(",")]
         todo = [
-            (r, p)
-            for p in precisions
-            for r in runtimes(p)
-            if name_of(r, p) in wanted
-            and "error" in models.get(name_of(r, p), {"error": "not built"})
+            (n, r, p, b)
+            for n, r, p, b in specs
+            if n in wanted
+            and "error" in models.get(n, {"error": "not built"})
             and (r != "llama" or not no_llama)
         ]
         if todo and not args.report:
             t = time.time()
             hf, params = build_hf(root, shape, max_len)
-            for runtime, p in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB per process
-                name = name_of(runtime, p)
+            for name, runtime, p, block in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB per process
                 if not args.quick:
                     wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
-                        path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize)
+                        path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize, block=block)
                     elif runtime == "llama":
                         path = build_llama(root, hf, args.llama_python, args.llama_src)
                     else:
@@ -500,22 +533,21 @@ def main() -> None:
                 print(f"built {name} ({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
             shutil.rmtree(root / "ckpt", ignore_errors=True)
             shutil.rmtree(root / "cache", ignore_errors=True)
-        order = [name_of(r, p) for p in precisions for r in runtimes(p)]
+        order = [n for n, _, _, _ in specs]
         if no_llama or args.paired or args.quick:
             order = [n for n in order if n != LLAMA]
         models = {n: models.get(n, {"error": "not built", "params": 0}) for n in order}
         if not args.report and args.paired:
+            candidates = [(name_of("edgeattn", p), name_of("genai", p)) for p in precisions]
+            candidates += [(name_of("edgeattn", "int4"), block_variant(b)) for b in blocks]
             pairs = [
-                (th, p)
+                (th, *pair)
                 for th in threads
-                for p in precisions
-                if all(
-                    n in wanted and "error" not in models[n]
-                    for n in (name_of("edgeattn", p), name_of("genai", p))
-                )
+                for pair in candidates
+                if all(n in wanted and "error" not in models[n] for n in pair)
             ]
-            for p in sorted(set(precisions) - {p for _, p in pairs}):
-                print(f"--paired: {p} skipped (needs both models built and selected)", file=sys.stderr)
+            for pair in sorted(set(candidates) - {tuple(x[1:]) for x in pairs}):
+                print(f"--paired: {pair[1]} skipped (needs both models built and selected)", file=sys.stderr)
             run_paired(models, pairs, repeats, paired, args.timeout, log)
         elif not args.report:
             configs = [
@@ -553,10 +585,14 @@ def main() -> None:
             f"paired: per process the median of its {rounds}x{block} steps per context, the median over "
             "pairs [min-max]"
         )
-        peers.print_table(results, models, contexts, threads, labels(precisions), lambda n: None, title)
-        print_paired(ratios, precisions, contexts, threads, paired)
+        peers.print_table(
+            results, models, contexts, threads, labels(precisions, blocks), lambda n: None, title, prefill
+        )
+        print_paired(ratios, precisions, contexts, threads, paired, blocks)
     else:
-        ratios = peers.print_table(results, models, contexts, threads, labels(precisions), counterpart)
+        ratios = peers.print_table(
+            results, models, contexts, threads, labels(precisions, blocks), counterpart, prefill=prefill
+        )
     disk = {n: m["disk"] for n, m in models.items() if "disk" in m}
     if disk:
         print("\nweights on disk: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in disk.items()))
@@ -571,6 +607,7 @@ def main() -> None:
                 "precisions": precisions,
                 "repeats": repeats,
                 "steps": steps,
+                "prefill": prefill,
                 **(
                     {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
                     if args.paired

@@ -747,6 +747,7 @@ def print_table(
     labels: dict | None = None,
     base_of=lambda name: "edgeattn-gla",
     title: str = "median of fresh processes [min-max]",
+    prefill: int = 1024,
 ) -> dict:
     """The markdown table per thread count, then each model's ratios against ``base_of(model)`` (a model
     name, or None for no ratios): peer / base decode ms and RSS, base / peer prefill tokens/s."""
@@ -758,7 +759,7 @@ def print_table(
         head = " | ".join(f"decode ms @{c}" for c in contexts)
         rss_head = " | ".join(f"RSS MiB @{c}" for c in contexts)
         print(
-            f"| model | params | {head} | {rss_head} | prefill tok/s (1024) | RSS after prefill "
+            f"| model | params | {head} | {rss_head} | prefill tok/s ({prefill}) | RSS after prefill "
             "| other CPU (cores, max) |"
         )
         print("|---|---|" + "---|" * (2 * len(contexts)) + "---|---|---|")

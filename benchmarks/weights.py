@@ -176,7 +176,9 @@ def main() -> None:
         arts = {
             "fp32 today (two copies)": export_model(ckpt, root / "legacy", shared_weights=False),
             "fp32 shared": export_model(ckpt, root / "shared"),
-            "int4 (b32 sym)": export_model(ckpt, root / "int4", precision="int4"),
+            "int4 (b32 sym)": export_model(
+                ckpt, root / "int4", precision="int4", quantization={"block_size": 32}
+            ),
         }
         disk = {
             k: {"total": dir_bytes(a), "without_checkpoint": dir_bytes(a, "checkpoint")}

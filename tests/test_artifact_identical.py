@@ -8,7 +8,9 @@ to the performer graph came in), copied to /tmp/ea-main2 and run as
 ``PYTHONPATH=/tmp/ea-main2 python scripts/record_artifact_hashes.py tests/fixtures/artifact_sha256.json``.
 The four cases whose graphs issue 25 changed on purpose (gated_deltanet and kda: GatedRMSNorm as plain
 ops; gla_int4 and qwen3_5_hf_int4: one shared int4 embedding table) were re-recorded the same way from
-13868a7 with the `perf` branch merged in, still without the redesign. The aft and aft_local step graphs were
+13868a7 with the `perf` branch merged in, still without the redesign; those two int4 cases again when the
+int4 default block size went from 32 to 128 (issue 25, item 4), from the `perf2` branch (514140d plus that
+change), whose other 15 cases still hashed as recorded. The aft and aft_local step graphs were
 re-recorded from branch arch4b (issue 21 item 4: the layer makes one `aft(mode="auto")` call, so the decay's
 Softplus and Neg, computed by the layer before the call, now precede the op's slices of q, k and v): the same
 nodes, initializers, inputs and outputs in another order, and ONNX Runtime's outputs bit-identical. Rerecord it (from the code before a

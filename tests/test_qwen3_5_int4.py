@@ -49,7 +49,9 @@ def logits(art, ids) -> np.ndarray:
 
 def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
     model, root = hf
-    shared, apart = export(root, "shared"), export(root, "apart", share_embedding=False)
+    # blocks of 32: the width D = 64 holds whole blocks (the default 128 would pad them: next test)
+    shared = export(root, "shared", block_size=32)
+    apart = export(root, "apart", block_size=32, share_embedding=False)
     graph = onnx.load(str(shared / "step.onnx"), load_external_data=False).graph
     gbq = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq[0].input[0]]
@@ -59,6 +61,18 @@ def test_tied_int4_embedding_stored_once_same_logits(hf, ids):
     got, ref = logits(shared, ids), logits(apart, ids)
     assert np.array_equal(got, ref)  # the quantizer gives both tables the same blocks and scales
     assert rel_err(got, hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]
+
+
+def test_blocks_wider_than_the_embedding_keep_its_own_table(hf, ids):
+    """Blocks of 128 over D = 64: the quantizer pads each row's block, so the embedding cannot read the
+    head's padded rows; it keeps its own table, and the logits stay within int4's tolerance."""
+    model, root = hf
+    art = export(root, "wide", block_size=128)
+    graph = onnx.load(str(art / "step.onnx"), load_external_data=False).graph
+    gbq = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq[0].input[0]]
+    assert len(gbq) == 1 and not heads
+    assert rel_err(logits(art, ids), hf_logits(model, ids)) <= DEFAULT_TOLERANCE["int4"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -53,8 +53,11 @@ def export(
         ),
     ] = Precision.fp32,
     int4_block_size: Annotated[
-        int, typer.Option(help="int4: weights per quantization block (a power of two >= 16: 32 or 128).")
-    ] = 32,
+        int | None,
+        typer.Option(
+            help="int4: weights per quantization block, a power of two >= 16 (default 128; 32 keeps more accuracy)."
+        ),
+    ] = None,
     int4_asymmetric: Annotated[
         bool, typer.Option("--int4-asymmetric", help="int4: a zero point per block (default: symmetric).")
     ] = False,
@@ -121,7 +124,8 @@ def export(
         prefill_chunk=prefill_chunk,
         force=force,
         include_checkpoint=not no_checkpoint,
-        quantization={"block_size": int4_block_size, "symmetric": not int4_asymmetric}
+        quantization={"symmetric": not int4_asymmetric}
+        | ({"block_size": int4_block_size} if int4_block_size is not None else {})
         if precision == Precision.int4
         else None,
         genai=genai,

@@ -234,7 +234,7 @@ def check_logits(
             )
 
 
-INT4_DEFAULTS = {"block_size": 32, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
+INT4_DEFAULTS = {"block_size": 128, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
 INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
 
 
@@ -300,7 +300,8 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
     to [V, D/bs, 1], and a Reshape makes its [.., D/bs, bs] rows [.., D]. B is not reshaped itself: ONNX
     Runtime folds a Reshape of an initializer into a copy in memory, which for the scales (V x D/bs floats,
     32 MB at Qwen3.5-0.8B) costs less than storing them twice on disk, for the table (4x that) too much.
-    Symmetric blocks only (the implied zero point 8 of both ops); returns the tables shared."""
+    Symmetric blocks only (the implied zero point 8 of both ops), and D a multiple of the block size (the
+    quantizer pads a shorter last block); returns the tables shared."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -319,6 +320,8 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
         if len(head.input) > 3 and head.input[3] or len(gbq.input) > 3 and gbq.input[3]:
             continue  # zero points: the two ops pack them differently
         attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+        if attrs["K"] % attrs["block_size"]:
+            continue  # a padded last block: the gathered rows would be wider than D
         table, scales = inits[head.input[1]], inits[head.input[2]]  # [V, D/bs, bs/2] uint8, [V, D/bs]
         V, blocks = attrs["N"], attrs["K"] // attrs["block_size"]
         old = list(gbq.input[:1]) + list(gbq.input[2:])
@@ -350,7 +353,11 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
 
 
 def quantize_int4(
-    model, block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4, share_embedding: bool = True
+    model,
+    block_size: int = 128,
+    symmetric: bool = True,
+    accuracy_level: int = 4,
+    share_embedding: bool = True,
 ):
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
     ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``)."""

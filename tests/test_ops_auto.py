@@ -35,6 +35,7 @@ from edgeattn.ops.norm import gated_rms_norm
 from edgeattn.ops.rff import gaussian_projection, rff_recurrence, rff_softmax_features
 from edgeattn.ops.softmax import softmax_attention
 from tests.helpers import assert_close
+from tests.test_ops_common import make_inputs
 
 aft_ops = importlib.import_module("edgeattn.ops.aft")  # the module, not edgeattn.ops.aft the function
 
@@ -42,16 +43,9 @@ B, H, K, V = 2, 2, 8, 6
 
 
 def inputs(T: int, gate: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = {
-        "none": None,
-        "head": torch.log(torch.rand(H, generator=gen) * 0.5 + 0.45),
-        "head_token": F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2),
-        "key": F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2),
-    }[gate]
-    return q, k, v, g, torch.randn(B, H, K, V, generator=gen)
+    """The gated recurrence's inputs of tests/test_ops_common.py, without gradients: q, k, v, g, S0."""
+    (q, k, v, g), S0 = make_inputs(B, T, H, K, V, gate, normalize=False, seed=seed)
+    return tuple(None if x is None else x.detach() for x in (q, k, v, g, S0))
 
 
 def spy(monkeypatch, module, name: str, calls: list):

@@ -185,6 +185,12 @@ def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
     return entries
 
 
+def _warn_over(rel: float, bound: float, message: str) -> None:
+    """A ``PrecisionWarning`` with ``message`` where the relative error ``rel`` exceeds ``bound`` (or is NaN)."""
+    if not rel <= bound:
+        warnings.warn(message, PrecisionWarning, stacklevel=3)
+
+
 def check_logits(
     model,
     entries: list[dict],
@@ -216,22 +222,20 @@ def check_logits(
 
         tokens = logits[0].shape[1]
         rel = relative_error(logits, [r[:, -tokens:] for r in reference])
-        if not rel <= DEFAULT_TOLERANCE[precision]:
-            warnings.warn(
-                f"{name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
-                f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
-                PrecisionWarning,
-                stacklevel=2,
-            )
+        _warn_over(
+            rel,
+            DEFAULT_TOLERANCE[precision],
+            f"{name} in {precision}: its logits differ from float32's by {rel:.3g} (relative), more "
+            f"than the {DEFAULT_TOLERANCE[precision]:g} that `edgeattn check` accepts; use a higher precision",
+        )
     if kv_dtype != "float32":
         rel = relative_error(graph_logits(model, entries, ids, folder), logits)
-        if not rel <= KV_TOLERANCE[kv_dtype]:
-            warnings.warn(
-                f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
-                f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
-                PrecisionWarning,
-                stacklevel=2,
-            )
+        _warn_over(
+            rel,
+            KV_TOLERANCE[kv_dtype],
+            f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
+            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+        )
 
 
 INT4_DEFAULTS = {"block_size": 128, "symmetric": True, "accuracy_level": 4, "share_embedding": True}

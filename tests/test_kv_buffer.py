@@ -13,6 +13,7 @@ from edgeattn.export.check import check_artifact, run_logits
 from edgeattn.ops.softmax.kv_buffer import buffer_attention
 from edgeattn.ops.softmax.naive import naive_softmax_attention
 from edgeattn.runtimes import open_session
+from edgeattn.runtimes.base import kv_zeros
 from tests.export_helpers import PREFILL, make_checkpoint, text_ids
 
 
@@ -130,3 +131,15 @@ def test_reset_and_set_state_write_only_the_filled_slots(artifacts):
     other.set_state(state, position=45)
     assert all(not a[:, :, 45:].any() for a in other._kv_np if a is not None)  # past slot 45: never written
     np.testing.assert_array_equal(other.step(ids[:, 45:46]), sess.step(ids[:, 45:46]))
+
+
+def test_kv_zeros_is_a_writable_zero_array_of_the_shape_and_dtype():
+    # the KV buffers' zeros (4 KiB pages, no huge-page advice): what np.zeros gives, written in place
+    for shape, dtype in [((1, 2, 4608, 16), np.float32), ((3, 5), np.float16), ((0, 4), np.float32)]:
+        a = kv_zeros(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous
+        assert not a.any()
+        if a.size:
+            a[(0,) * len(shape)] = 1
+            b = a.copy()
+            assert b.sum() == 1

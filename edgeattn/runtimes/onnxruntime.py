@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.base import Session, _locked
+from edgeattn.runtimes.base import Session, _locked, kv_zeros
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -199,7 +199,7 @@ class OnnxRuntimeSession(Session):
         # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
         self._bufs = []
         for e in manifest.state:
-            kv = np.zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
+            kv = kv_zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
             first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, e.dtype)
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
             self._kv_np.append(kv)
@@ -307,7 +307,7 @@ class OnnxRuntimeSession(Session):
         n = self._filled(out)
         for e, kv in zip(self.manifest.state, kvs):
             if kv is not None:  # the filled slots only; those past the position hold stale tokens, never
-                a = np.zeros(kv.shape, np.float32)  # read: zeros, as written (pages the OS has not committed)
+                a = kv_zeros(kv.shape)  # read: zeros, as written (pages the OS has not committed)
                 a[:, :, :n] = kv[:, :, :n]
                 out[e.input] = a
         return {e.input: out[e.input] for e in self.manifest.state}

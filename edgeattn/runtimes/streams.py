@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeattn.artifact.manifest import Manifest
+from edgeattn.runtimes.base import kv_zeros
 from edgeattn.runtimes.decode import Decoder
 from edgeattn.runtimes.sampling import finite_logits
 
@@ -129,12 +130,17 @@ class Streams:
     def _row_shape(self, e) -> tuple:
         return tuple(e.shape[1:])
 
+    def _zeros(self, e, rows: int) -> np.ndarray:
+        """Zero state ``[rows, ...]`` of entry ``e`` (a KV buffer's without huge pages: ``kv_zeros``)."""
+        shape = (rows, *self._row_shape(e))
+        return kv_zeros(shape) if self._kv(e) else np.zeros(shape, np.float32)
+
     def _grow(self, capacity: int) -> None:
         """Buffers for ``capacity`` rows (zeros: the OS commits pages as rows are used), the live rows
         copied over; a shared entry (a KV buffer that GroupQueryAttention writes in place) is one array in
         both sets."""
         n = len(self._rows)
-        first = [np.zeros((capacity, *self._row_shape(e)), np.float32) for e in self._entries]
+        first = [self._zeros(e, capacity) for e in self._entries]
         for new, old in zip(first, self._bufs[self._cur]):
             new[:n] = old[:n]
         # np.zeros, not zeros_like (which writes its zeros, committing every page of every row at once)
@@ -180,7 +186,7 @@ class Streams:
         out = {}
         for a, e in zip(arrays, self._entries):
             if self._kv(e):
-                row = np.zeros((1, *a.shape[1:]), a.dtype)
+                row = kv_zeros((1, *a.shape[1:]), a.dtype)
                 row[:, :, :filled] = a[i : i + 1, :, :filled]
             else:
                 row = a[i : i + 1].copy()
@@ -364,7 +370,7 @@ class Streams:
             B, T = ids.shape
             cur = []  # [B, ...] per state entry, a row per piece
             for e in self._entries:
-                a = np.zeros((B, *self._row_shape(e)), np.float32)
+                a = self._zeros(e, B)
                 for r, (_, state, position) in enumerate(pieces):
                     if state is None:
                         continue

@@ -466,8 +466,8 @@ class Streams:
         """A copy of the stream's state, batch 1, keyed by the graph input names (``Session.set_state`` takes it)."""
         with self.lock:
             st = self._stream(sid)
-            if st.parked is not None:
-                return {k: v.copy() for k, v in st.parked.items()}
+            if st.parked is not None:  # of a KV buffer the filled slots only, as from the batch rows
+                return self._row([st.parked[e.input] for e in self._entries], 0, st.position)
             return self._row(self._current(), self._rows.index(sid), st.position)
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:

@@ -141,6 +141,27 @@ def test_per_stream_sampling_equals_the_single_session_sampler(arts):
         assert streams.done(sid)
 
 
+def test_stopped_stream_state_with_a_kv_buffer_equals_the_lone_session(arts):
+    # a stopped stream's state (parked; of a KV buffer the filled slots copied, the rest zeros) against a
+    # batch-1 session that consumed the same tokens; each get_state is a copy of its own
+    art = arts["gated_deltanet,softmax", "onnxruntime"]
+    prompt = _prompt(7, 8)
+    ref = _Reference(art, prompt)
+    streams = Streams(art)
+    sid = streams.add(prompt, temperature=0, max_new_tokens=3, stop_ids=[])
+    streams.add(_prompt(5, 9), temperature=0)
+    while sid in streams.live:
+        streams.step()
+    assert streams.generated(sid) == [ref.step() for _ in range(3)]
+    got, want = streams.get_state(sid), ref.sess.get_state()
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=TOL)
+    for a in got.values():
+        a[...] = 1
+    for name, w in want.items():
+        np.testing.assert_allclose(streams.get_state(sid)[name], w, rtol=1e-5, atol=TOL)
+
+
 def test_stop_token_ends_one_stream_and_its_state_continues_elsewhere(arts, tmp_path):
     art = arts["mamba2", "onnxruntime"]
     prompt = _prompt(9, 5)

@@ -188,8 +188,8 @@ class OnnxRuntimeSession(Session):
         }
         self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
         self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
-        # a KV buffer's numpy array on CPU (None elsewhere): np.zeros leaves its pages unmapped until written,
-        # and only the slots below the position are ever written or read, so it costs what it holds
+        # a KV buffer's numpy array on CPU (None elsewhere): kv_zeros leaves its 4 KiB pages unmapped until
+        # written, and only the slots below the position are ever written or read, so it costs what it holds
         self._kv_np: list[np.ndarray | None] = []
         if self.dynamic:
             self._state = None

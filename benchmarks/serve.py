@@ -38,7 +38,6 @@ Prints markdown tables, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -51,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from streams import build  # noqa: E402  (the same --dynamic-batch GLA artifact)
+from streams import build, model_parser  # noqa: E402  (the same --dynamic-batch GLA artifact)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -342,11 +341,7 @@ def build_qwen35(args, workdir: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--threads", type=int, default=2)
+    p = model_parser(__doc__)
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated numbers of concurrent clients")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request in the concurrency rounds")
     p.add_argument("--turns", type=int, default=10)

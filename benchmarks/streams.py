@@ -102,13 +102,20 @@ def build(args, workdir: Path) -> Path:
     return art
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark on ``build``'s GLA: its size (92.5M parameters by default) and
+    threads; the benchmark adds its own arguments."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--streams", default="1,2,4,8,16", help="comma-separated values of N")
     p.add_argument("--threads", type=int, default=2)
+    return p
+
+
+def main(argv=None) -> int:
+    p = model_parser(__doc__)
+    p.add_argument("--streams", default="1,2,4,8,16", help="comma-separated values of N")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt", type=int, default=16)

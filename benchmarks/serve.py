@@ -43,7 +43,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from streams import build, model_parser  # noqa: E402  (the same --dynamic-batch GLA artifact)
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests import serve_helpers  # noqa: E402  (the tests' server launcher)
+
 MiB = 2**20
 SMALL = dict(  # the imported Qwen3.5 layout (benchmarks/imported.py) at a small size: ~14M parameters
     vocab_size=512,
@@ -85,30 +87,15 @@ MEDIUM = dict(
 QWEN_SIZES = {"small": SMALL, "medium": MEDIUM}
 
 
-class Server:
-    """`edgeattn serve` in a subprocess on a free port of 127.0.0.1; stopped with SIGTERM."""
+class Server(serve_helpers.Server):
+    """`edgeattn serve` in a subprocess on a free port of 127.0.0.1 (the tests' launcher, given the time a
+    large model needs to load), with the server's RSS and one stream's state bytes."""
 
-    def __init__(self, artifact: Path, *args: str, log: Path):
-        import httpx
-
-        self.log = log
-        cmd = [sys.executable, "-m", "edgeattn.cli.main", "serve", str(artifact), "--port", "0", *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self._out = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 300
-        self.url = None
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        raise SystemExit(f"edgeattn serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
+    def __init__(self, artifact: Path, *args: str):
+        try:
+            super().__init__(artifact, *args, timeout=300)
+        except RuntimeError as e:  # it did not start: its log, not a traceback
+            raise SystemExit(str(e)) from None
 
     def rss(self) -> int:
         import psutil
@@ -116,16 +103,8 @@ class Server:
         return psutil.Process(self.proc.pid).memory_info().rss
 
     def state_bytes(self) -> int:
-        m = re.search(r"x ([\d.]+) MiB of state", self.log.read_text())
+        m = re.search(r"x ([\d.]+) MiB of state", self.log())
         return int(float(m.group(1)) * MiB)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._out.close()
 
 
 async def stream_one(client, model: str, *, prompt=None, messages=None, max_tokens: int) -> dict:
@@ -393,7 +372,7 @@ def main(argv=None) -> int:
 
     rows, cached, uncached, state_bytes, rss = [], [], [], None, {}
     if "concurrency" in parts:
-        server = Server(art, *common, log=workdir / "serve-load.log")
+        server = Server(art, *common)
         try:
             rows = asyncio.run(concurrency(server, model, ns, args.max_tokens))
             state_bytes = server.state_bytes()
@@ -401,7 +380,7 @@ def main(argv=None) -> int:
             server.stop()
     if "conversation" in parts:  # fresh servers: an empty cache, so its growth is the conversations'
         for label, extra in (("cache", ()), ("no_cache", ("--state-cache-mb", "0"))):
-            server = Server(art, *common, *extra, log=workdir / f"serve-{label}.log")
+            server = Server(art, *common, *extra)
             try:
                 state_bytes = server.state_bytes()
                 convo, rss[label] = asyncio.run(conversations(server, model, args))

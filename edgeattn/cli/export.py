@@ -8,29 +8,19 @@ from typing import Annotated
 
 import typer
 
+from edgeattn.artifact.manifest import PRECISIONS, TARGETS
 from edgeattn.cli._common import Command, check_output_dir, cli_errors
 
 
-class Target(str, Enum):
-    onnxruntime = "onnxruntime"
-    portable = "portable"
+def _choices(name: str, values) -> type[Enum]:
+    """A Typer choice type of ``values`` (the artifact format's own constants, not spelled again here)."""
+    return Enum(name, {v: v for v in values}, type=str)
 
 
-class Precision(str, Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    int8 = "int8"
-    int4 = "int4"
-
-
-class PrefillLogits(str, Enum):
-    all = "all"
-    last = "last"
-
-
-class KvDtype(str, Enum):
-    float32 = "float32"
-    float16 = "float16"
+Target = _choices("Target", TARGETS)
+Precision = _choices("Precision", PRECISIONS)
+PrefillLogits = _choices("PrefillLogits", ("all", "last"))
+KvDtype = _choices("KvDtype", ("float32", "float16"))
 
 
 @cli_errors

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +171,95 @@ def one_graph_ok(model, target: str, precision: str) -> bool:
     return True
 
 
+SHAPE_INFERENCE_ELEMENTS = 2**16  # constants above this many elements are withheld from shape inference
+
+
+@contextmanager
+def _shape_inference_without_weights():
+    """torch.onnx's TorchScript exporter runs its shape inference with every parameter's values at hand
+    (twice, before and after constant folding); each pass held another copy of the weights (at 0.8B
+    parameters about 3 GB more than the model at the trace's peak, and 30 s). Weights do not decide shapes:
+    inside, the pass sees only the constants of up to ``SHAPE_INFERENCE_ELEMENTS`` elements (shape
+    arrays, small tables), and the traced graph is the same (tests/test_artifact_identical.py)."""
+    from torch import _C
+
+    infer = _C._jit_pass_onnx_graph_shape_type_inference
+
+    def without_weights(graph, params, *args):
+        small = {k: v for k, v in params.items() if v.numel() <= SHAPE_INFERENCE_ELEMENTS}
+        return infer(graph, small, *args)
+
+    _C._jit_pass_onnx_graph_shape_type_inference = without_weights
+    try:
+        yield
+    finally:
+        _C._jit_pass_onnx_graph_shape_type_inference = infer
+
+
+PLACEHOLDER_MODEL_BYTES = (
+    5 * 2**29
+)  # 2.5 GiB: far enough over protobuf's 2 GiB that torch writes external data
+PLACEHOLDER_ELEMENTS = 2**18  # the weights over this many elements are written by ``_weights_written_after``
+
+
+@contextmanager
+def _weights_written_after(on: bool):
+    """torch.onnx's encoder copies each weight it writes, twice where a weight is a view (the tied head's
+    folded ``E^T``: 2 GB at 0.8B parameters, on top of the model). Inside (``on``: a model that torch writes
+    with external data, each weight in a file of its own), the encoder gets same-shaped placeholders of
+    untouched memory for the weights over ``PLACEHOLDER_ELEMENTS`` elements, and the yielded dict keeps the
+    real tensors by initializer name for ``_write_weights`` to write into those files afterwards."""
+    from torch import _C
+
+    real: dict = {}
+    dedupe = _C._jit_pass_onnx_deduplicate_initializers
+
+    def placeholders(graph, params, training):
+        params = dedupe(graph, params, training)
+        out = {}
+        for k, v in params.items():
+            if v.numel() > PLACEHOLDER_ELEMENTS:
+                real[k] = v
+                v = torch.empty(v.shape, dtype=v.dtype)
+            out[k] = v
+        return out
+
+    if on:
+        _C._jit_pass_onnx_deduplicate_initializers = placeholders
+    try:
+        yield real
+    finally:
+        _C._jit_pass_onnx_deduplicate_initializers = dedupe
+
+
+def _write_weights(path: Path, real: dict, chunk_bytes: int = 2**26) -> None:
+    """Write the tensors ``real`` (by initializer name) into the external-data files of the traced graph at
+    ``path``, where ``_weights_written_after`` had torch write placeholders; a view (``E^T``) in chunks of
+    rows, never whole. RuntimeError if one of them is not external (its graph would hold garbage)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    left = set(real)
+    for init in model.graph.initializer:
+        if init.name not in real:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        if init.data_location != onnx.TensorProto.EXTERNAL or "location" not in info:
+            raise RuntimeError(f"torch wrote weight {init.name} inline; this is a bug in edgeattn's export")
+        t = real[init.name].detach()
+        rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
+        step = max(1, chunk_bytes // max(1, rows[0].numel() * t.element_size()))
+        with open(path.parent / info["location"], "r+b") as f:
+            f.seek(int(info.get("offset", 0)))
+            for i in range(0, rows.shape[0], step):
+                f.write(rows[i : i + step].contiguous().numpy().tobytes())
+        left.discard(init.name)
+    if left:
+        raise RuntimeError(
+            f"weight {sorted(left)[0]} is not in the traced graph; this is a bug in edgeattn's export"
+        )
+
+
 def _export_graph(
     module,
     tokens: int | None,
@@ -206,7 +296,14 @@ def _export_graph(
     if tokens is None:
         dynamic.setdefault("input_ids", {})[1] = TOKEN_AXIS
         dynamic.setdefault("logits", {})[1] = TOKEN_AXIS
-    with warnings.catch_warnings(), fused_onnxruntime_op(target == "onnxruntime"), torch.no_grad():
+    large = sum(p.numel() * p.element_size() for p in module.parameters()) > PLACEHOLDER_MODEL_BYTES
+    with (
+        warnings.catch_warnings(),
+        fused_onnxruntime_op(target == "onnxruntime"),
+        _shape_inference_without_weights(),
+        _weights_written_after(large) as real,
+        torch.no_grad(),
+    ):
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
@@ -219,6 +316,8 @@ def _export_graph(
             dynamic_axes=dynamic or None,
             do_constant_folding=True,
         )
+    if real:
+        _write_weights(path, real)
 
 
 def _trace(module, tokens: int | None, plan: ExportPlan, scratch: Path):
@@ -230,26 +329,30 @@ def _trace(module, tokens: int | None, plan: ExportPlan, scratch: Path):
     return path
 
 
-def _load_trace(path: Path):
-    """The traced graph at ``path`` in memory, weights and all; its scratch directory removed."""
+def _load_trace(path: Path, by_reference: bool = False):
+    """The traced graph at ``path`` in memory, weights and all, its scratch directory removed; or
+    (``by_reference``, a large model) with its large weights left in the scratch files that torch wrote
+    (``graph.load_by_reference``: the directory stays until the graph is packaged)."""
     import onnx
 
+    from edgeattn.export.graph import load_by_reference
+
+    if by_reference:
+        return load_by_reference(path)
     graph = onnx.load(str(path))
     shutil.rmtree(path.parent)
     return graph
 
 
-def _spill(graph, scratch: Path) -> Path:
-    """Save ``graph`` into the new directory ``scratch`` (its weights in one file beside it) for
-    ``_load_trace`` to read back once the caller has dropped it: protobuf frees a message's memory only with
-    the whole message, so the weights that the passes replaced (fused, transposed, dropped) stay resident
-    until then (at 0.8B parameters, 2 GB more under the precision converter)."""
-    import onnx
+def _spill(graph, scratch: Path):
+    """``graph`` with the large weights that the passes wrote into it (the fused projections) moved into a
+    file in the new directory ``scratch`` and referenced there (``graph.reference_large``), as a new message:
+    protobuf frees a message's memory only with the whole message, so the weights that the passes replaced
+    stay resident until the caller drops ``graph`` (at 0.8B parameters, 2 GB more under the converter)."""
+    from edgeattn.export.graph import reference_large
 
     scratch.mkdir()
-    path = scratch / "graph.onnx"
-    onnx.save(graph, str(path), save_as_external_data=True, location="graph.onnx.data")
-    return path
+    return reference_large(graph, scratch / "weights.bin")
 
 
 def _graph_passes(graph, target: str, optimize: bool = True, tie: bool = False) -> None:
@@ -593,13 +696,14 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     graphs, kv_entries = [name for name, _ in plan.shapes], entries
     files = []
     for i, name in enumerate(graphs):
-        graph = _load_trace(traces[i])
+        # a large model's weights stay in the scratch files until packaged (graph.load_by_reference)
+        graph = _load_trace(traces[i], by_reference=large)
         _graph_passes(graph, plan.target, plan.optimize, plan.tie)
-        if large and plan.precision != "fp32":  # the replaced weights leave before the converter's own
-            path = _spill(graph, tmp / f".trace-{i}")
+        if large:  # the replaced weights leave memory; the fused ones wait in a scratch file
+            spilled = _spill(graph, tmp / f".spill-{i}")
             del graph
             release_memory()
-            graph = _load_trace(path)
+            graph = spilled
         if plan.precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
@@ -618,6 +722,8 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         written, graph = package.graph(name, graph)  # the weights leave memory: the graph as written
         files += written
         if large:
+            shutil.rmtree(traces[i].parent, ignore_errors=True)
+            shutil.rmtree(tmp / f".spill-{i}", ignore_errors=True)
             release_memory()
         if plan.precision != "fp32" or plan.kv_dtype != "float32":
             from edgeattn.export.precision import CHECK_TOKENS, check_ids, check_logits

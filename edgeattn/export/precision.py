@@ -34,6 +34,7 @@ import logging
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -267,12 +268,14 @@ def _convert_version(model, opset: int):
 
 def _raw(init) -> np.ndarray:
     """An initializer's values without a copy where its bytes are inline (``raw_data``)."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
+
+    from edgeattn.export.graph import initializer_array
 
     if init.raw_data and not init.external_data:
         dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
         return np.frombuffer(init.raw_data, dtype).reshape(tuple(init.dims))
-    return numpy_helper.to_array(init)
+    return initializer_array(init)
 
 
 def tied_heads(model) -> list[tuple[str, str]]:
@@ -356,6 +359,33 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
     return shared
 
 
+@contextmanager
+def _weights_read_by_copy():
+    """ONNX Runtime's int4 quantizer finds each weight with its module's ``get_initializer``; inside, a
+    by-reference weight (``graph.load_by_reference``) is handed to it as a standalone copy with its values,
+    read from its scratch file when the quantizer asks and dropped once quantized: one float32 weight in
+    memory at a time, where the whole graph's were before. The quantizer adds its int4 tensors to the graph
+    and removes the unread float32 ones as it always does."""
+    from onnx import numpy_helper
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    from edgeattn.export.graph import initializer_array, is_by_reference
+
+    find = mnq.get_initializer
+
+    def by_copy(name, graph_path):
+        tensor, graph = find(name, graph_path)
+        if tensor is not None and is_by_reference(tensor):
+            tensor = numpy_helper.from_array(initializer_array(tensor), tensor.name)
+        return tensor, graph
+
+    mnq.get_initializer = by_copy
+    try:
+        yield
+    finally:
+        mnq.get_initializer = find
+
+
 def quantize_int4(
     model,
     block_size: int = 128,
@@ -397,7 +427,8 @@ def quantize_int4(
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
         pairs = tied_heads(model) if share_embedding and symmetric else []
-        q.process()
+        with _weights_read_by_copy():
+            q.process()
     finally:
         root.setLevel(level)
     share_tied_int4(q.model.model, pairs)
@@ -410,6 +441,10 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     for i, n in enumerate(model.graph.node):  # the converter's node_block_list needs names
         if not n.name:
             n.name = f"{n.op_type}_{i}"
+    if precision != "int4":  # their converters read every weight through onnx: in the message
+        from edgeattn.export.graph import materialize
+
+        materialize(model)
     if precision == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 

@@ -16,6 +16,7 @@ MS = "com.microsoft"
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 
 LARGE_ELEMENTS = 2**18  # initializers above this many elements are left out of ``without_large_weights``
+BY_REFERENCE_ELEMENTS = LARGE_ELEMENTS  # a large model's initializers above this are kept by reference
 
 
 def initializer_nbytes(init) -> int:
@@ -68,7 +69,7 @@ def _point_at(init, path: str, offset: int, length: int) -> None:
 
 
 def load_by_reference(path) -> object:
-    """The graph file ``path`` with its large initializers (over ``LARGE_ELEMENTS`` elements) left in their
+    """The graph file ``path`` with its large initializers (over ``BY_REFERENCE_ELEMENTS`` elements) left in their
     external-data files beside it, by reference (absolute paths: ``initializer_array`` reads them), and the
     small ones loaded: a graph of several GB held in memory at a few MB. The files must outlive the graph's
     passes; ``materialize`` brings the values in, the packager writes them out."""
@@ -89,7 +90,7 @@ def load_by_reference(path) -> object:
     for init in model.graph.initializer:
         if not uses_external_data(init):
             continue
-        if int(np.prod(init.dims, dtype=np.int64)) > LARGE_ELEMENTS:
+        if int(np.prod(init.dims, dtype=np.int64)) > BY_REFERENCE_ELEMENTS:
             info = {e.key: e.value for e in init.external_data}
             _point_at(
                 init,
@@ -105,14 +106,14 @@ def load_by_reference(path) -> object:
 
 
 def reference_large(model, path) -> object:
-    """``model`` with its large inline initializers (over ``LARGE_ELEMENTS`` elements) written to the new
+    """``model`` with its large inline initializers (over ``BY_REFERENCE_ELEMENTS`` elements) written to the new
     file ``path`` and referenced there (``load_by_reference``), as a new message: protobuf frees a message's
     memory only with the whole message, so the caller drops ``model`` and keeps the result."""
     import onnx
 
     with open(path, "wb") as f:
         for init in model.graph.initializer:
-            if is_by_reference(init) or int(np.prod(init.dims, dtype=np.int64)) <= LARGE_ELEMENTS:
+            if is_by_reference(init) or int(np.prod(init.dims, dtype=np.int64)) <= BY_REFERENCE_ELEMENTS:
                 continue
             data = initializer_array(init).tobytes()
             _point_at(init, str(Path(path).resolve()), f.tell(), len(data))
@@ -152,7 +153,11 @@ def without_large_weights(model):
     import onnx
 
     g = model.graph
-    big = {i.name for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > LARGE_ELEMENTS}
+    big = {
+        i.name
+        for i in g.initializer
+        if int(np.prod(i.dims, dtype=np.int64)) > LARGE_ELEMENTS or is_by_reference(i)
+    }
     light = onnx.ModelProto(
         ir_version=model.ir_version,
         opset_import=model.opset_import,

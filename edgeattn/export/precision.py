@@ -248,9 +248,19 @@ def _convert_version(model, opset: int):
     protobuf refuses over 2 GB; it rewrites nodes only); ``model`` takes the result, its large weights untouched."""
     from onnx import version_converter
 
-    from edgeattn.export.graph import remove_initializers, without_large_weights
+    from edgeattn.export.graph import (
+        LARGE_ELEMENTS,
+        is_by_reference,
+        materialize,
+        remove_initializers,
+        without_large_weights,
+    )
 
     g = model.graph
+    # weights kept by reference below LARGE_ELEMENTS (a lowered threshold) come inline: small ones move
+    materialize(
+        model, {i.name for i in g.initializer if is_by_reference(i) and np.prod(i.dims) <= LARGE_ELEMENTS}
+    )
     light, big = without_large_weights(model)
     out = version_converter.convert_version(light, opset)
     # The converted nodes, small initializers and opsets go into ``model``; its large weights stay where

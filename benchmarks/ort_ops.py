@@ -182,7 +182,11 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
     # the same over a buffer of exactly the filled slots: what binding a view of them would read (a
     # slot-major buffer's prefix is contiguous); not a form the export has
     exact = _gqa_plain(H, Hkv, D, context + 1, threads, sliced=False)
-    efeeds = {"q": pfeeds["q"], "pk": pk32[:, :, : context + 1].copy(), "pv": pv32[:, :, : context + 1].copy()}
+    efeeds = {
+        "q": pfeeds["q"],
+        "pk": pk32[:, :, : context + 1].copy(),
+        "pv": pv32[:, :, : context + 1].copy(),
+    }
     runs["plain ops, filled slots only"] = lambda: exact.run(None, efeeds)
     outs["plain ops, filled slots only"] = exact.run(None, efeeds)[0]
     ms = _race(runs, rounds)

@@ -288,23 +288,30 @@ def _torch_logits(module, entries: list[dict], ids) -> list:
 
 
 def _kv_calibration(module, entries: list[dict], plan) -> dict:
-    """The softmax layers' keys (after rotary) and values over ``KV_CALIBRATION_TOKENS`` tokens of the
-    check text (fewer where the buffers are shorter), by state input name: ``set_kv_dtype``'s int8 scales."""
+    """The softmax layers' keys (after rotary) and values, by state input name, over two calls of
+    ``KV_CALIBRATION_TOKENS`` tokens each from a zero state (fewer where the buffers are shorter): the check
+    text, and token ids drawn uniformly from the whole vocabulary (seed 0; the text reaches few of them):
+    ``set_kv_dtype``'s int8 scales."""
     import numpy as np
 
     from edgeattn.export.check import default_text
     from edgeattn.export.precision import KV_CALIBRATION_TOKENS, kv_calibration
 
-    n = min(KV_CALIBRATION_TOKENS, plan.length)
-    text = np.frombuffer(default_text(n), np.uint8).astype(np.int64)[:n] % module.model.cfg.vocab_size
-    ids = torch.from_numpy(text[None].repeat(plan.batch_size, 0))
-    state = [
-        torch.zeros([0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"]))
-        for e in entries
-    ]
-    with torch.no_grad():
-        out = module(ids, *state)
-    return kv_calibration([s.numpy() for s in out[1:]], entries, n)
+    n, vocab = min(KV_CALIBRATION_TOKENS, plan.length), module.model.cfg.vocab_size
+    text = np.frombuffer(default_text(n), np.uint8).astype(np.int64)[:n] % vocab
+    drawn = np.random.default_rng(0).integers(0, vocab, n)
+    parts = []
+    for ids in (text, drawn):
+        state = [
+            torch.zeros(
+                [0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"])
+            )
+            for e in entries
+        ]
+        with torch.no_grad():
+            out = module(torch.from_numpy(ids[None].repeat(plan.batch_size, 0)), *state)
+        parts.append(kv_calibration([s.numpy() for s in out[1:]], entries, n))
+    return {k: np.concatenate([p[k] for p in parts], axis=2) for k in parts[0]}
 
 
 def _carry_tokenizer(root: Path, cfg, package) -> dict | None:

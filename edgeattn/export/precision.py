@@ -164,8 +164,9 @@ def fp32_nodes(model, entries) -> list[str]:
 
 # The relative logit error a reduced KV buffer adds against the float32 buffer (the stated bound). float16:
 # 3e-5 in an fp32 graph of the tiny Qwen3.5 test model, 2e-3 at int4 (MatMulNBits' int8 activations round
-# differently). int8: see KV_INT8_MARGIN
-KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3, "int8": 3e-2}
+# differently). int8 (KV_INT8_MARGIN): 2-5e-3 on the tiny model; on the random Qwen3.5-0.8B int4 model
+# 1.6e-2 in the export's check (256 tokens), 3.5-4.8e-2 over 1024-4104 tokens (benchmarks/RESULTS.md)
+KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3, "int8": 6e-2}
 # int8 KV: each channel's scale is its largest magnitude over the calibration tokens times this margin,
 # over 127 (a later token up to the margin larger is not clipped; each step is the margin coarser)
 KV_INT8_MARGIN = 1.5
@@ -269,7 +270,8 @@ def set_kv_dtype(
         scales = []
         for i, kind in ((3, "k"), (4, "v")):
             scale = kv_int8_scales(calibration[node.input[i]], rotary if kind == "k" else 0)
-            by_input[node.input[i]]["scale"] = scale.tolist()
+            # each float32 in its shortest decimal form that reads back the same float32
+            by_input[node.input[i]]["scale"] = [[float(str(x)) for x in row] for row in scale]
             init = numpy_helper.from_array(scale[None, :, None, :], f"{node.input[i]}.kv_scale")
             model.graph.initializer.append(init)
             scales.append(init.name)

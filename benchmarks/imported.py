@@ -536,12 +536,14 @@ def main() -> None:
         if todo and not args.report:
             t = time.time()
             hf, params = build_hf(root, shape, max_len)
-            for name, runtime, p, block in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB per process
+            for name, runtime, p, variant in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB a process
                 if not args.quick:
                     wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
-                        path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize, block=block)
+                        path = build_edgeattn(
+                            root, hf, p, chunk, optimize=not args.no_optimize, block=variant
+                        )
                     elif runtime == "llama":
                         path = build_llama(root, hf, args.llama_python, args.llama_src)
                     else:

@@ -233,7 +233,7 @@ def test_int8_kv_bad_input(hf, tmp_path, monkeypatch):
 
     from edgeattn.cli.main import app
     from edgeattn.export import precision
-    from edgeattn.runtimes.streams import Streams
+    from edgeattn.runtimes.streams import SerialStreams, Streams, open_streams
     from tests.export_helpers import make_checkpoint
 
     _, root = hf
@@ -252,3 +252,5 @@ def test_int8_kv_bad_input(hf, tmp_path, monkeypatch):
     )
     with pytest.raises(ValueError, match="streams hold float32 buffers only: export with --kv-dtype float32"):
         Streams(art)
+    streams, reason = open_streams(art)  # the server's fallback: one stream at a time, through a session
+    assert isinstance(streams, SerialStreams) and "int8" in reason

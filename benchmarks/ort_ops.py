@@ -4,8 +4,8 @@ median ms of each and its ratio to the row's first.
 
 - ``gqa``: GroupQueryAttention decode step (8 query / 2 KV heads of 256, 64 rotary dims, q/k/v float32) at
   ``--context`` tokens over a KV buffer of float32 (the export's default), float16 (``--kv-dtype
-  float16``), int8 with one scale per channel (``--kv-dtype int8``) and one scale per tensor (ONNX
-  Runtime's quantized cache, ``k_quant_type``/``v_quant_type``); and the same attention as plain ops over
+  float16``), int8 with one scale per channel (``--kv-dtype int8``) and one scale per tensor, and 4 bits
+  per channel (ONNX Runtime's quantized cache, ``k_quant_type``/``v_quant_type``, ``kv_cache_bit_width``); and the same attention as plain ops over
   the float32 buffer viewed as [B, Hkv, group, D] (Slice of the filled slots, FusedMatMul with transposed
   keys, Softmax, MatMul: each KV head read once for its group of query heads, where the CPU kernel reads it
   once per query head), the query already rotated and the new token not written (the read side only), and
@@ -122,11 +122,20 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
         attrs = {"k_quant_type": kind, "v_quant_type": kind, "kv_cache_bit_width": 8}
         return TP.INT8, q8, attrs, [s.astype(np.float32) for s in scales]
 
+    def packed4(scales: list[np.ndarray]):
+        """4 bits per channel: clip(rint(x / scale), -8, 7) + 8, two a byte (the even channel in the low
+        nibble), the cache [1, Hkv, L, D/2] uint8 (ONNX Runtime's layout, read back from its own writes)."""
+        q4 = [(np.clip(np.rint(c / s), -8, 7) + 8).astype(np.uint8) for c, s in zip(cache, scales)]
+        packed = [q[..., 0::2] | (q[..., 1::2] << 4) for q in q4]
+        attrs = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 4}
+        return TP.UINT8, packed, attrs, [s.astype(np.float32) for s in scales]
+
     variants = {
         "float32": (TP.FLOAT, [c for c in cache], {}, None),
         "float16": (TP.FLOAT16, [c.astype(np.float16) for c in cache], {}, None),
         "int8 per channel": quantized("PER_CHANNEL", per_channel),
         "int8 per tensor": quantized("PER_TENSOR", per_tensor),
+        "int4 per channel": packed4([m * 127 / 7 for m in per_channel]),
     }
     runs, outs, keep = {}, {}, []
     for name, (dtype, (pk, pv), attrs, scales) in variants.items():
@@ -144,8 +153,8 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
             helper.make_tensor_value_info("q", f32, [1, 1, H * D]),
             helper.make_tensor_value_info("k", f32, [1, 1, Hkv * D]),
             helper.make_tensor_value_info("v", f32, [1, 1, Hkv * D]),
-            helper.make_tensor_value_info("pk", dtype, [1, Hkv, L, D]),
-            helper.make_tensor_value_info("pv", dtype, [1, Hkv, L, D]),
+            helper.make_tensor_value_info("pk", dtype, list(pk.shape)),
+            helper.make_tensor_value_info("pv", dtype, list(pv.shape)),
             helper.make_tensor_value_info("sk", TP.INT32, [1]),
             helper.make_tensor_value_info("tot", TP.INT32, []),
             helper.make_tensor_value_info("cos", f32, [L, R // 2]),

@@ -26,6 +26,7 @@ from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.artifact.manifest import (
+    KV_DTYPES,
     MANIFEST,
     PRECISIONS,
     TARGETS,
@@ -389,6 +390,33 @@ def _torch_logits(module, entries: list[dict], ids) -> list:
     return [logits[:, c * tokens : (c + 1) * tokens] for c in range(calls)]
 
 
+def _kv_calibration(module, entries: list[dict], plan) -> dict:
+    """The softmax layers' keys (after rotary) and values, by state input name, over two calls of
+    ``KV_CALIBRATION_TOKENS`` tokens each from a zero state (fewer where the buffers are shorter): the check
+    text, and token ids drawn uniformly from the whole vocabulary (seed 0; the text reaches few of them):
+    ``set_kv_dtype``'s int8 scales."""
+    import numpy as np
+
+    from edgeattn.export.check import default_text
+    from edgeattn.export.precision import KV_CALIBRATION_TOKENS, kv_calibration
+
+    n, vocab = min(KV_CALIBRATION_TOKENS, plan.length), module.model.cfg.vocab_size
+    text = np.frombuffer(default_text(n), np.uint8).astype(np.int64)[:n] % vocab
+    drawn = np.random.default_rng(0).integers(0, vocab, n)
+    parts = []
+    for ids in (text, drawn):
+        state = [
+            torch.zeros(
+                [0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"])
+            )
+            for e in entries
+        ]
+        with torch.no_grad():
+            out = module(torch.from_numpy(ids[None].repeat(plan.batch_size, 0)), *state)
+        parts.append(kv_calibration([s.numpy() for s in out[1:]], entries, n))
+    return {k: np.concatenate([p[k] for p in parts], axis=2) for k in parts[0]}
+
+
 def _carry_tokenizer(root: Path, cfg, package) -> dict | None:
     """Write a model's tokenizer.json (and chat template) from its directory ``root`` into the artifact; its
     manifest entry. None for byte-level models (no tokenizer.json there)."""
@@ -475,8 +503,8 @@ class ExportPlan:
         if self.batch_size < 1 or self.prefill_chunk < 2:
             raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
         check_max_length(self.max_length)
-        if self.kv_dtype not in ("float32", "float16"):
-            raise ValueError(f"kv_dtype must be float32 or float16, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.prefill_logits not in ("all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {self.prefill_logits!r}")
         if self.dynamic_batch and precision == "int8":
@@ -512,6 +540,11 @@ class ExportPlan:
             )
         self.length = cfg.max_seq_len if self.max_length is None else self.max_length  # cfg keeps its own
         self.kv_buffers = use_kv_buffers(model, target, self.length)
+        if self.kv_dtype != "float32" and not self.kv_buffers:
+            raise ValueError(
+                f"--kv-dtype {self.kv_dtype}: this model has no KV buffers (softmax layers on ONNX Runtime's "
+                "GroupQueryAttention, target onnxruntime); export with --kv-dtype float32"
+            )
         reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
         if reason:
             raise ValueError(
@@ -594,8 +627,8 @@ def export_model(
     genai_config's ``context_length`` and ``max_length``. None (default): ``cfg.max_seq_len``. A model
     whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
-    ``kv_dtype``: the element type of those KV buffers, float32 or float16
-    (``edgeattn.export.precision.convert_kv_dtype``; q, k and v stay float32).
+    ``kv_dtype``: the element type of those KV buffers, float32, float16 or int8 (scales calibrated from the
+    model's keys and values; ``edgeattn.export.precision.set_kv_dtype``; q, k and v stay float32).
     ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
     ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
     artifacts only, manifest ``"prefill_logits": "last"``).
@@ -688,6 +721,9 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         for _, tokens in plan.shapes:
             ids = check_ids(plan.batch_size, tokens or CHECK_TOKENS, cfg.vocab_size)
             references.append(_torch_logits(module, entries, ids))
+    calibration = None
+    if plan.kv_dtype == "int8":  # the int8 KV scales, from the model's own keys and values
+        calibration = _kv_calibration(module, entries, plan)
     if not plan.genai:  # genai's graph is traced from the model later
         source.model = None
         del module, model  # its weights, before the ONNX side holds its own copy
@@ -718,7 +754,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         if plan.kv_dtype != "float32":
             from edgeattn.export.precision import set_kv_dtype
 
-            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype)
+            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype, calibration)
         written, graph = package.graph(name, graph)  # the weights leave memory: the graph as written
         files += written
         if large:

@@ -79,8 +79,6 @@ def test_blocks_wider_than_the_embedding_keep_its_own_table(hf, ids):
 def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
     """A float16 KV buffer for the attention layers: the logits within ``KV_TOLERANCE`` of the float32
     buffer's export, and within the precision's tolerance plus that bound of transformers."""
-    from edgeattn.export.check import check_artifact
-    from edgeattn.export.precision import KV_TOLERANCE
 
     model, root = hf
     kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
@@ -93,11 +91,20 @@ def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
     assert kv_inputs and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in kv_inputs)
     sess = open_session(arts["float16"], threads=1)
     assert {e.dtype for e in sess.manifest.state if e.shared} == {"float16"}
-    got, ref = logits(arts["float16"], ids), logits(arts["float32"], ids)
-    assert 0 < rel_err(got, ref) <= KV_TOLERANCE["float16"]
-    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE["float16"]
+    _assert_within_kv_bound(arts, "float16", ids, model, precision)
+
+
+def _assert_within_kv_bound(arts, kv_dtype, ids, model, precision):
+    """The ``kv_dtype`` buffer's logits: within its stated bound of the float32 buffer's (and not equal),
+    within the precision's tolerance plus that bound of transformers', and `edgeattn check` agrees."""
+    from edgeattn.export.check import check_artifact
+    from edgeattn.export.precision import KV_TOLERANCE
+
+    got, ref = logits(arts[kv_dtype], ids), logits(arts["float32"], ids)
+    assert 0 < rel_err(got, ref) <= KV_TOLERANCE[kv_dtype]
+    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE[kv_dtype]
     assert rel_err(got, hf_logits(model, ids)) <= tol
-    report = check_artifact(arts["float16"], tokens=N)  # against the torch model's float32 buffer
+    report = check_artifact(arts[kv_dtype], tokens=N)  # against the torch model's float32 buffer
     assert report.ok and report.tolerance == tol
 
 
@@ -163,8 +170,6 @@ def test_int8_kv_buffer_within_its_bound(hf, ids, int8_kv, precision):
     """An int8 KV buffer with calibrated per-channel scales: the graph reads and writes int8 buffers with
     the scales the manifest lists, and its logits are within ``KV_TOLERANCE["int8"]`` of the float32 buffer's
     and within the precision's tolerance plus that bound of transformers' (``edgeattn check`` too)."""
-    from edgeattn.export.check import check_artifact
-    from edgeattn.export.precision import KV_TOLERANCE
 
     model, root = hf
     arts = int8_kv
@@ -188,12 +193,7 @@ def test_int8_kv_buffer_within_its_bound(hf, ids, int8_kv, precision):
             want = np.asarray(e.scale, np.float32)[None, :, None, :]
             assert np.array_equal(onnx.numpy_helper.to_array(inits[scale]), want)
     assert {e.dtype for e in shared} == {"int8"}
-    got, ref = logits(arts["int8"], ids), logits(arts["float32"], ids)
-    assert 0 < rel_err(got, ref) <= KV_TOLERANCE["int8"]
-    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE["int8"]
-    assert rel_err(got, hf_logits(model, ids)) <= tol
-    report = check_artifact(arts["int8"], tokens=N)  # against the torch model's float32 buffer
-    assert report.ok and report.tolerance == tol
+    _assert_within_kv_bound(arts, "int8", ids, model, precision)
 
 
 def test_int8_kv_state_round_trip(hf, ids, int8_kv):

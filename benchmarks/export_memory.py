@@ -40,6 +40,7 @@ STAGES = [
     ("edgeattn.models.lm", "EdgeLM.save"),
     ("edgeattn.export.exporter", "_torch_logits"),  # the precision check's reference (torch model)
     ("edgeattn.export.exporter", "_export_graph"),  # torch.onnx.export of one graph
+    ("edgeattn.export.exporter", "_write_weights"),  # the real weights into torch's placeholder files
     ("edgeattn.export.exporter", "_load_trace"),  # the traced graph into memory
     ("edgeattn.export.exporter", "_finish_graph"),  # before: optional inputs, optimizer, tied embedding
     ("edgeattn.export.exporter", "_graph_passes"),  # after: the same, in memory

@@ -68,6 +68,8 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py --quick [--paired]
     python benchmarks/imported.py --paired --precisions int4 --int4-blocks 32 [--prefill 4096] \
         [--max-len 16424]   # also the block-32 export, paired against the default (block 128) one
+    python benchmarks/imported.py --paired --precisions int4 --kv-dtypes int8 --contexts 128,4096,16384 \
+        # also the export with an int8 KV buffer, paired against the default (float32 buffer)
     python benchmarks/imported.py --precisions int4 --llama-python /tmp/llama/bin/python \
         --llama-src /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [--repeats 3]
 
@@ -139,9 +141,16 @@ def runtimes(precision: str) -> tuple[str, ...]:
     return ("edgeattn", "genai", "llama") if precision == "int4" else ("edgeattn", "genai")
 
 
-def block_variant(block: int) -> str:
-    """The edgeattn int4 export with ``--int4-block-size block`` (``--int4-blocks``)."""
-    return f"{name_of('edgeattn', 'int4')}-b{block}"
+def block_variant(block) -> str:
+    """The edgeattn int4 export with ``--int4-block-size block`` (``--int4-blocks``), or with
+    ``--kv-dtype D`` for ``block`` "kvD" (``--kv-dtypes``)."""
+    return f"{name_of('edgeattn', 'int4')}-{block if str(block).startswith('kv') else f'b{block}'}"
+
+
+def variant_label(block) -> str:
+    if str(block).startswith("kv"):
+        return f"int4 KV {block[2:]}"
+    return f"int4 b{block}"
 
 
 def labels(precisions, blocks=()) -> dict:
@@ -149,7 +158,7 @@ def labels(precisions, blocks=()) -> dict:
     for p in precisions:
         out[name_of("edgeattn", p)] = f"edgeattn {p} (ONNX Runtime session)"
     for b in blocks:
-        out[block_variant(b)] = f"edgeattn int4 block {b}"
+        out[block_variant(b)] = f"edgeattn {variant_label(b)}"
     for p in precisions:
         out[name_of("genai", p)] = f"onnxruntime-genai {p} (its builder + Generator)"
     out[LLAMA] = "llama.cpp Q4_0 (llama-cpp-python 0.3.36, f16 KV)"
@@ -288,12 +297,13 @@ def cli(*args: str) -> None:
 
 
 def build_edgeattn(
-    root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True, block: int | None = None
+    root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True, block=None
 ) -> Path:
     """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint --prefill-logits last``
     (a prefill call runs the head on its last token only, as llama.cpp's runner asks for); ``optimize=False``:
     ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too;
-    ``block``: int4 with ``--int4-block-size block`` (the export's default otherwise)."""
+    ``block``: int4 with ``--int4-block-size block`` (the export's default otherwise), or "kvD": with
+    ``--kv-dtype D``."""
     ckpt = root / "ckpt"
     if not ckpt.is_dir():
         cli("import", str(hf), "--out", str(ckpt), "--force")
@@ -325,7 +335,8 @@ def build_edgeattn(
         str(prefill_chunk),
         "--prefill-logits",
         "last",
-        *(["--int4-block-size", str(block)] if block else []),
+        *(["--kv-dtype", block[2:]] if str(block).startswith("kv") else []),
+        *(["--int4-block-size", str(block)] if block and not str(block).startswith("kv") else []),
     )
     return out
 
@@ -403,14 +414,15 @@ def print_paired(
             f"\npaired ratios, {th} thread(s): decode genai / edgeattn ms, per pair of processes the median "
             f"over {opts['rounds']} rounds of the ratio of the block medians ({opts['block']} steps each, the "
             "two alternating), the median over pairs [min-max over all rounds]; prefill edgeattn / genai "
-            "tok/s; RSS genai / edgeattn (> 1: edgeattn faster or smaller); rows int4 bN: the block-N export "
-            "in genai's place against the default int4 export (< 1: block N faster or smaller)\n"
+            "tok/s; RSS genai / edgeattn (> 1: edgeattn faster or smaller); rows int4 bN / int4 KV D: the "
+            "block-N (--kv-dtype D) export in genai's place against the default int4 export (< 1: it is faster "
+            "or smaller)\n"
         )
         head = " | ".join(f"decode @{c}" for c in contexts)
         print(f"| precision | {head} | prefill | RSS @{lo} | RSS @{hi} | RSS after prefill |")
         print("|---|" + "---|" * len(contexts) + "---|---|---|---|")
         rows = [(p, name_of("genai", p)) for p in precisions] + [
-            (f"int4 b{b}", block_variant(b)) for b in blocks
+            (variant_label(b), block_variant(b)) for b in blocks
         ]
         for p, peer in rows:
             r = ratios.get(f"{peer}@{th}")
@@ -453,6 +465,11 @@ def main() -> None:
         "--int4-blocks", default="", help="also edgeattn int4 exports with these block sizes (e.g. 64,128)"
     )
     ap.add_argument(
+        "--kv-dtypes",
+        default="",
+        help="also edgeattn int4 exports with these --kv-dtype (e.g. int8,float16), paired with the default",
+    )
+    ap.add_argument(
         "--max-len",
         type=int,
         default=0,
@@ -474,8 +491,12 @@ def main() -> None:
     prefill = 64 if args.quick else args.prefill
     chunk = 16 if args.quick else args.prefill_chunk
     blocks = [] if args.quick else [int(b) for b in args.int4_blocks.split(",") if b.strip()]
+    kv = [] if args.quick else [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
+    if set(kv) - {"float16", "int8"}:
+        ap.error("--kv-dtypes takes float16 and int8")
+    blocks += [f"kv{k}" for k in kv]
     if blocks and "int4" not in precisions:
-        ap.error("--int4-blocks needs int4 among --precisions")
+        ap.error("--int4-blocks and --kv-dtypes need int4 among --precisions")
     # genai's worker asks for this; edgeattn's KV buffer the same (a longer --max-len reuses longer models)
     max_len = max(max(*contexts, prefill) + steps + 8, 0 if args.quick else args.max_len)
     rounds, block = (2, 2) if args.quick else (args.rounds, args.block)
@@ -521,12 +542,14 @@ def main() -> None:
         if todo and not args.report:
             t = time.time()
             hf, params = build_hf(root, shape, max_len)
-            for name, runtime, p, block in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB per process
+            for name, runtime, p, variant in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB a process
                 if not args.quick:
                     wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
-                        path = build_edgeattn(root, hf, p, chunk, optimize=not args.no_optimize, block=block)
+                        path = build_edgeattn(
+                            root, hf, p, chunk, optimize=not args.no_optimize, block=variant
+                        )
                     elif runtime == "llama":
                         path = build_llama(root, hf, args.llama_python, args.llama_src)
                     else:

@@ -4,8 +4,13 @@ median ms of each and its ratio to the row's first.
 
 - ``gqa``: GroupQueryAttention decode step (8 query / 2 KV heads of 256, 64 rotary dims, q/k/v float32) at
   ``--context`` tokens over a KV buffer of float32 (the export's default), float16 (``--kv-dtype
-  float16``) and int8 with one scale per channel (ONNX Runtime's quantized cache; not exported: its scales
-  would need calibrating); relative output error against float32.
+  float16``), int8 with one scale per channel (``--kv-dtype int8``) and one scale per tensor, and 4 bits
+  per channel (ONNX Runtime's quantized cache, ``k_quant_type``/``v_quant_type``, ``kv_cache_bit_width``); and the same attention as plain ops over
+  the float32 buffer viewed as [B, Hkv, group, D] (Slice of the filled slots, FusedMatMul with transposed
+  keys, Softmax, MatMul: each KV head read once for its group of query heads, where the CPU kernel reads it
+  once per query head), the query already rotated and the new token not written (the read side only), and
+  those ops over a buffer of exactly the filled slots (no Slice: what a bound view of them would read);
+  relative output error against float32.
 - ``gated_norm``: GatedRMSNorm (16 heads of 128, silu gate) against SimplifiedLayerNormalization per head
   times silu(gate) (``optimize.unfuse_gated_norms``), at 1, 64 and 256 tokens.
 - ``conv``: CausalConvWithState (6144 channels, width 4, silu) against Concat + grouped Conv + silu + Slice,
@@ -13,7 +18,7 @@ median ms of each and its ratio to the row's first.
 - ``matmulnbits``: an int4 MLP projection (1024 x 3584) at block 32 and 128, accuracy level 4 (int8
   activations) and 0 (float32), at 1 and 256 tokens.
 
-    python benchmarks/ort_ops.py [--threads 2] [--rounds 10] [--context 16384]
+    python benchmarks/ort_ops.py [--threads 2] [--rounds 10] [--context 16384] [--only gqa,conv]
 
 Prints a table per benchmark, then ONE JSON line.
 """
@@ -57,6 +62,45 @@ def _race(runs: dict, rounds: int, per: int = 3) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
+def _gqa_plain(H: int, Hkv: int, D: int, L: int, threads: int, sliced: bool = True):
+    """Decode attention of one query token over slots 0 .. n-1 of a float32 buffer [1, Hkv, L, D] (n the
+    input ``n``) as plain ops over [1, Hkv, group, D]: each KV head is read once for its group of queries.
+    ``sliced=False``: the buffer holds exactly the n filled slots (no Slice, so no copy of them)."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    G = H // Hkv
+    consts = {
+        "qshape": np.array([1, Hkv, G, D], np.int64),
+        "oshape": np.array([1, 1, H * D], np.int64),
+        "zero": np.array([0], np.int64),
+        "axis": np.array([2], np.int64),
+    }
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    nodes = [
+        helper.make_node("Reshape", ["q", "qshape"], ["qg"]),  # [1, Hkv, G, D]
+        helper.make_node("Slice", ["pk", "zero", "n", "axis"], ["kn"]),  # [1, Hkv, n, D]
+        helper.make_node("Slice", ["pv", "zero", "n", "axis"], ["vn"]),
+        helper.make_node(
+            "FusedMatMul", ["qg", "kn"], ["s"], domain="com.microsoft", transB=1, alpha=D**-0.5
+        ),  # [1, Hkv, G, n]
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "vn"], ["og"]),  # [1, Hkv, G, D]
+        helper.make_node("Reshape", ["og", "oshape"], ["o"]),
+    ]
+    if not sliced:
+        nodes = [n for n in nodes if n.op_type != "Slice"]
+        nodes[1].input[1], nodes[3].input[1] = "pk", "pv"
+    f32 = TP.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("q", f32, [1, 1, H * D]),
+        helper.make_tensor_value_info("pk", f32, [1, Hkv, L, D]),
+        helper.make_tensor_value_info("pv", f32, [1, Hkv, L, D]),
+        helper.make_tensor_value_info("n", TP.INT64, [1]),
+    ][: 4 if sliced else 3]
+    return _session(nodes, inputs, [helper.make_tensor_value_info("o", f32, None)], inits, threads)
+
+
 def gqa(threads: int, rounds: int, context: int) -> list[dict]:
     import onnxruntime as ort
     from onnx import TensorProto as TP
@@ -64,29 +108,42 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
 
     H, Hkv, D, R, L = 8, 2, 256, 64, context + 16
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 1, n * D)).astype(np.float32) for n in (H, Hkv, Hkv))
+    q = rng.standard_normal((1, 1, H * D)).astype(np.float32)
+    k, v = ((rng.standard_normal((1, 1, Hkv * D)) * 0.5).astype(np.float32) for _ in range(2))
     cache = [(rng.standard_normal((1, Hkv, L, D)) * 0.5).astype(np.float32) for _ in range(2)]
     pos = np.arange(L)[:, None] * (1e7 ** (-np.arange(R // 2) / (R // 2)))[None]
     cos, sin = np.cos(pos).astype(np.float32), np.sin(pos).astype(np.float32)
-    step = 0.02  # int8: one scale per channel, the values' range over 127
+    # int8: scales from the values' absolute maximum (per channel, or over the whole tensor) over 127
+    per_channel = [np.abs(c).max(axis=2, keepdims=True) / 127 for c in cache]  # [1, Hkv, 1, D]
+    per_tensor = [np.abs(c).max().reshape(1) / 127 for c in cache]  # [1]
+
+    def quantized(kind: str, scales: list[np.ndarray]):
+        q8 = [np.clip(np.rint(c / s), -128, 127).astype(np.int8) for c, s in zip(cache, scales)]
+        attrs = {"k_quant_type": kind, "v_quant_type": kind, "kv_cache_bit_width": 8}
+        return TP.INT8, q8, attrs, [s.astype(np.float32) for s in scales]
+
+    def packed4(scales: list[np.ndarray]):
+        """4 bits per channel: clip(rint(x / scale), -8, 7) + 8, two a byte (the even channel in the low
+        nibble), the cache [1, Hkv, L, D/2] uint8 (ONNX Runtime's layout, read back from its own writes)."""
+        q4 = [(np.clip(np.rint(c / s), -8, 7) + 8).astype(np.uint8) for c, s in zip(cache, scales)]
+        packed = [q[..., 0::2] | (q[..., 1::2] << 4) for q in q4]
+        attrs = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 4}
+        return TP.UINT8, packed, attrs, [s.astype(np.float32) for s in scales]
+
     variants = {
-        "float32": (TP.FLOAT, [c for c in cache], {}),
-        "float16": (TP.FLOAT16, [c.astype(np.float16) for c in cache], {}),
-        "int8 per channel": (
-            TP.INT8,
-            [np.clip(np.round(c / step), -127, 127).astype(np.int8) for c in cache],
-            {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8},
-        ),
+        "float32": (TP.FLOAT, [c for c in cache], {}, None),
+        "float16": (TP.FLOAT16, [c.astype(np.float16) for c in cache], {}, None),
+        "int8 per channel": quantized("PER_CHANNEL", per_channel),
+        "int8 per tensor": quantized("PER_TENSOR", per_tensor),
+        "int4 per channel": packed4([m * 127 / 7 for m in per_channel]),
     }
     runs, outs, keep = {}, {}, []
-    for name, (dtype, (pk, pv), attrs) in variants.items():
+    for name, (dtype, (pk, pv), attrs, scales) in variants.items():
         ins = ["q", "k", "v", "pk", "pv", "sk", "tot", "cos", "sin"]
         inits = []
         if attrs:
             ins += ["", "", "", "ks", "vs"]
-            inits = [
-                numpy_helper.from_array(np.full([1, Hkv, 1, D], step, np.float32), n) for n in ("ks", "vs")
-            ]
+            inits = [numpy_helper.from_array(s, n) for s, n in zip(scales, ("ks", "vs"))]
         node = helper.make_node(
             "GroupQueryAttention", ins, ["o", "ok", "ov"], domain="com.microsoft", num_heads=H, kv_num_heads=Hkv,
             scale=D**-0.5, do_rotary=1, rotary_interleaved=0, **attrs,
@@ -96,8 +153,8 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
             helper.make_tensor_value_info("q", f32, [1, 1, H * D]),
             helper.make_tensor_value_info("k", f32, [1, 1, Hkv * D]),
             helper.make_tensor_value_info("v", f32, [1, 1, Hkv * D]),
-            helper.make_tensor_value_info("pk", dtype, [1, Hkv, L, D]),
-            helper.make_tensor_value_info("pv", dtype, [1, Hkv, L, D]),
+            helper.make_tensor_value_info("pk", dtype, list(pk.shape)),
+            helper.make_tensor_value_info("pv", dtype, list(pv.shape)),
             helper.make_tensor_value_info("sk", TP.INT32, [1]),
             helper.make_tensor_value_info("tot", TP.INT32, []),
             helper.make_tensor_value_info("cos", f32, [L, R // 2]),
@@ -120,6 +177,27 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
         runs[name] = lambda sess=sess, io=io: sess.run_with_iobinding(io)
         runs[name]()
         outs[name] = io.copy_outputs_to_cpu()[0]
+    # The plain form reads what the float32 GQA call left: the new token written at slot ``context`` and q
+    # rotated at that position (rotate-half over the first R dims), so its output is comparable
+    qr = q.reshape(H, D).copy()
+    c, s_ = cos[context], sin[context]
+    x1, x2 = qr[:, : R // 2].copy(), qr[:, R // 2 : R].copy()
+    qr[:, : R // 2], qr[:, R // 2 : R] = x1 * c - x2 * s_, x2 * c + x1 * s_
+    plain = _gqa_plain(H, Hkv, D, L, threads)
+    pk32, pv32 = variants["float32"][1]  # written in place by the float32 call
+    pfeeds = {"q": qr.reshape(1, 1, H * D), "pk": pk32, "pv": pv32, "n": np.array([context + 1], np.int64)}
+    runs["plain ops [Hkv, group, D]"] = lambda: plain.run(None, pfeeds)
+    outs["plain ops [Hkv, group, D]"] = plain.run(None, pfeeds)[0]
+    # the same over a buffer of exactly the filled slots: what binding a view of them would read (a
+    # slot-major buffer's prefix is contiguous); not a form the export has
+    exact = _gqa_plain(H, Hkv, D, context + 1, threads, sliced=False)
+    efeeds = {
+        "q": pfeeds["q"],
+        "pk": pk32[:, :, : context + 1].copy(),
+        "pv": pv32[:, :, : context + 1].copy(),
+    }
+    runs["plain ops, filled slots only"] = lambda: exact.run(None, efeeds)
+    outs["plain ops, filled slots only"] = exact.run(None, efeeds)[0]
     ms = _race(runs, rounds)
     ref = outs["float32"]
     err = {n: float(np.abs(o - ref).max() / np.abs(ref).max()) for n, o in outs.items()}
@@ -242,15 +320,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--context", type=int, default=16384, help="gqa: tokens in the KV buffer")
+    ap.add_argument("--only", default="", help="comma-separated benchmarks to run (default: all)")
     args = ap.parse_args()
     if args.threads < 1 or args.rounds < 1 or args.context < 1:
         ap.error("--threads, --rounds and --context must be at least 1")
-    results = {
-        "gqa": gqa(args.threads, args.rounds, args.context),
-        "gated_norm": gated_norm(args.threads, args.rounds),
-        "conv": conv(args.threads, args.rounds),
-        "matmulnbits": matmulnbits(args.threads, args.rounds),
+    benches = {
+        "gqa": lambda: gqa(args.threads, args.rounds, args.context),
+        "gated_norm": lambda: gated_norm(args.threads, args.rounds),
+        "conv": lambda: conv(args.threads, args.rounds),
+        "matmulnbits": lambda: matmulnbits(args.threads, args.rounds),
     }
+    only = args.only.split(",") if args.only else list(benches)
+    unknown = sorted(set(only) - set(benches))
+    if unknown:
+        ap.error(f"--only takes {','.join(benches)}; got {unknown[0]!r}")
+    results = {b: benches[b]() for b in only}
     for bench, rows in results.items():
         names = list(rows[0]["ms"])
         print(f"\n{bench}, {args.threads} thread(s): median ms (x the first)\n")

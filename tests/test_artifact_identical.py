@@ -40,3 +40,19 @@ def same_versions():
 def test_artifact_files_identical(tmp_path, same_versions, name, mixer, options):
     got = export_case(tmp_path, name, mixer, options)
     assert got == FIXTURE["cases"][name]
+
+
+BY_REFERENCE = ["qwen3_5_hf_int4", "gla_int4", "hybrid_portable_fp16", "gla_int8_genai_off", "gated_deltanet"]
+
+
+@pytest.mark.parametrize("name", BY_REFERENCE)
+def test_large_model_path_writes_the_same_files(tmp_path, monkeypatch, same_versions, name):
+    """The path of models over ``LARGE_MODEL_BYTES`` (weights kept by reference in scratch files through the
+    passes, the int4 quantizer and the packager: ``graph.load_by_reference``), forced on small models with
+    every initializer over 256 elements kept by reference, writes the files the original code wrote."""
+    from edgeattn.export import exporter, graph
+
+    monkeypatch.setattr(exporter, "LARGE_MODEL_BYTES", 0)
+    monkeypatch.setattr(graph, "BY_REFERENCE_ELEMENTS", 256)
+    mixer, options = next((m, o) for n, m, o in CASES if n == name)
+    assert export_case(tmp_path, name, mixer, options) == FIXTURE["cases"][name]

@@ -53,6 +53,7 @@ EDITS = {
     "file without sha256": (lambda d: d["files"]["step.onnx"].pop("sha256"), "sha256"),
     "graph not listed": (lambda d: d["files"].pop("prefill.onnx"), "prefill.onnx is not listed"),
     "state dtype": (lambda d: d["state"][0].update(dtype="float16"), "'float32'"),
+    "int8 KV without scales": (lambda d: d["state"][0].update(shared=True, dtype="int8"), "'state[0].scale'"),
     "vocab_size type": (lambda d: d.update(vocab_size="256"), "'vocab_size' must be a positive integer"),
     "state not a list": (lambda d: d.update(state={}), "'state' must be a list"),
     "bad sha256": (lambda d: d["files"]["step.onnx"].update(sha256="abc"), "sha256 hex digest"),

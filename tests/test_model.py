@@ -115,3 +115,39 @@ def test_bad_input_ids_are_refused():
         model(torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"must lie in \[0, 256\)"):
         model(torch.tensor([[1, 256]]))
+
+
+@pytest.mark.parametrize("mixer,tie", [(HYBRID, True), ("gated_deltanet,softmax", False)])
+def test_from_state_dict_adopts_the_tensors_and_equals_a_loaded_model(mixer, tie):
+    """``EdgeLM.from_state_dict`` (what the converters and ``EdgeLM.load`` build with: no randomly initialised
+    copy) holds the dict's own tensors, ties the head to the adopted table, keeps buffers that are not in a
+    state dict (retnet's ``log_gamma``) and computes what ``load_state_dict`` into a fresh model computes."""
+    n_layers = len(mixer.split(","))
+    cfg = tiny(mixer, n_layers, tie_embeddings=tie)
+    torch.manual_seed(0)
+    reference = EdgeLM(cfg).eval()
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    if tie:
+        state.pop("lm_head.weight")
+    pointers = {k: v.data_ptr() for k, v in state.items()}
+    model, missing, unexpected = EdgeLM.from_state_dict(cfg, state)
+    assert (missing, unexpected) == ([], [])
+    assert not state  # taken over
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(not p.is_meta for p in params.values())
+    for k, ptr in pointers.items():
+        assert params[k].data_ptr() == ptr, k
+    assert (model.lm_head.weight is model.embed.weight) == tie
+    for (name, buf), (_, ref) in zip(model.named_buffers(), reference.named_buffers()):
+        assert not buf.is_meta and torch.equal(buf, ref), name
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids)[0], reference(ids)[0])
+
+
+def test_from_state_dict_reports_a_missing_parameter():
+    cfg = tiny("gla")
+    state = EdgeLM(cfg).state_dict()
+    state.pop("norm.weight")
+    _, missing, unexpected = EdgeLM.from_state_dict(cfg, state)
+    assert missing == ["norm.weight"] and unexpected == []

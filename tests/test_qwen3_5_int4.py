@@ -79,8 +79,6 @@ def test_blocks_wider_than_the_embedding_keep_its_own_table(hf, ids):
 def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
     """A float16 KV buffer for the attention layers: the logits within ``KV_TOLERANCE`` of the float32
     buffer's export, and within the precision's tolerance plus that bound of transformers."""
-    from edgeattn.export.check import check_artifact
-    from edgeattn.export.precision import KV_TOLERANCE
 
     model, root = hf
     kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
@@ -93,11 +91,20 @@ def test_float16_kv_buffer_within_its_bound(hf, ids, precision):
     assert kv_inputs and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in kv_inputs)
     sess = open_session(arts["float16"], threads=1)
     assert {e.dtype for e in sess.manifest.state if e.shared} == {"float16"}
-    got, ref = logits(arts["float16"], ids), logits(arts["float32"], ids)
-    assert 0 < rel_err(got, ref) <= KV_TOLERANCE["float16"]
-    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE["float16"]
+    _assert_within_kv_bound(arts, "float16", ids, model, precision)
+
+
+def _assert_within_kv_bound(arts, kv_dtype, ids, model, precision):
+    """The ``kv_dtype`` buffer's logits: within its stated bound of the float32 buffer's (and not equal),
+    within the precision's tolerance plus that bound of transformers', and `edgeattn check` agrees."""
+    from edgeattn.export.check import check_artifact
+    from edgeattn.export.precision import KV_TOLERANCE
+
+    got, ref = logits(arts[kv_dtype], ids), logits(arts["float32"], ids)
+    assert 0 < rel_err(got, ref) <= KV_TOLERANCE[kv_dtype]
+    tol = DEFAULT_TOLERANCE[precision] + KV_TOLERANCE[kv_dtype]
     assert rel_err(got, hf_logits(model, ids)) <= tol
-    report = check_artifact(arts["float16"], tokens=N)  # against the torch model's float32 buffer
+    report = check_artifact(arts[kv_dtype], tokens=N)  # against the torch model's float32 buffer
     assert report.ok and report.tolerance == tol
 
 
@@ -146,3 +153,104 @@ def test_last_token_prefill_equals_every_token_prefill_and_transformers(hf, ids,
     assert report.ok and report.graphs["prefill"]["tokens"] == (N - 1) // PREFILL
     with pytest.raises(ValueError, match="prefill_logits"):
         export_model(root / "ckpt", root / "bad", prefill_logits="first", **kw)
+
+
+@pytest.fixture(scope="module")
+def int8_kv(hf):
+    """The fp32 export with float32 and int8 KV buffers (int8: ONNX Runtime's quantized cache)."""
+    _, root = hf
+    kw = dict(precision="fp32", prefill_chunk=PREFILL, force=True)
+    return {
+        kv: export_model(root / "ckpt", root / f"kv8{kv}", kv_dtype=kv, **kw) for kv in ("float32", "int8")
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_int8_kv_buffer_within_its_bound(hf, ids, int8_kv, precision):
+    """An int8 KV buffer with calibrated per-channel scales: the graph reads and writes int8 buffers with
+    the scales the manifest lists, and its logits are within ``KV_TOLERANCE["int8"]`` of the float32 buffer's
+    and within the precision's tolerance plus that bound of transformers' (``edgeattn check`` too)."""
+
+    model, root = hf
+    arts = int8_kv
+    if precision != "fp32":
+        kw = dict(precision=precision, prefill_chunk=PREFILL, force=True)
+        arts = {
+            kv: export_model(root / "ckpt", root / f"kv8{kv}{precision}", kv_dtype=kv, **kw) for kv in arts
+        }
+    graph = onnx.load(str(arts["int8"] / "step.onnx"), load_external_data=False).graph
+    kv_inputs = [i for i in graph.input if i.name.endswith((".key", ".value"))]
+    assert kv_inputs and all(i.type.tensor_type.elem_type == onnx.TensorProto.INT8 for i in kv_inputs)
+    inits = {i.name: i for i in graph.initializer}
+    sess = open_session(arts["int8"], threads=1)
+    shared = [e for e in sess.manifest.state if e.shared]
+    for node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k_quant_type"] == attrs["v_quant_type"] == b"PER_CHANNEL"
+        assert attrs["kv_cache_bit_width"] == 8
+        for i, scale in ((3, node.input[12]), (4, node.input[13])):  # the node's scales are the manifest's
+            e = next(e for e in shared if e.input == node.input[i])
+            want = np.asarray(e.scale, np.float32)[None, :, None, :]
+            assert np.array_equal(onnx.numpy_helper.to_array(inits[scale]), want)
+    assert {e.dtype for e in shared} == {"int8"}
+    _assert_within_kv_bound(arts, "int8", ids, model, precision)
+
+
+def test_int8_kv_state_round_trip(hf, ids, int8_kv):
+    """get_state dequantizes an int8 KV buffer (times its scales): each slot within half a step of the float32
+    buffer's, clipped to the scale's range [-128, 127] steps (ONNX Runtime's quantized cache); set_state
+    quantizes it back to the same int8 values, so a session continued from it (or from its state file) gives
+    the same logits as the one that made it."""
+    _, root = hf
+    a, b, f = (open_session(art, threads=1) for art in (int8_kv["int8"], int8_kv["int8"], int8_kv["float32"]))
+    a.prefill(ids[:, :40])
+    f.prefill(ids[:, :40])
+    state, state32 = a.get_state(), f.get_state()
+    for e in (e for e in a.manifest.state if e.shared):
+        assert state[e.input].dtype == np.float32
+        step = np.asarray(e.scale, np.float32)[None, :, None, :]
+        held = np.clip(state32[e.input], -128 * step, 127 * step)
+        assert np.all(np.abs(state[e.input] - held) <= step / 2 * (1 + 1e-5) + 1e-7)
+        assert np.abs(state[e.input][:, :, :40]).max() > 0 and not state[e.input][:, :, 40:].any()
+    b.set_state(state, position=a.position)
+    np.testing.assert_array_equal(b._kv_np[-1], a._kv_np[-1])  # the same int8 slots
+    tail = ids[:, 40:46]
+    want = [a.step(tail[:, t : t + 1]) for t in range(tail.shape[1])]
+    np.testing.assert_array_equal([b.step(tail[:, t : t + 1]) for t in range(tail.shape[1])], want)
+    path = root / "int8.state"
+    b.reset()
+    b.set_state(state, position=40)
+    b.save_state(path)
+    c = open_session(int8_kv["int8"], threads=1)
+    c.load_state(path)
+    np.testing.assert_array_equal([c.step(tail[:, t : t + 1]) for t in range(tail.shape[1])], want)
+
+
+def test_int8_kv_bad_input(hf, tmp_path, monkeypatch):
+    """One-line errors: --kv-dtype int8 on a model without KV buffers; an int8 buffer whose logits leave
+    the stated bound fails the export; streams (float32 batch buffers) refuse an int8 KV buffer."""
+    from typer.testing import CliRunner
+
+    from edgeattn.cli.main import app
+    from edgeattn.export import precision
+    from edgeattn.runtimes.streams import SerialStreams, Streams, open_streams
+    from tests.export_helpers import make_checkpoint
+
+    _, root = hf
+    gla = make_checkpoint(tmp_path / "gla", "gla")
+    res = CliRunner().invoke(app, ["export", str(gla), "--out", str(tmp_path / "o"), "--kv-dtype", "int8"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "no KV buffers" in lines[0] and "--kv-dtype float32" in lines[0]
+    monkeypatch.setitem(precision.KV_TOLERANCE, "int8", 1e-9)  # a bound no int8 buffer meets
+    with pytest.raises(ValueError, match=r"int8 KV buffer: its logits differ .* --kv-dtype float32") as err:
+        export_model(root / "ckpt", tmp_path / "tight", prefill_chunk=PREFILL, kv_dtype="int8")
+    assert "\n" not in str(err.value) and not (tmp_path / "tight").exists()
+    monkeypatch.undo()
+    art = export_model(
+        root / "ckpt", tmp_path / "dyn", dynamic_batch=True, kv_dtype="int8", prefill_chunk=PREFILL
+    )
+    with pytest.raises(ValueError, match="streams hold float32 buffers only: export with --kv-dtype float32"):
+        Streams(art)
+    streams, reason = open_streams(art)  # the server's fallback: one stream at a time, through a session
+    assert isinstance(streams, SerialStreams) and "int8" in reason

@@ -18,6 +18,8 @@ FORMAT_VERSION = 1
 TARGETS = ("onnxruntime", "portable")
 # The manifest's "precision" of weights and activations (the state is float32 in every precision).
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# The element types of a preallocated KV buffer (a "shared" state entry); every other state tensor is float32.
+KV_DTYPES = ("float32", "float16", "int8")
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -37,6 +39,8 @@ class StateEntry:
     shape: tuple  # ints, or a str for a dynamic dimension
     dtype: str
     shared: bool = False  # one buffer bound as both input and output (a preallocated KV cache)
+    # an int8 KV buffer's scales [Hkv][D]: slot values are round(x / scale) (ONNX Runtime's quantized cache)
+    scale: tuple | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -58,6 +62,7 @@ class Manifest:
                 tuple(s["shape"]),
                 s["dtype"],
                 bool(s.get("shared", False)),
+                tuple(tuple(row) for row in s["scale"]) if "scale" in s else None,
             )
             for s in data["state"]
         ]
@@ -262,12 +267,29 @@ def check_structure(data: dict, where: str) -> None:
             raise ValueError(
                 f"{where}: '{ctx}shape' must hold sizes >= 0 (or names of dynamic sizes), got {shape!r}"
             )
-        allowed = ("float32", "float16") if e.get("shared") else ("float32",)  # a KV buffer may be float16
+        allowed = KV_DTYPES if e.get("shared") else ("float32",)
         if need(e, "dtype", str, "a string", ctx) not in allowed:
             raise ValueError(
-                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is, a KV buffer float16 too), "
-                f"got {e['dtype']!r}"
+                f"{where}: '{ctx}dtype' must be 'float32' (every state tensor is; a KV buffer float16 or "
+                f"int8 too), got {e['dtype']!r}"
             )
+        if e["dtype"] == "int8":  # its scales, one per KV head and channel
+            scale = e.get("scale")
+            rows = shape[1] if len(shape) == 4 else None
+            if not (
+                isinstance(scale, list)
+                and len(scale) == rows
+                and all(
+                    isinstance(r, list)
+                    and len(r) == shape[3]
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in r)
+                    for r in scale
+                )
+            ):
+                raise ValueError(
+                    f"{where}: '{ctx}scale' must list {rows} rows of {shape[3] if rows else 'D'} positive "
+                    "numbers (an int8 KV buffer's scales per KV head and channel)"
+                )
     if data.get("prefill_logits", "all") not in ("all", "last"):
         raise ValueError(f"{where}: 'prefill_logits' must be 'all' or 'last', got {data['prefill_logits']!r}")
     names = [

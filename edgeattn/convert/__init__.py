@@ -58,9 +58,7 @@ def convert_dir(src: str | os.PathLike):
             f"cannot import: config field {e.args[0]} is missing from {src / 'config.json'}"
         ) from e
     check_special_ids(src, config, cfg.vocab_size)
-    model = EdgeLM(cfg)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    model, missing, unexpected = EdgeLM.from_state_dict(cfg, state_dict)  # the mapped tensors, not copies
     if missing or unexpected:  # a bug of the mapping, not of the input
         raise RuntimeError(f"{mt} mapping is incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model, notes

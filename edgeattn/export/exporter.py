@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.artifact.manifest import (
+    KV_DTYPES,
     MANIFEST,
     PRECISIONS,
     TARGETS,
@@ -170,6 +172,95 @@ def one_graph_ok(model, target: str, precision: str) -> bool:
     return True
 
 
+SHAPE_INFERENCE_ELEMENTS = 2**16  # constants above this many elements are withheld from shape inference
+
+
+@contextmanager
+def _shape_inference_without_weights():
+    """torch.onnx's TorchScript exporter runs its shape inference with every parameter's values at hand
+    (twice, before and after constant folding); each pass held another copy of the weights (at 0.8B
+    parameters about 3 GB more than the model at the trace's peak, and 30 s). Weights do not decide shapes:
+    inside, the pass sees only the constants of up to ``SHAPE_INFERENCE_ELEMENTS`` elements (shape
+    arrays, small tables), and the traced graph is the same (tests/test_artifact_identical.py)."""
+    from torch import _C
+
+    infer = _C._jit_pass_onnx_graph_shape_type_inference
+
+    def without_weights(graph, params, *args):
+        small = {k: v for k, v in params.items() if v.numel() <= SHAPE_INFERENCE_ELEMENTS}
+        return infer(graph, small, *args)
+
+    _C._jit_pass_onnx_graph_shape_type_inference = without_weights
+    try:
+        yield
+    finally:
+        _C._jit_pass_onnx_graph_shape_type_inference = infer
+
+
+PLACEHOLDER_MODEL_BYTES = (
+    5 * 2**29
+)  # 2.5 GiB: far enough over protobuf's 2 GiB that torch writes external data
+PLACEHOLDER_ELEMENTS = 2**18  # the weights over this many elements are written by ``_weights_written_after``
+
+
+@contextmanager
+def _weights_written_after(on: bool):
+    """torch.onnx's encoder copies each weight it writes, twice where a weight is a view (the tied head's
+    folded ``E^T``: 2 GB at 0.8B parameters, on top of the model). Inside (``on``: a model that torch writes
+    with external data, each weight in a file of its own), the encoder gets same-shaped placeholders of
+    untouched memory for the weights over ``PLACEHOLDER_ELEMENTS`` elements, and the yielded dict keeps the
+    real tensors by initializer name for ``_write_weights`` to write into those files afterwards."""
+    from torch import _C
+
+    real: dict = {}
+    dedupe = _C._jit_pass_onnx_deduplicate_initializers
+
+    def placeholders(graph, params, training):
+        params = dedupe(graph, params, training)
+        out = {}
+        for k, v in params.items():
+            if v.numel() > PLACEHOLDER_ELEMENTS:
+                real[k] = v
+                v = torch.empty(v.shape, dtype=v.dtype)
+            out[k] = v
+        return out
+
+    if on:
+        _C._jit_pass_onnx_deduplicate_initializers = placeholders
+    try:
+        yield real
+    finally:
+        _C._jit_pass_onnx_deduplicate_initializers = dedupe
+
+
+def _write_weights(path: Path, real: dict, chunk_bytes: int = 2**26) -> None:
+    """Write the tensors ``real`` (by initializer name) into the external-data files of the traced graph at
+    ``path``, where ``_weights_written_after`` had torch write placeholders; a view (``E^T``) in chunks of
+    rows, never whole. RuntimeError if one of them is not external (its graph would hold garbage)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    left = set(real)
+    for init in model.graph.initializer:
+        if init.name not in real:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        if init.data_location != onnx.TensorProto.EXTERNAL or "location" not in info:
+            raise RuntimeError(f"torch wrote weight {init.name} inline; this is a bug in edgeattn's export")
+        t = real[init.name].detach()
+        rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
+        step = max(1, chunk_bytes // max(1, rows[0].numel() * t.element_size()))
+        with open(path.parent / info["location"], "r+b") as f:
+            f.seek(int(info.get("offset", 0)))
+            for i in range(0, rows.shape[0], step):
+                f.write(rows[i : i + step].contiguous().numpy().tobytes())
+        left.discard(init.name)
+    if left:
+        raise RuntimeError(
+            f"weight {sorted(left)[0]} is not in the traced graph; this is a bug in edgeattn's export"
+        )
+
+
 def _export_graph(
     module,
     tokens: int | None,
@@ -206,7 +297,14 @@ def _export_graph(
     if tokens is None:
         dynamic.setdefault("input_ids", {})[1] = TOKEN_AXIS
         dynamic.setdefault("logits", {})[1] = TOKEN_AXIS
-    with warnings.catch_warnings(), fused_onnxruntime_op(target == "onnxruntime"), torch.no_grad():
+    large = sum(p.numel() * p.element_size() for p in module.parameters()) > PLACEHOLDER_MODEL_BYTES
+    with (
+        warnings.catch_warnings(),
+        fused_onnxruntime_op(target == "onnxruntime"),
+        _shape_inference_without_weights(),
+        _weights_written_after(large) as real,
+        torch.no_grad(),
+    ):
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
@@ -219,6 +317,8 @@ def _export_graph(
             dynamic_axes=dynamic or None,
             do_constant_folding=True,
         )
+    if real:
+        _write_weights(path, real)
 
 
 def _trace(module, tokens: int | None, plan: ExportPlan, scratch: Path):
@@ -230,26 +330,30 @@ def _trace(module, tokens: int | None, plan: ExportPlan, scratch: Path):
     return path
 
 
-def _load_trace(path: Path):
-    """The traced graph at ``path`` in memory, weights and all; its scratch directory removed."""
+def _load_trace(path: Path, by_reference: bool = False):
+    """The traced graph at ``path`` in memory, weights and all, its scratch directory removed; or
+    (``by_reference``, a large model) with its large weights left in the scratch files that torch wrote
+    (``graph.load_by_reference``: the directory stays until the graph is packaged)."""
     import onnx
 
+    from edgeattn.export.graph import load_by_reference
+
+    if by_reference:
+        return load_by_reference(path)
     graph = onnx.load(str(path))
     shutil.rmtree(path.parent)
     return graph
 
 
-def _spill(graph, scratch: Path) -> Path:
-    """Save ``graph`` into the new directory ``scratch`` (its weights in one file beside it) for
-    ``_load_trace`` to read back once the caller has dropped it: protobuf frees a message's memory only with
-    the whole message, so the weights that the passes replaced (fused, transposed, dropped) stay resident
-    until then (at 0.8B parameters, 2 GB more under the precision converter)."""
-    import onnx
+def _spill(graph, scratch: Path):
+    """``graph`` with the large weights that the passes wrote into it (the fused projections) moved into a
+    file in the new directory ``scratch`` and referenced there (``graph.reference_large``), as a new message:
+    protobuf frees a message's memory only with the whole message, so the weights that the passes replaced
+    stay resident until the caller drops ``graph`` (at 0.8B parameters, 2 GB more under the converter)."""
+    from edgeattn.export.graph import reference_large
 
     scratch.mkdir()
-    path = scratch / "graph.onnx"
-    onnx.save(graph, str(path), save_as_external_data=True, location="graph.onnx.data")
-    return path
+    return reference_large(graph, scratch / "weights.bin")
 
 
 def _graph_passes(graph, target: str, optimize: bool = True, tie: bool = False) -> None:
@@ -284,6 +388,33 @@ def _torch_logits(module, entries: list[dict], ids) -> list:
     with torch.no_grad():
         logits = module(text, *state)[0].float().numpy()  # [B, calls*T, V]
     return [logits[:, c * tokens : (c + 1) * tokens] for c in range(calls)]
+
+
+def _kv_calibration(module, entries: list[dict], plan) -> dict:
+    """The softmax layers' keys (after rotary) and values, by state input name, over two calls of
+    ``KV_CALIBRATION_TOKENS`` tokens each from a zero state (fewer where the buffers are shorter): the check
+    text, and token ids drawn uniformly from the whole vocabulary (seed 0; the text reaches few of them):
+    ``set_kv_dtype``'s int8 scales."""
+    import numpy as np
+
+    from edgeattn.export.check import default_text
+    from edgeattn.export.precision import KV_CALIBRATION_TOKENS, kv_calibration
+
+    n, vocab = min(KV_CALIBRATION_TOKENS, plan.length), module.model.cfg.vocab_size
+    text = np.frombuffer(default_text(n), np.uint8).astype(np.int64)[:n] % vocab
+    drawn = np.random.default_rng(0).integers(0, vocab, n)
+    parts = []
+    for ids in (text, drawn):
+        state = [
+            torch.zeros(
+                [0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"])
+            )
+            for e in entries
+        ]
+        with torch.no_grad():
+            out = module(torch.from_numpy(ids[None].repeat(plan.batch_size, 0)), *state)
+        parts.append(kv_calibration([s.numpy() for s in out[1:]], entries, n))
+    return {k: np.concatenate([p[k] for p in parts], axis=2) for k in parts[0]}
 
 
 def _carry_tokenizer(root: Path, cfg, package) -> dict | None:
@@ -372,8 +503,8 @@ class ExportPlan:
         if self.batch_size < 1 or self.prefill_chunk < 2:
             raise ValueError("batch must be >= 1 and prefill_chunk >= 2")
         check_max_length(self.max_length)
-        if self.kv_dtype not in ("float32", "float16"):
-            raise ValueError(f"kv_dtype must be float32 or float16, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.prefill_logits not in ("all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {self.prefill_logits!r}")
         if self.dynamic_batch and precision == "int8":
@@ -409,6 +540,11 @@ class ExportPlan:
             )
         self.length = cfg.max_seq_len if self.max_length is None else self.max_length  # cfg keeps its own
         self.kv_buffers = use_kv_buffers(model, target, self.length)
+        if self.kv_dtype != "float32" and not self.kv_buffers:
+            raise ValueError(
+                f"--kv-dtype {self.kv_dtype}: this model has no KV buffers (softmax layers on ONNX Runtime's "
+                "GroupQueryAttention, target onnxruntime); export with --kv-dtype float32"
+            )
         reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
         if reason:
             raise ValueError(
@@ -491,8 +627,8 @@ def export_model(
     genai_config's ``context_length`` and ``max_length``. None (default): ``cfg.max_seq_len``. A model
     whose every layer has a fixed-size state has no limit: its manifest keeps ``max_length`` null. The
     checkpoint's config (and the manifest's ``model``) keep their own ``max_seq_len``.
-    ``kv_dtype``: the element type of those KV buffers, float32 or float16
-    (``edgeattn.export.precision.convert_kv_dtype``; q, k and v stay float32).
+    ``kv_dtype``: the element type of those KV buffers, float32, float16 or int8 (scales calibrated from the
+    model's keys and values; ``edgeattn.export.precision.set_kv_dtype``; q, k and v stay float32).
     ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
     ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
     artifacts only, manifest ``"prefill_logits": "last"``).
@@ -585,6 +721,9 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         for _, tokens in plan.shapes:
             ids = check_ids(plan.batch_size, tokens or CHECK_TOKENS, cfg.vocab_size)
             references.append(_torch_logits(module, entries, ids))
+    calibration = None
+    if plan.kv_dtype == "int8":  # the int8 KV scales, from the model's own keys and values
+        calibration = _kv_calibration(module, entries, plan)
     if not plan.genai:  # genai's graph is traced from the model later
         source.model = None
         del module, model  # its weights, before the ONNX side holds its own copy
@@ -593,13 +732,14 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     graphs, kv_entries = [name for name, _ in plan.shapes], entries
     files = []
     for i, name in enumerate(graphs):
-        graph = _load_trace(traces[i])
+        # a large model's weights stay in the scratch files until packaged (graph.load_by_reference)
+        graph = _load_trace(traces[i], by_reference=large)
         _graph_passes(graph, plan.target, plan.optimize, plan.tie)
-        if large and plan.precision != "fp32":  # the replaced weights leave before the converter's own
-            path = _spill(graph, tmp / f".trace-{i}")
+        if large:  # the replaced weights leave memory; the fused ones wait in a scratch file
+            spilled = _spill(graph, tmp / f".spill-{i}")
             del graph
             release_memory()
-            graph = _load_trace(path)
+            graph = spilled
         if plan.precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
@@ -614,10 +754,12 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         if plan.kv_dtype != "float32":
             from edgeattn.export.precision import set_kv_dtype
 
-            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype)
+            kv_entries = set_kv_dtype(graph, entries, plan.kv_dtype, calibration)
         written, graph = package.graph(name, graph)  # the weights leave memory: the graph as written
         files += written
         if large:
+            shutil.rmtree(traces[i].parent, ignore_errors=True)
+            shutil.rmtree(tmp / f".spill-{i}", ignore_errors=True)
             release_memory()
         if plan.precision != "fp32" or plan.kv_dtype != "float32":
             from edgeattn.export.precision import CHECK_TOKENS, check_ids, check_logits

@@ -34,6 +34,9 @@ from edgeattn.export.graph import (  # noqa: F401  (LARGE_ELEMENTS: tests patch 
     LARGE_ELEMENTS,
     MS,
     ORT_DEFAULT_DOMAIN_OPS,
+    initializer_array,
+    initializer_nbytes,
+    is_by_reference,
     remove_initializers,
     sort_topologically,
     without_large_weights,
@@ -65,7 +68,7 @@ class _Graph:
         from onnx import numpy_helper
 
         if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
+            return initializer_array(self.inits[name])
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant":
             for a in n.attribute:
@@ -451,7 +454,7 @@ def fuse_matmuls(model) -> int:
         rows = {G.inits[n.input[1]].dims[0] for n in nodes}
         if len(nodes) < 2 or len(rows) != 1:
             continue
-        weights = [numpy_helper.to_array(G.inits[n.input[1]]) for n in nodes]
+        weights = [initializer_array(G.inits[n.input[1]]) for n in nodes]
         name = "/".join(n.name or n.output[0] for n in nodes[:1]) + "/fused"
         G.g.initializer.append(numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}.weight"))
         sizes = np.array([w.shape[1] for w in weights], np.int64)
@@ -521,20 +524,24 @@ def share_constants(model, max_bytes: int = 2**27) -> int:
             readers.setdefault(x, set()).add(n.op_type)
     io = {v.name for v in [*g.input, *g.output]}
     groups: dict[tuple, list] = {}
+    data = {}  # the bytes of each candidate (a by-reference initializer's read from its scratch file)
     for init in g.initializer:
+        by_ref = is_by_reference(init)
         if (
-            not init.raw_data
-            or len(init.raw_data) > max_bytes
+            not (init.raw_data or by_ref)
+            or initializer_nbytes(init) > max_bytes
             or init.name in io
             or readers.get(init.name, set()) & WEIGHT_OPS
         ):
             continue
-        key = (init.data_type, tuple(init.dims), hashlib.blake2b(init.raw_data, digest_size=16).digest())
+        data[init.name] = initializer_array(init).tobytes() if by_ref else init.raw_data
+        key = (init.data_type, tuple(init.dims), hashlib.blake2b(data[init.name], digest_size=16).digest())
         groups.setdefault(key, []).append(init)
     rename = {}
     for inits in groups.values():
         keep = min(inits, key=lambda i: i.name)
-        rename.update({i.name: keep.name for i in inits if i is not keep and i.raw_data == keep.raw_data})
+        rename.update({i.name: keep.name for i in inits if i is not keep and data[i.name] == data[keep.name]})
+    del data
     if not rename:
         return 0
     for n in g.node:
@@ -695,13 +702,13 @@ def share_tied_embedding(model) -> int:
     another that only Gathers (axis 0) read, each such Gather reads ``E^T`` along axis 1 and a Transpose
     turns its small result back (``[D, *ids] -> [*ids, D]``), and ``E`` goes. Standard ONNX ops only (the
     ``portable`` target runs it too). Returns how many embeddings were dropped."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     G = _Graph(model)
     big = {
         name: i
         for name, i in G.inits.items()
-        if len(i.dims) == 2 and i.dims[0] != i.dims[1] and not i.external_data
+        if len(i.dims) == 2 and i.dims[0] != i.dims[1] and (not i.external_data or is_by_reference(i))
     }
     by_shape: dict[tuple, list[str]] = {}
     for name, i in big.items():
@@ -721,8 +728,8 @@ def share_tied_embedding(model) -> int:
             if big[other].data_type != init.data_type:
                 continue
             if table is None:
-                table = numpy_helper.to_array(init)
-            if np.array_equal(numpy_helper.to_array(big[other]), table.T):
+                table = initializer_array(init)
+            if np.array_equal(initializer_array(big[other]), table.T):
                 break
         else:
             continue

@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 from edgeattn.artifact.manifest import write_manifest
+from edgeattn.export.graph import initializer_nbytes, materialize
 from edgeattn.export.weights import WEIGHTS_FILE, WeightsWriter
 
 INLINE_BYTES = 2**31 - 2**26  # a self-contained graph's initializers above this go to GRAPH.data
@@ -46,13 +47,17 @@ class Package:
         files = []
         if self.weights is not None:
             self.weights.add(model)
-        elif sum(i.ByteSize() for i in model.graph.initializer) > INLINE_BYTES:  # (raw_data would copy)
+        elif (
+            sum(initializer_nbytes(i) for i in model.graph.initializer) > INLINE_BYTES
+        ):  # (raw_data would copy)
             own_name = f"{name}.data"
             own = WeightsWriter(self.root / own_name, own_name)
             own.add(model)
             own.close()
             self.hashes[own_name] = {"sha256": own.sha256, "bytes": own.offset}
             files.append(own_name)
+        else:
+            materialize(model)  # weights the export kept in its scratch files come inline
         data = model.SerializeToString()
         written = onnx.ModelProto()
         written.ParseFromString(data)

@@ -21,6 +21,12 @@
   Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
   float32 buffer at 16384 tokens (``benchmarks/ort_ops.py``, benchmarks/RESULTS.md), so float32 stays the
   default. Its logit error against the float32 buffer is ``KV_TOLERANCE``.
+  int8: ONNX Runtime's quantized cache (``k_quant_type``/``v_quant_type`` ``PER_CHANNEL``,
+  ``kv_cache_bit_width`` 8): GroupQueryAttention stores ``clip(rint(x / scale), -128, 127)`` (after rotary)
+  and reads ``q * scale`` in prompt and decode alike; its CPU kernel read the buffer 2.7x faster than
+  float32 at 16384 tokens. One scale per KV head and channel, calibrated at export from the model's own
+  keys and values over ``KV_CALIBRATION_TOKENS`` tokens of the check text (``kv_int8_scales``), stored as
+  initializers and in the manifest (the runtimes' get/set_state convert with them).
 
 Every pass here works on an in-memory ``onnx.ModelProto``. The checks (``check_logits``) run a converted
 graph as packaged (its weights in the artifact's ``weights.bin``) over a few calls of Python source text
@@ -34,9 +40,11 @@ import logging
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 
+from edgeattn.artifact.manifest import KV_DTYPES
 from edgeattn.export.graph import sort_topologically
 
 
@@ -155,22 +163,79 @@ def fp32_nodes(model, entries) -> list[str]:
     return sorted(names)
 
 
-KV_DTYPES = ("float32", "float16")
-# The relative logit error a float16 KV buffer adds against the float32 buffer (the stated bound): 3e-5 in an
-# fp32 graph of the tiny Qwen3.5 test model, 2e-3 at int4 (MatMulNBits' int8 activations round differently)
-KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3}
+# The relative logit error a reduced KV buffer adds against the float32 buffer (the stated bound). float16:
+# 3e-5 in an fp32 graph of the tiny Qwen3.5 test model, 2e-3 at int4 (MatMulNBits' int8 activations round
+# differently). int8 (KV_INT8_MARGIN): 2-5e-3 on the tiny model; on the random Qwen3.5-0.8B int4 model
+# 1.6e-2 in the export's check (256 tokens), 3.5-4.8e-2 over 1024-4104 tokens (benchmarks/RESULTS.md)
+KV_TOLERANCE = {"float32": 0.0, "float16": 5e-3, "int8": 6e-2}
+# int8 KV: each channel's scale is its largest magnitude over the calibration tokens times this margin,
+# over 127 (a later token up to the margin larger is not clipped; each step is the margin coarser)
+KV_INT8_MARGIN = 1.5
+KV_CALIBRATION_TOKENS = 512
+_QUANT_ATTRS = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
+_K_SCALE, _V_SCALE = 12, 13  # GroupQueryAttention's k_scale and v_scale inputs
 
 
-def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
+def kv_int8_scales(keys: np.ndarray, rotary_dim: int = 0, margin: float = KV_INT8_MARGIN) -> np.ndarray:
+    """One int8 scale per KV head and channel [Hkv, D] from keys or values ``[B, Hkv, n, D]`` seen over
+    calibration tokens: ``margin`` times the channel's largest magnitude, over 127. The first ``rotary_dim``
+    channels are rotated by position in pairs (i, i + rotary_dim / 2) (rotate-half): both channels of a pair
+    take the pair's largest norm, the most either can reach at any position, since the calibration tokens
+    cover few turns of the slow frequencies. A channel that stayed zero gets its head's smallest nonzero
+    scale (or 1)."""
+    x = np.abs(keys.astype(np.float32)).max(axis=(0, 2))  # [Hkv, D]
+    if rotary_dim:
+        h = rotary_dim // 2
+        pair = np.sqrt(
+            keys[..., :h].astype(np.float32) ** 2 + keys[..., h:rotary_dim].astype(np.float32) ** 2
+        )
+        norm = pair.max(axis=(0, 2))  # [Hkv, R/2]
+        x[:, :h] = x[:, h:rotary_dim] = norm
+    scale = margin * x / 127.0
+    for row in scale:
+        nonzero = row[row > 0]
+        row[row <= 0] = nonzero.min() if nonzero.size else 1.0
+    return scale.astype(np.float32)
+
+
+def _rotary_dim(model, node) -> int:
+    """The rotated dims of a GroupQueryAttention node (0 without do_rotary): twice its cos cache's width."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if not attrs.get("do_rotary") or len(node.input) < 8:
+        return 0
+    for v in [*model.graph.initializer]:
+        if v.name == node.input[7]:
+            return 2 * int(v.dims[-1])
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output[0] == node.input[7]:
+            return 2 * int(helper.get_attribute_value(n.attribute[0]).dims[-1])
+    for v in [*model.graph.input, *model.graph.value_info]:
+        if v.name == node.input[7] and v.type.tensor_type.shape.dim[-1].dim_value:
+            return 2 * int(v.type.tensor_type.shape.dim[-1].dim_value)
+    raise ValueError(f"the rotary table {node.input[7]!r} of {node.name} has no known width")
+
+
+def set_kv_dtype(
+    model, entries: list[dict], kv_dtype: str, calibration: dict[str, np.ndarray] | None = None
+) -> list[dict]:
     """The in-memory graph ``model`` with its shared KV buffers (the ``entries`` marked ``shared``) in
     ``kv_dtype`` (in place; float32 sets them back); returns the entries with their dtype set. Only
-    GroupQueryAttention reads and writes them."""
+    GroupQueryAttention reads and writes them. int8 needs ``calibration``: each buffer's filled slots
+    [B, Hkv, n, D] (keys after rotary, values) by state input name over calibration tokens, from which its
+    scales [Hkv, D] are taken (``kv_int8_scales``); they become the node's k_scale and v_scale initializers
+    ([1, Hkv, 1, D]) and each entry's ``scale``."""
     import onnx
+    from onnx import helper, numpy_helper
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     names = {n for e in entries if e.get("shared") for n in (e["input"], e["output"])}
-    entries = [{**e, "dtype": kv_dtype} if e.get("shared") else e for e in entries]
+    entries = [
+        {**{k: v for k, v in e.items() if k != "scale"}, "dtype": kv_dtype} if e.get("shared") else e
+        for e in entries
+    ]
     if not names:
         return entries
     others = [n for n in model.graph.node if names & set(n.input) and n.op_type != "GroupQueryAttention"]
@@ -182,7 +247,56 @@ def set_kv_dtype(model, entries: list[dict], kv_dtype: str) -> list[dict]:
     for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         if v.name in names:
             v.type.tensor_type.elem_type = elem
-    return entries
+    # the quantized cache's attributes and scale inputs: off, then on again for int8
+    from edgeattn.export.graph import remove_initializers
+
+    by_input = {e["input"]: e for e in entries}
+    dropped = set()
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention" or node.input[3] not in names:
+            continue
+        keep = [a for a in node.attribute if a.name not in _QUANT_ATTRS]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+        dropped |= {x for x in node.input[_K_SCALE:] if x}
+        inputs = list(node.input[:_K_SCALE])
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        node.input[:] = inputs
+        if kv_dtype != "int8":
+            continue
+        if calibration is None:
+            raise ValueError("an int8 KV buffer needs calibration keys and values for its scales")
+        rotary = _rotary_dim(model, node)
+        scales = []
+        for i, kind in ((3, "k"), (4, "v")):
+            scale = kv_int8_scales(calibration[node.input[i]], rotary if kind == "k" else 0)
+            # each float32 in its shortest decimal form that reads back the same float32
+            by_input[node.input[i]]["scale"] = [[float(str(x)) for x in row] for row in scale]
+            init = numpy_helper.from_array(scale[None, :, None, :], f"{node.input[i]}.kv_scale")
+            model.graph.initializer.append(init)
+            scales.append(init.name)
+        node.input.extend([""] * (_K_SCALE - len(node.input)) + scales)
+        node.attribute.extend(
+            [
+                helper.make_attribute("k_quant_type", "PER_CHANNEL"),
+                helper.make_attribute("v_quant_type", "PER_CHANNEL"),
+                helper.make_attribute("kv_cache_bit_width", 8),
+            ]
+        )
+    used = {x for n in model.graph.node for x in n.input}
+    remove_initializers(model.graph, dropped - used)
+    return [by_input.get(e["input"], e) for e in entries]
+
+
+def kv_calibration(state: list, entries: list[dict], tokens: int) -> dict[str, np.ndarray]:
+    """The filled slots [B, Hkv, tokens, D] of each shared KV buffer in ``state`` (arrays or tensors in the
+    order of ``entries``, after ``tokens`` tokens from zero): what ``set_kv_dtype`` calibrates int8 from."""
+    return {
+        e["input"]: np.asarray(s[:, :, :tokens], dtype=np.float32).copy()
+        for e, s in zip(entries, state)
+        if e.get("shared")
+    }
 
 
 def _warn_over(rel: float, bound: float, message: str) -> None:
@@ -230,12 +344,17 @@ def check_logits(
         )
     if kv_dtype != "float32":
         rel = relative_error(graph_logits(model, entries, ids, folder), logits)
-        _warn_over(
-            rel,
-            KV_TOLERANCE[kv_dtype],
+        message = (
             f"{name} with a {kv_dtype} KV buffer: its logits differ from the float32 buffer's by {rel:.3g} "
-            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32",
+            f"(relative), more than the stated {KV_TOLERANCE[kv_dtype]:g}; export with --kv-dtype float32"
         )
+        logging.getLogger(__name__).info(
+            "%s: %s KV buffer, relative logit error against the float32 buffer %.3g (bound %g)",
+            name, kv_dtype, rel, KV_TOLERANCE[kv_dtype],
+        )  # fmt: skip
+        if kv_dtype == "int8" and not rel <= KV_TOLERANCE[kv_dtype]:
+            raise ValueError(message)  # calibrated scales that do not hold: no artifact
+        _warn_over(rel, KV_TOLERANCE[kv_dtype], message)
 
 
 INT4_DEFAULTS = {"block_size": 128, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
@@ -247,9 +366,19 @@ def _convert_version(model, opset: int):
     protobuf refuses over 2 GB; it rewrites nodes only); ``model`` takes the result, its large weights untouched."""
     from onnx import version_converter
 
-    from edgeattn.export.graph import remove_initializers, without_large_weights
+    from edgeattn.export.graph import (
+        LARGE_ELEMENTS,
+        is_by_reference,
+        materialize,
+        remove_initializers,
+        without_large_weights,
+    )
 
     g = model.graph
+    # weights kept by reference below LARGE_ELEMENTS (a lowered threshold) come inline: small ones move
+    materialize(
+        model, {i.name for i in g.initializer if is_by_reference(i) and np.prod(i.dims) <= LARGE_ELEMENTS}
+    )
     light, big = without_large_weights(model)
     out = version_converter.convert_version(light, opset)
     # The converted nodes, small initializers and opsets go into ``model``; its large weights stay where
@@ -267,12 +396,14 @@ def _convert_version(model, opset: int):
 
 def _raw(init) -> np.ndarray:
     """An initializer's values without a copy where its bytes are inline (``raw_data``)."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
+
+    from edgeattn.export.graph import initializer_array
 
     if init.raw_data and not init.external_data:
         dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
         return np.frombuffer(init.raw_data, dtype).reshape(tuple(init.dims))
-    return numpy_helper.to_array(init)
+    return initializer_array(init)
 
 
 def tied_heads(model) -> list[tuple[str, str]]:
@@ -356,6 +487,33 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
     return shared
 
 
+@contextmanager
+def _weights_read_by_copy():
+    """ONNX Runtime's int4 quantizer finds each weight with its module's ``get_initializer``; inside, a
+    by-reference weight (``graph.load_by_reference``) is handed to it as a standalone copy with its values,
+    read from its scratch file when the quantizer asks and dropped once quantized: one float32 weight in
+    memory at a time, where the whole graph's were before. The quantizer adds its int4 tensors to the graph
+    and removes the unread float32 ones as it always does."""
+    from onnx import numpy_helper
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    from edgeattn.export.graph import initializer_array, is_by_reference
+
+    find = mnq.get_initializer
+
+    def by_copy(name, graph_path):
+        tensor, graph = find(name, graph_path)
+        if tensor is not None and is_by_reference(tensor):
+            tensor = numpy_helper.from_array(initializer_array(tensor), tensor.name)
+        return tensor, graph
+
+    mnq.get_initializer = by_copy
+    try:
+        yield
+    finally:
+        mnq.get_initializer = find
+
+
 def quantize_int4(
     model,
     block_size: int = 128,
@@ -397,7 +555,8 @@ def quantize_int4(
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
         pairs = tied_heads(model) if share_embedding and symmetric else []
-        q.process()
+        with _weights_read_by_copy():
+            q.process()
     finally:
         root.setLevel(level)
     share_tied_int4(q.model.model, pairs)
@@ -410,6 +569,10 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     for i, n in enumerate(model.graph.node):  # the converter's node_block_list needs names
         if not n.name:
             n.name = f"{n.op_type}_{i}"
+    if precision != "int4":  # their converters read every weight through onnx: in the message
+        from edgeattn.export.graph import materialize
+
+        materialize(model)
     if precision == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -478,8 +641,9 @@ def graph_logits(model, entries: list[dict], ids: np.ndarray, folder: str | os.P
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {e["input"] for e in entries}
     ids_name = next(i.name for i in sess.get_inputs() if i.name not in names)
-    types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}
-    state = {  # a state input's element type is the graph's own (a float16 KV buffer)
+    np_types = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}
+    types = {i.name: np_types.get(i.type, np.float32) for i in sess.get_inputs()}
+    state = {  # a state input's element type is the graph's own (a float16 or int8 KV buffer)
         e["input"]: np.zeros([0 if isinstance(d, str) else d for d in e["shape"]], types[e["input"]])
         for e in entries
     }

@@ -31,8 +31,12 @@ PACKED_4BIT = frozenset({"uint4", "int4"})  # length: ceil(elements / 2) bytes
 def _raw(init) -> bytes:
     from onnx import numpy_helper
 
+    from edgeattn.export.graph import initializer_array, is_by_reference
+
     if init.HasField("raw_data"):
         return init.raw_data
+    if is_by_reference(init):  # a large weight still in the export's scratch file
+        return initializer_array(init).tobytes()
     return numpy_helper.to_array(init).tobytes()
 
 

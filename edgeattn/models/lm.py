@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from edgeattn._atomic import make_temp_dir, replace_dir
@@ -75,6 +76,33 @@ class Block(nn.Module):
             y, state = self.mixer.channel_mix(self.norm2(x), state)
             return x + y, state
         return x + self.mlp(self.norm2(x)), state
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built inside register their parameters on the meta device (no memory, no initialisation) and
+    their buffers as usual (what accelerate's ``init_empty_weights(include_buffers=False)`` does): the
+    parameters are then adopted from a state dict (``EdgeLM.from_state_dict``). Not thread-safe: it patches
+    ``nn.Module.register_parameter`` for its duration."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _owned(t):
+    """``t`` itself when it is contiguous and alone in its storage, else a compact copy (a slice of a larger
+    source tensor would keep the whole source alive, and safetensors refuses tensors that share memory)."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() and t.storage_offset() == 0 else t.contiguous().clone()
 
 
 class EdgeLM(nn.Module):
@@ -190,6 +218,24 @@ class EdgeLM(nn.Module):
         (directory / CONFIG).write_text(self.cfg.to_json())
 
     @classmethod
+    def from_state_dict(cls, cfg: EdgeConfig, state_dict: dict) -> tuple[EdgeLM, list[str], list[str]]:
+        """The model of ``cfg`` holding the tensors of ``state_dict`` themselves (each taken over, not
+        copied; the dict is emptied), its parameters never randomly initialised: one copy of the weights in
+        memory where ``cls(cfg)`` plus ``load_state_dict`` held two. Returns (model, missing, unexpected) as
+        ``load_state_dict`` does; a missing parameter stays on the meta device (the caller refuses it)."""
+        with _parameters_on_meta():
+            model = cls(cfg)
+        owned = {}
+        for name in list(state_dict):
+            owned[name] = _owned(state_dict.pop(name))
+        missing, unexpected = model.load_state_dict(owned, strict=False, assign=True)
+        del owned
+        if cfg.tie_embeddings:  # the head shares the adopted table (load_state_dict replaced the object)
+            model.lm_head.weight = model.embed.weight
+        missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+        return model, missing, list(unexpected)
+
+    @classmethod
     def load(cls, path: str | os.PathLike, map_location: str = "cpu") -> EdgeLM:
         """The checkpoint directory ``path``; ValueError when it is incomplete, corrupt, does not match its
         config or holds a NaN or infinite weight."""
@@ -203,7 +249,6 @@ class EdgeLM(nn.Module):
             cfg = EdgeConfig.from_dict(json.loads((path / CONFIG).read_text()))
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path / CONFIG} is not a valid config: {e}") from e
-        model = cls(cfg)
         try:
             tensors = load_file(str(path / WEIGHTS), device=map_location)
         except (SafetensorError, OSError) as e:
@@ -211,8 +256,7 @@ class EdgeLM(nn.Module):
         for name, t in tensors.items():  # a NaN weight would export and run, sampling from NaN logits
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{path / WEIGHTS}: weight {name} holds non-finite values (NaN or infinity)")
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+        model, missing, unexpected = cls.from_state_dict(cfg, tensors)
         if missing or unexpected:
             raise ValueError(
                 f"{path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"

@@ -52,6 +52,23 @@ def kv_zeros(shape, dtype=np.float32) -> np.ndarray:
     return np.frombuffer(m, dtype).reshape(shape)  # the array holds the mapping; unmapped when freed
 
 
+def kv_to_float(e, a: np.ndarray) -> np.ndarray:
+    """A KV buffer's values ``a`` (of entry ``e``, in its dtype) as float32: an int8 buffer's times its
+    scales [Hkv, D] (``e.scale``), as ONNX Runtime's quantized cache reads them."""
+    if e.scale is None:
+        return a.astype(np.float32)
+    return a.astype(np.float32) * np.asarray(e.scale, np.float32)[None, :, None, :]
+
+
+def kv_from_float(e, a: np.ndarray) -> np.ndarray:
+    """Float32 values ``a`` as entry ``e``'s KV buffer holds them: an int8 buffer's round(a / scale) within
+    [-128, 127], as ONNX Runtime's quantized cache writes them (values past a scale's range clip)."""
+    if e.scale is None:
+        return np.asarray(a, e.dtype)
+    q = np.rint(a / np.asarray(e.scale, np.float32)[None, :, None, :])
+    return np.clip(q, -128, 127).astype(np.int8)
+
+
 def _locked(method):
     """Run ``method`` holding the session's lock (see the module docstring)."""
 

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.base import Session, _locked, kv_zeros
+from edgeattn.runtimes.base import Session, _locked, kv_from_float, kv_to_float, kv_zeros
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -35,7 +35,12 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+_ORT_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int8)": "int8",
+    "tensor(int64)": "int64",
+}
 
 
 def _io(args) -> dict[str, tuple]:
@@ -300,10 +305,10 @@ class OnnxRuntimeSession(Session):
         return int(np.ceil(max((float(p.max()) for p in pos if p.size), default=0.0)))
 
     def _get_state(self) -> dict[str, np.ndarray]:
-        # float32 copies (a float16 KV buffer widened)
+        # float32 copies (a float16 KV buffer widened, an int8 one times its scales)
         kvs = self._kv_np or [None] * len(self.manifest.state)
         out = {
-            e.input: v.numpy().astype(np.float32)
+            e.input: kv_to_float(e, v.numpy())
             for e, v, kv in zip(self.manifest.state, self._current(), kvs)
             if kv is None
         }
@@ -311,22 +316,23 @@ class OnnxRuntimeSession(Session):
         for e, kv in zip(self.manifest.state, kvs):
             if kv is not None:  # the filled slots only; those past the position hold stale tokens, never
                 a = kv_zeros(kv.shape)  # read: zeros, as written (pages the OS has not committed)
-                a[:, :, :n] = kv[:, :, :n]
+                a[:, :, :n] = kv_to_float(e, kv[:, :, :n])
                 out[e.input] = a
         return {e.input: out[e.input] for e in self.manifest.state}
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         if self.dynamic:
             self._state = [
-                ort.OrtValue.ortvalue_from_numpy(state[e.input], self.device, 0) for e in self.manifest.state
+                ort.OrtValue.ortvalue_from_numpy(kv_from_float(e, state[e.input]), self.device, 0)
+                for e in self.manifest.state
             ]
             return
         n = self._filled(state)
         for e, v, kv in zip(self.manifest.state, self._current(), self._kv_np):
             if kv is None:
-                v.update_inplace(state[e.input])
+                v.update_inplace(kv_from_float(e, state[e.input]))
             else:  # only the filled slots: a reset or a short context leaves the rest of the buffer unmapped
-                kv[:, :, :n] = state[e.input][:, :, :n]
+                kv[:, :, :n] = kv_from_float(e, state[e.input][:, :, :n])
 
     def _reset_state(self) -> None:
         zeros = {

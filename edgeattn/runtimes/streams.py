@@ -108,6 +108,12 @@ class Streams:
                 "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa'), or "
                 "export with --target onnxruntime (a preallocated KV buffer)"
             )
+        reduced = next((e for e in m.state if e.dtype != "float32"), None)
+        if reduced is not None:  # the batch buffers here are float32, written row by row from states
+            raise ValueError(
+                f"{m.root}: its KV buffers are {reduced.dtype} ({reduced.input!r}); streams hold float32 "
+                "buffers only: export with --kv-dtype float32"
+            )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
         self.manifest = m

@@ -2,7 +2,8 @@
 
 One transformers Qwen3.5 text model with random weights (speed and memory do not depend on them), saved with
 ``save_pretrained`` with a byte-level tokenizer, then for each precision (fp32, int4)
-- ``edgeattn import`` + ``export_model`` (onnxruntime target, ``precision``): Gated DeltaNet layers through
+- ``edgeattn import`` + ``export_model`` (onnxruntime target, ``precision``, ``prefill_logits="last"``: a
+  prefill call's head on its last token only, as llama.cpp's runner computes): Gated DeltaNet layers through
   ONNX Runtime's LinearAttention op, the gated full-attention layers through GroupQueryAttention over a
   preallocated KV buffer (past and present one buffer);
 - ``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p PRECISION -e cpu``, run by its Generator.
@@ -298,7 +299,8 @@ def cli(*args: str) -> None:
 def build_edgeattn(
     root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True, block=None
 ) -> Path:
-    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint``; ``optimize=False``:
+    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint --prefill-logits last``
+    (a prefill call runs the head on its last token only, as llama.cpp's runner asks for); ``optimize=False``:
     ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too;
     ``block``: int4 with ``--int4-block-size block`` (the export's default otherwise), or "kvD": with
     ``--kv-dtype D``."""
@@ -312,7 +314,7 @@ def build_edgeattn(
         code = (
             "import sys; from edgeattn.export import export_model; export_model(sys.argv[1], sys.argv[2], "
             "precision=sys.argv[3], prefill_chunk=int(sys.argv[4]), include_checkpoint=False, force=True, "
-            "optimize=False)"
+            "optimize=False, prefill_logits='last')"
         )
         args = [str(ckpt), str(out), precision, str(prefill_chunk)]
         res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
@@ -331,6 +333,8 @@ def build_edgeattn(
         "--force",
         "--prefill-chunk",
         str(prefill_chunk),
+        "--prefill-logits",
+        "last",
         *(["--kv-dtype", block[2:]] if str(block).startswith("kv") else []),
         *(["--int4-block-size", str(block)] if block and not str(block).startswith("kv") else []),
     )
@@ -507,7 +511,9 @@ def main() -> None:
     log = root / ("paired.jsonl" if args.paired else "runs.jsonl")
     try:
         cache = root / "built.json"
-        key = {"shape": shape, "max_len": max_len, "chunk": chunk}
+        # "logits": edgeattn's builds return a call's last-token logits (models built before it ran the head
+        # on every prefill token, a third of a prefill's time at 0.8B: rebuilt)
+        key = {"shape": shape, "max_len": max_len, "chunk": chunk, "logits": "last"}
         built = json.loads(cache.read_text()) if cache.is_file() else {"key": key, "models": {}}
         if built["key"] != key:
             built = {"key": key, "models": {}}

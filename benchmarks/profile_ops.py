@@ -18,7 +18,8 @@ covers C+1 tokens. genai's symbolic head size is read from the genai_config.json
 ``--tokens T``: each run is one call of T tokens from a zero state (a prefill chunk: a graph with a
 dynamic token axis; the KV buffers of ``--kv-length`` slots, T by default plus one). Layers: the number
 after ``blocks.`` (edgeattn) or ``layers.`` (genai) in a node's name; the rest is ``other`` (the
-embedding, the final norm, the head).
+embedding, the final norm, the head). An edgeattn graph (an edgeattn.json beside it) also gets a table by
+layer kind (each layer's mixer from the manifest) and op type.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def profile(
         events = json.load(f)
     os.remove(prof)
     by, count, run = collections.Counter(), collections.Counter(), 0.0
-    layers = collections.Counter()
+    layers, kinds = collections.Counter(), collections.Counter()
+    mixers = _mixers(path)
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             op = e["args"].get("op_name", "?")
@@ -130,6 +132,8 @@ def profile(
             count[op] += 1
             m = LAYER.search(e["name"])
             layers[int(m.group(1)) if m else "other"] += e["dur"]
+            if mixers:
+                kinds[mixers[int(m.group(1))] if m else "other", op] += e["dur"]
         elif e.get("cat") == "Session" and e["name"] == "model_run":
             run += e["dur"]
     n = warm + steps  # the profile holds every run, the warm-up's too
@@ -143,7 +147,21 @@ def profile(
         "layers": {
             str(k): d / n / 1e3 for k, d in sorted(layers.items(), key=lambda kv: str(kv[0]).zfill(5))
         },
+        "kinds": [{"kind": k, "op": op, "ms": d / n / 1e3} for (k, op), d in kinds.most_common()],
     }
+
+
+def _mixers(path: str) -> list[str] | None:
+    """Each layer's mixer from the edgeattn.json beside an edgeattn graph (None for other graphs)."""
+    manifest = os.path.join(os.path.dirname(path), "edgeattn.json")
+    if not os.path.isfile(manifest):
+        return None
+    with open(manifest) as f:
+        model = json.load(f)["model"]
+    mixer = model["mixer"]  # a list, "a,b,..." (one per layer) or one name (EdgeConfig.mixers)
+    if isinstance(mixer, list):
+        return mixer
+    return [m.strip() for m in mixer.split(",")] if "," in mixer else [mixer] * model["n_layers"]
 
 
 def main() -> None:
@@ -172,6 +190,10 @@ def main() -> None:
         for op, v in list(r["ops"].items())[: args.top]:
             print(f"| {op} | {v['ms']:.3f} | {v['count']} | {100 * v['ms'] / r['kernel_ms']:.1f}% |")
         print("\nper layer: " + ", ".join(f"{k} {v:.2f}" for k, v in r["layers"].items()) + " ms/run")
+        if r["kinds"]:  # an edgeattn graph: by the layer's mixer ("other": embedding, final norm, head)
+            print("\n| layer kind | op | ms/run | share of kernel time |\n|---|---|---|---|")
+            for x in r["kinds"][: 2 * args.top]:
+                print(f"| {x['kind']} | {x['op']} | {x['ms']:.3f} | {100 * x['ms'] / r['kernel_ms']:.1f}% |")
     print(
         json.dumps(
             {

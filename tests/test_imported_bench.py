@@ -46,6 +46,11 @@ def test_imported_quick_measures_edgeattn_and_genai_at_both_precisions(workdir):
     assert set(out["ratios"]) == {"genai-qwen35@1", "genai-qwen35-int4@1"}
     assert "| edgeattn fp32 (ONNX Runtime session) |" in stdout
     assert "genai-qwen35-int4 / edgeattn-qwen35-int4: decode@16" in stdout
+    # edgeattn's prefill calls run the head on their last token only (as llama.cpp's runner asks for)
+    built = json.loads((workdir / "built.json").read_text())
+    for name in ("edgeattn-qwen35", "edgeattn-qwen35-int4"):
+        manifest = json.loads((Path(built["models"][name]["path"]) / "edgeattn.json").read_text())
+        assert manifest["prefill_logits"] == "last"
 
 
 def test_imported_quick_paired_alternates_blocks_of_the_two_processes(workdir):

@@ -151,3 +151,23 @@ def test_from_state_dict_reports_a_missing_parameter():
     state.pop("norm.weight")
     _, missing, unexpected = EdgeLM.from_state_dict(cfg, state)
     assert missing == ["norm.weight"] and unexpected == []
+
+
+def test_from_state_dict_in_threads_leaves_torch_unpatched():
+    """Concurrent callers (a server loading models in threads) each get their model, and
+    ``nn.Module.register_parameter`` is torch's own afterwards (interleaved patches would leave one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    original = torch.nn.Module.register_parameter
+    cfg = tiny("gla")
+    state = EdgeLM(cfg).state_dict()
+
+    def build(_):
+        model, missing, _unexpected = EdgeLM.from_state_dict(cfg, {k: v.clone() for k, v in state.items()})
+        return missing, any(p.is_meta for p in model.parameters())
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(build, range(16)))
+    assert all(r == ([], False) for r in results)
+    assert torch.nn.Module.register_parameter is original
+    assert not torch.nn.Linear(2, 2).weight.is_meta

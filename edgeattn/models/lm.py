@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,24 +79,29 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x)), state
 
 
+_META_LOCK = threading.Lock()
+
+
 @contextmanager
 def _parameters_on_meta():
     """Modules built inside register their parameters on the meta device (no memory, no initialisation) and
     their buffers as usual (what accelerate's ``init_empty_weights(include_buffers=False)`` does): the
-    parameters are then adopted from a state dict (``EdgeLM.from_state_dict``). Not thread-safe: it patches
-    ``nn.Module.register_parameter`` for its duration."""
-    register = nn.Module.register_parameter
+    parameters are then adopted from a state dict (``EdgeLM.from_state_dict``). It patches
+    ``nn.Module.register_parameter`` for its duration, one caller at a time (``_META_LOCK``: two interleaved
+    callers would leave the patch installed); modules that other threads build meanwhile are affected."""
+    with _META_LOCK:
+        register = nn.Module.register_parameter
 
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        def on_meta(module, name, param):
+            if param is not None and not param.is_meta:
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            register(module, name, param)
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register
 
 
 def _owned(t):

@@ -86,22 +86,22 @@ _META_LOCK = threading.Lock()
 def _parameters_on_meta():
     """Modules built inside register their parameters on the meta device (no memory, no initialisation) and
     their buffers as usual (what accelerate's ``init_empty_weights(include_buffers=False)`` does): the
-    parameters are then adopted from a state dict (``EdgeLM.from_state_dict``). It patches
-    ``nn.Module.register_parameter`` for its duration, one caller at a time (``_META_LOCK``: two interleaved
-    callers would leave the patch installed); modules that other threads build meanwhile are affected."""
-    with _META_LOCK:
-        register = nn.Module.register_parameter
+    parameters are then adopted from a state dict (``EdgeLM.from_state_dict``, which holds ``_META_LOCK``
+    around it and the adoption: it patches ``nn.Module.register_parameter`` for its duration, process-wide,
+    so two interleaved callers would leave the patch installed or adopt meta tensors; modules that other
+    threads build in that window are affected too)."""
+    register = nn.Module.register_parameter
 
-        def on_meta(module, name, param):
-            if param is not None and not param.is_meta:
-                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            register(module, name, param)
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
 
-        nn.Module.register_parameter = on_meta
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = register
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _owned(t):
@@ -229,15 +229,16 @@ class EdgeLM(nn.Module):
         copied; the dict is emptied), its parameters never randomly initialised: one copy of the weights in
         memory where ``cls(cfg)`` plus ``load_state_dict`` held two. Returns (model, missing, unexpected) as
         ``load_state_dict`` does; a missing parameter stays on the meta device (the caller refuses it)."""
-        with _parameters_on_meta():
-            model = cls(cfg)
-        owned = {}
-        for name in list(state_dict):
-            owned[name] = _owned(state_dict.pop(name))
-        missing, unexpected = model.load_state_dict(owned, strict=False, assign=True)
-        del owned
-        if cfg.tie_embeddings:  # the head shares the adopted table (load_state_dict replaced the object)
-            model.lm_head.weight = model.embed.weight
+        with _META_LOCK:
+            with _parameters_on_meta():
+                model = cls(cfg)
+            owned = {}
+            for name in list(state_dict):
+                owned[name] = _owned(state_dict.pop(name))
+            missing, unexpected = model.load_state_dict(owned, strict=False, assign=True)
+            del owned
+            if cfg.tie_embeddings:  # the head shares the adopted table (load_state_dict replaced the object)
+                model.lm_head.weight = model.embed.weight
         missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
         return model, missing, list(unexpected)
 

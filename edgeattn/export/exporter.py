@@ -197,9 +197,8 @@ def _shape_inference_without_weights():
         _C._jit_pass_onnx_graph_shape_type_inference = infer
 
 
-PLACEHOLDER_MODEL_BYTES = (
-    5 * 2**29
-)  # 2.5 GiB: far enough over protobuf's 2 GiB that torch writes external data
+# 2.5 GiB: far enough over protobuf's 2 GiB that torch writes the model with external data
+PLACEHOLDER_MODEL_BYTES = 5 * 2**29
 PLACEHOLDER_ELEMENTS = 2**18  # the weights over this many elements are written by ``_weights_written_after``
 
 

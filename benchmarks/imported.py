@@ -141,16 +141,21 @@ def runtimes(precision: str) -> tuple[str, ...]:
     return ("edgeattn", "genai", "llama") if precision == "int4" else ("edgeattn", "genai")
 
 
-def block_variant(block) -> str:
-    """The edgeattn int4 export with ``--int4-block-size block`` (``--int4-blocks``), or with
-    ``--kv-dtype D`` for ``block`` "kvD" (``--kv-dtypes``)."""
-    return f"{name_of('edgeattn', 'int4')}-{block if str(block).startswith('kv') else f'b{block}'}"
+def variant_options(variant) -> tuple[str, str, list[str]]:
+    """An edgeattn int4 variant (an ``--int4-blocks`` block size, or "kvD" for ``--kv-dtypes`` D): its name
+    suffix, its label and the ``edgeattn export`` options that make it."""
+    if str(variant).startswith("kv"):
+        return variant, f"int4 KV {variant[2:]}", ["--kv-dtype", variant[2:]]
+    return f"b{variant}", f"int4 b{variant}", ["--int4-block-size", str(variant)]
 
 
-def variant_label(block) -> str:
-    if str(block).startswith("kv"):
-        return f"int4 KV {block[2:]}"
-    return f"int4 b{block}"
+def block_variant(variant) -> str:
+    """The name of the edgeattn int4 export of ``variant`` (``variant_options``)."""
+    return f"{name_of('edgeattn', 'int4')}-{variant_options(variant)[0]}"
+
+
+def variant_label(variant) -> str:
+    return variant_options(variant)[1]
 
 
 def labels(precisions, blocks=()) -> dict:
@@ -335,8 +340,7 @@ def build_edgeattn(
         str(prefill_chunk),
         "--prefill-logits",
         "last",
-        *(["--kv-dtype", block[2:]] if str(block).startswith("kv") else []),
-        *(["--int4-block-size", str(block)] if block and not str(block).startswith("kv") else []),
+        *(variant_options(block)[2] if block else []),
     )
     return out
 

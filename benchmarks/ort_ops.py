@@ -9,8 +9,10 @@ median ms of each and its ratio to the row's first.
   the float32 buffer viewed as [B, Hkv, group, D] (Slice of the filled slots, FusedMatMul with transposed
   keys, Softmax, MatMul: each KV head read once for its group of query heads, where the CPU kernel reads it
   once per query head), the query already rotated and the new token not written (the read side only), and
-  those ops over a buffer of exactly the filled slots (no Slice: what a bound view of them would read);
-  relative output error against float32.
+  those ops over a buffer of exactly the filled slots (no Slice: what a bound view of them would read); the
+  same over the filled slots of the int8 per-channel buffers with integer ops (MatMulInteger for both
+  products, the query and the probabilities quantized per call); and the floor: those int8 slots read once by
+  numpy, computing nothing; relative output error against float32.
 - ``gated_norm``: GatedRMSNorm (16 heads of 128, silu gate) against SimplifiedLayerNormalization per head
   times silu(gate) (``optimize.unfuse_gated_norms``), at 1, 64 and 256 tokens.
 - ``conv``: CausalConvWithState (6144 channels, width 4, silu) against Concat + grouped Conv + silu + Slice,
@@ -99,6 +101,63 @@ def _gqa_plain(H: int, Hkv: int, D: int, L: int, threads: int, sliced: bool = Tr
         helper.make_tensor_value_info("n", TP.INT64, [1]),
     ][: 4 if sliced else 3]
     return _session(nodes, inputs, [helper.make_tensor_value_info("o", f32, None)], inits, threads)
+
+
+def _gqa_int8_plain(H: int, Hkv: int, D: int, threads: int):
+    """Decode attention of one query token over exactly the filled slots of int8 buffers [1, Hkv, n, D]
+    (per-channel scales ``ks``/``vs`` [1, Hkv, 1, D]) as integer ops, each KV head read once for its group:
+    q times the key scales, quantized per tensor (DynamicQuantizeLinear), MatMulInteger with the int8 keys
+    ([Hkv, n, D] x [Hkv, D, G]: the keys untransposed), Softmax over n, the probabilities quantized per tensor
+    (uint8) and MatMulInteger with the int8 values, times the value scales. What a bound view of an int8
+    buffer's filled slots could run with ONNX Runtime's stock CPU ops; no Slice."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    G = H // Hkv
+    consts = {
+        "qshape": np.array([Hkv, G, D], np.int64),
+        "oshape": np.array([1, 1, H * D], np.int64),
+        "alpha": np.array(D**-0.5, np.float32),
+        "axis0": np.array([0], np.int64),
+    }
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+
+    def squeeze(x: str, y: str):  # [1, Hkv, ., D] -> [Hkv, ., D]
+        return helper.make_node("Squeeze", [x, "axis0"], [y])
+
+    nodes = [
+        helper.make_node("Reshape", ["q", "qshape"], ["qg"]),  # [Hkv, G, D]
+        squeeze("ks", "ks3"),
+        helper.make_node("Mul", ["qg", "ks3"], ["qs"]),
+        helper.make_node("Transpose", ["qs"], ["qt"], perm=[0, 2, 1]),  # [Hkv, D, G]
+        helper.make_node("DynamicQuantizeLinear", ["qt"], ["q8", "qsc", "qzp"]),
+        squeeze("pk", "k3"),
+        helper.make_node("MatMulInteger", ["k3", "q8", "", "qzp"], ["si"]),  # [Hkv, n, G] int32
+        helper.make_node("Cast", ["si"], ["sf"], to=TP.FLOAT),
+        helper.make_node("Mul", ["qsc", "alpha"], ["sc"]),
+        # Div by the reciprocal, not Mul: ONNX Runtime would fuse MatMulInteger-Cast-Mul into
+        # MatMulIntegerToFloat, whose CPU kernel takes a uint8 A only (the keys here are int8)
+        helper.make_node("Reciprocal", ["sc"], ["isc"]),
+        helper.make_node("Div", ["sf", "isc"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=1),
+        helper.make_node("Transpose", ["p"], ["pt"], perm=[0, 2, 1]),  # [Hkv, G, n]
+        helper.make_node("DynamicQuantizeLinear", ["pt"], ["p8", "psc", "pzp"]),
+        squeeze("pv", "v3"),
+        helper.make_node("MatMulInteger", ["p8", "v3", "pzp"], ["oi"]),  # [Hkv, G, D] int32
+        helper.make_node("Cast", ["oi"], ["of"], to=TP.FLOAT),
+        squeeze("vs", "vs3"),
+        helper.make_node("Mul", ["of", "vs3"], ["ov"]),
+        helper.make_node("Mul", ["ov", "psc"], ["og"]),
+        helper.make_node("Reshape", ["og", "oshape"], ["o"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("q", TP.FLOAT, [1, 1, H * D]),
+        helper.make_tensor_value_info("pk", TP.INT8, [1, Hkv, "n", D]),
+        helper.make_tensor_value_info("pv", TP.INT8, [1, Hkv, "n", D]),
+        helper.make_tensor_value_info("ks", TP.FLOAT, [1, Hkv, 1, D]),
+        helper.make_tensor_value_info("vs", TP.FLOAT, [1, Hkv, 1, D]),
+    ]
+    return _session(nodes, inputs, [helper.make_tensor_value_info("o", TP.FLOAT, None)], inits, threads)
 
 
 def gqa(threads: int, rounds: int, context: int) -> list[dict]:
@@ -198,6 +257,21 @@ def gqa(threads: int, rounds: int, context: int) -> list[dict]:
     }
     runs["plain ops, filled slots only"] = lambda: exact.run(None, efeeds)
     outs["plain ops, filled slots only"] = exact.run(None, efeeds)[0]
+    # int8 integer ops over the filled slots of the per-channel int8 buffers (as the GQA call left them)
+    int8 = _gqa_int8_plain(H, Hkv, D, threads)
+    pk8, pv8 = variants["int8 per channel"][1]
+    ifeeds = {
+        "q": pfeeds["q"],
+        "pk": pk8[:, :, : context + 1].copy(),
+        "pv": pv8[:, :, : context + 1].copy(),
+        "ks": per_channel[0].astype(np.float32),
+        "vs": per_channel[1].astype(np.float32),
+    }
+    runs["int8 integer ops, filled slots only"] = lambda: int8.run(None, ifeeds)
+    # the floor: the filled int8 slots read once, nothing computed (numpy's sum of them as int64 words, 1 thread)
+    words = [ifeeds["pk"].view(np.int64), ifeeds["pv"].view(np.int64)]
+    runs["read the int8 slots once (numpy)"] = lambda: [w.sum() for w in words]
+    outs["int8 integer ops, filled slots only"] = int8.run(None, ifeeds)[0]
     ms = _race(runs, rounds)
     ref = outs["float32"]
     err = {n: float(np.abs(o - ref).max() / np.abs(ref).max()) for n, o in outs.items()}

@@ -6,9 +6,9 @@ order rotated each round), so a machine's load falls on all of them alike.
     python benchmarks/prefill_chunks.py ARTIFACT [ARTIFACT ...] [--tokens 1024] \
         [--chunks 64,128,256,512,1024] [--rounds 3] [--threads 2]
 
-Each measurement is what ``Session.prefill`` does with that length as the artifact's ``--prefill-chunk``:
-the prompt in calls of C tokens, the last call the rest (the session's own call path, so the figures
-include its bindings and the logits it returns). ``other``: the CPU other processes took while a figure
+Each measurement is ``Session.prefill(ids, chunk=C)``, what the session does with C as the artifact's
+``--prefill-chunk``: the prompt in calls of C tokens, the last call the rest (the figures include its
+bindings and the logits it returns). ``other``: the CPU other processes took while a figure
 was timed, in cores (``peers.disturbance``). Prints, per length, the median tok/s over rounds and its
 range, then ONE JSON line.
 """
@@ -26,15 +26,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import _cpu_ticks, disturbance  # noqa: E402
-
-
-def prefill_in_calls(sess, ids: np.ndarray, chunk: int) -> np.ndarray:
-    """``sess.prefill(ids)`` as if the artifact's prefill chunk were ``chunk``: the prompt in calls of
-    ``chunk`` tokens through the one graph (``OnnxRuntimeSession._run_tokens``, which prefill uses)."""
-    for c in range(0, ids.shape[1], chunk):
-        logits = sess._run_tokens(ids[:, c : c + chunk])
-        sess.position += ids[:, c : c + chunk].shape[1]
-    return logits[:, -1]
 
 
 def main() -> None:
@@ -69,7 +60,7 @@ def main() -> None:
     first = {}
     for a, c in variants:  # untimed: every call length once (ONNX Runtime sizes its arena per shape)
         sessions[a].reset()
-        first[a, c] = prefill_in_calls(sessions[a], ids, c)
+        first[a, c] = sessions[a].prefill(ids, chunk=c)
     # the lengths must agree (int8 activations of accuracy-level-4 MatMulNBits round differently when another
     # kernel path changes a float by an ulp, so int4 graphs differ by more than float32 ones)
     diff = {(a, c): float(np.abs(first[a, c] - first[a, chunks[0]]).max()) for a, c in variants}
@@ -78,7 +69,7 @@ def main() -> None:
         for a, c in variants[r % len(variants) :] + variants[: r % len(variants)]:
             sessions[a].reset()
             t, ticks = time.perf_counter(), _cpu_ticks()
-            prefill_in_calls(sessions[a], ids, c)
+            sessions[a].prefill(ids, chunk=c)
             dt = time.perf_counter() - t
             runs[a, c].append({"tps": args.tokens / dt, "other": disturbance(ticks, _cpu_ticks(), dt)})
     print(f"{args.tokens} tokens, {args.threads} threads, {args.rounds} rounds")

@@ -100,6 +100,43 @@ def test_one_graph_takes_any_number_of_tokens(tmp_path):
         np.testing.assert_allclose(v, state[e.input], **TOL)
 
 
+def test_prefill_chunk_equals_an_export_with_that_prefill_chunk(tmp_path):
+    """``prefill(ids, chunk=C)`` on a one-graph artifact gives what an artifact exported with --prefill-chunk C
+    gives from its own prefill; a two-graph artifact takes its own chunk only (one line), and a chunk must be
+    a positive integer."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gated_deltanet")
+    ids = text_ids(23, seed=5)
+    base = open_session(export_model(ckpt, tmp_path / "c4", prefill_chunk=4, include_checkpoint=False))
+    assert base.any_tokens  # one graph, any number of tokens per call
+    calls, run = [], base._run_tokens
+    base._run_tokens = lambda x: calls.append(x.shape[1]) or run(x)
+    for chunk, lengths in ((4, [4] * 5 + [3]), (8, [8, 8, 7]), (23, [23]), (64, [23])):
+        other = open_session(
+            export_model(ckpt, tmp_path / f"c{chunk}x", prefill_chunk=chunk, include_checkpoint=False)
+        )
+        want = other.prefill(ids)
+        base.reset()
+        calls.clear()
+        np.testing.assert_allclose(base.prefill(ids, chunk=chunk), want, rtol=1e-5, atol=1e-5)
+        assert calls == lengths  # the graph calls, chunk tokens each
+        assert base.position == other.position == ids.shape[1]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk must be a positive integer"):
+            base.prefill(ids, chunk=bad)
+    two = open_session(
+        export_model(
+            make_checkpoint(tmp_path / "mixed", "gla,flash"), tmp_path / "two", prefill_chunk=PREFILL,
+            include_checkpoint=False,
+        )
+    )  # fmt: skip
+    assert not two.any_tokens
+    with pytest.raises(ValueError, match=f"takes exactly {PREFILL} tokens a call, not {PREFILL + 1}"):
+        two.prefill(ids, chunk=PREFILL + 1)
+    np.testing.assert_array_equal(
+        two.prefill(ids, chunk=PREFILL), open_session(two.manifest.root).prefill(ids)
+    )
+
+
 def test_state_round_trip_between_layouts(tmp_path):
     """A state saved by the one-graph session continues in a fresh one and in the two-graph session alike."""
     one, two = pair(tmp_path, "gated_deltanet")

@@ -215,18 +215,30 @@ class OnnxRuntimeSession(Session):
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
 
     @_locked
-    def prefill(self, ids) -> np.ndarray:
+    def prefill(self, ids, *, chunk: int | None = None) -> np.ndarray:
         """Consume ids [B, T] in chunks of the manifest's prefill tokens; with one graph for any number of
         tokens the rest is one call, not single steps. (Longer calls prefilled up to 1.3x faster at 2 threads,
         benchmarks/RESULTS.md, but ONNX Runtime's arena keeps the activations of the longest call: the
-        chunk bounds the memory; export with a larger --prefill-chunk for longer calls.)"""
+        chunk bounds the memory; export with a larger --prefill-chunk for longer calls.)
+
+        ``chunk``: tokens per call instead of the manifest's, with one graph for any number of tokens only
+        (a prefill graph of fixed length takes its own length)."""
+        n = self.manifest.prefill_tokens
+        if chunk is not None:
+            if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+                raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+            if not self.any_tokens and chunk != n:
+                raise ValueError(
+                    f"{self.manifest.root}: its prefill graph takes exactly {n} tokens a call, not {chunk}; "
+                    "export with --prefill-chunk to change it"
+                )
         if not self.any_tokens:
             return Session.prefill.__wrapped__(self, ids)
         ids = self._check_ids(ids)
         T = ids.shape[1]
         if T == 0:
             raise ValueError("prefill needs at least one token")
-        n = self.manifest.prefill_tokens
+        n = int(chunk or n)
         for c in range(0, T, n):
             logits = self._run_tokens(ids[:, c : c + n])
             self.position += ids[:, c : c + n].shape[1]

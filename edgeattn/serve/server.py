@@ -42,7 +42,7 @@ def startup_lines(engine, name: str) -> list[str]:
     if c.directory is not None:
         where = (
             f", on disk in {c.directory} ({len(c)} entries found, {c.disk_bytes / MiB:.1f} of "
-            f"{c.disk_capacity / MiB:.0f} MiB)"
+            f"{c.disk_capacity / MiB:g} MiB)"
         )
     lines.append(f"  prefix-state cache: {c.capacity / MiB:.0f} MiB in memory{where}")
     return lines

@@ -1,10 +1,11 @@
 """`edgeattn serve` through the official `openai` client against a real server process on 127.0.0.1:
 models, completions, chat, streaming, greedy text equal to a lone Session.generate (alone and 6 at once),
-the prefix cache (in memory, on disk after a restart, a byte-flipped file never used), 429 with
+the prefix cache (in memory, on disk after a restart, a byte-flipped file never used, the disk budget), 429 with
 Retry-After, a vanished client freeing its slot, --api-key, every bad request's status and body, SIGTERM
 mid-stream, the CLI's one-line errors."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -276,6 +277,65 @@ def test_disk_cache_is_found_after_a_restart_and_a_flipped_file_never_used(serve
         assert len(skipped) == 2 and all("corrupt" in line for line in skipped), s.log()
     finally:
         s.stop()
+    assert "Traceback" not in s.log()
+
+
+def _disk_bytes(s) -> int:
+    metrics = httpx.get(s.url + "/metrics").text
+    return int(
+        next(
+            line.split()[1] for line in metrics.splitlines() if line.startswith("edgeattn_cache_disk_bytes ")
+        )
+    )
+
+
+def test_state_cache_disk_mb_bounds_the_disk_cache(serve_gla, tmp_path):
+    cache = tmp_path / "cache"
+    first = [int(t) for t in text_prompt(40, 70).encode()]
+    s = start_server(serve_gla, "--state-cache-dir", cache)
+    try:
+        s.client().completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
+        assert _disk_bytes(s) == sum(f.stat().st_size for f in cache.iterdir())
+    finally:
+        assert s.stop() == 0
+    older, newer = sorted(cache.glob("*.state"), key=lambda f: -int(f.name.split("-")[0]))  # reply, prompt
+    os.utime(older, (1_000_000, 1_000_000))
+    size = max(f.stat().st_size for f in cache.iterdir())
+    budget = 1.5 * size  # one file: the older goes at start
+
+    s = start_server(serve_gla, "--state-cache-dir", cache, "--state-cache-disk-mb", budget / 2**20)
+    try:
+        assert "1 entries found" in s.log() and list(cache.iterdir()) == [newer]
+        c = s.client()
+        again = first + list(b" again")
+        r = c.completions.create(model=serve_gla.name, prompt=again, max_tokens=N, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(first)  # the kept file
+        assert r.choices[0].text == greedy_text(serve_gla, again, N)
+        for i in range(4):
+            prompt = text_prompt(30 + i, 80 + i)
+            r = c.completions.create(model=serve_gla.name, prompt=prompt, max_tokens=N, temperature=0)
+            assert r.choices[0].text == greedy_text(serve_gla, prompt, N)
+            held = sum(f.stat().st_size for f in cache.iterdir())
+            assert held <= budget and _disk_bytes(s) == held
+        assert len(list(cache.iterdir())) == 1
+    finally:
+        assert s.stop() == 0
+
+    # a budget smaller than one entry: the files found are removed, none is written, the server works
+    s = start_server(serve_gla, "--state-cache-dir", cache, "--state-cache-disk-mb", size / 2 / 2**20)
+    try:
+        assert "0 entries found" in s.log() and list(cache.iterdir()) == []
+        c = s.client()
+        r = c.completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
+        longer = first + greedy_ids(serve_gla, first, N) + list(b"!")
+        r = c.completions.create(model=serve_gla.name, prompt=longer, max_tokens=N, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(longer) - 1  # from memory
+        assert r.choices[0].text == greedy_text(serve_gla, longer, N)
+        assert list(cache.iterdir()) == [] and _disk_bytes(s) == 0
+        too_big = [line for line in s.log().splitlines() if "larger than the disk budget" in line]
+        assert len(too_big) == 1, s.log()
+    finally:
+        assert s.stop() == 0
     assert "Traceback" not in s.log()
 
 

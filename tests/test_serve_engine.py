@@ -1,9 +1,10 @@
 """The serving engine without HTTP: greedy text equals a lone Session.generate alone, batched, with the
 prompt prefilled in pieces and resumed from the prefix cache; stop strings, cancel, the queue; the prefix
-cache's LRU and disk files; artifacts that cannot batch served one at a time."""
+cache's LRU, disk files and disk budget; artifacts that cannot batch served one at a time."""
 
 import asyncio
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -385,3 +386,161 @@ def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
     assert (len(cache), cache.lookup([60, 61, 99]).n) == (6, 2)
     cache.put([60, 61, 99], state(11), logits, supersede=True)  # the next turn: both leave
     assert len(cache) == 5
+
+
+# ---- the disk budget ----
+
+SHAPES = {"s": (1, 256)}
+
+
+def _entry(v: float) -> tuple[dict, np.ndarray]:
+    return {"s": np.full((1, 256), v, np.float32)}, np.full(8, v, np.float32)
+
+
+def _files(directory) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in directory.iterdir()}
+
+
+def _consistent(cache: PrefixCache) -> None:
+    """Every indexed key is held (memory or disk), every file is indexed, the byte count is the files'."""
+    indexed = set().union(*cache._lengths.values()) if cache._lengths else set()
+    assert indexed == set(cache._mem) | set(cache._disk)
+    assert {f.path.name for f in cache._disk.values()} == set(_files(cache.directory))
+    assert cache.disk_bytes == sum(_files(cache.directory).values())
+
+
+def test_the_disk_cache_stays_within_its_budget_least_recently_used_first(tmp_path):
+    probe = PrefixCache("f" * 64, SHAPES, 0, tmp_path / "probe")
+    probe.put([1], *_entry(1))
+    size = probe.disk_bytes  # one file: every entry here has the same size
+    assert size > 256 * 4
+    budget = 3 * size + size // 2  # room for three files
+    d = tmp_path / "c"
+    cache = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=budget)  # disk only: hits read the files
+    for i in range(40):
+        cache.put([i, i + 1], *_entry(i))
+        assert sum(_files(d).values()) <= budget
+        _consistent(cache)
+    assert len(_files(d)) == len(cache) == 3
+    assert cache.lookup([0, 1, 5]) is None  # evicted: a miss, on disk and off
+
+    cache.put([100], *_entry(100))  # A
+    cache.put([101], *_entry(101))  # B
+    cache.put([102], *_entry(102))  # C
+    assert cache.lookup([100, 7]).n == 1  # A used: B is now the least recently used
+    cache.put([103], *_entry(103))
+    assert cache.lookup([101, 7]) is None
+    for t in (100, 102, 103):
+        hit = cache.lookup([t, 7])
+        state, logits = _entry(t)
+        np.testing.assert_array_equal(hit.state["s"], state["s"])
+        np.testing.assert_array_equal(hit.logits, logits)
+    _consistent(cache)
+
+    # with memory too (two entries): a key evicted from the disk stays findable while in memory, not after
+    both = PrefixCache("f" * 64, SHAPES, 2 * (256 + 8) * 4, tmp_path / "b", disk_capacity_bytes=size)
+    both.put([200], *_entry(200))
+    both.put([201], *_entry(201))  # the disk holds 201 only
+    assert len(_files(tmp_path / "b")) == 1 and len(both) == 2
+    assert both.lookup([200, 1]).n == 1  # from memory
+    both.put([202], *_entry(202))  # memory: 200 and 202 (201 leaves it, and is on disk no more)
+    assert both.lookup([201, 1]) is None and both.lookup([200, 1]).n == 1
+    _consistent(both)
+    both.put([203], *_entry(203))
+    both.put([204], *_entry(204))
+    assert both.lookup([200, 1]) is None
+    assert set(_files(tmp_path / "b")) == {f"1-{both.key([204])}.state"}
+    _consistent(both)
+
+
+def test_a_restart_with_a_smaller_disk_budget_removes_the_oldest_files(tmp_path):
+    d = tmp_path / "c"
+    first = PrefixCache("f" * 64, SHAPES, 0, d)
+    order = [5, 2, 7, 1, 9]  # by mtime, oldest first (not the names' order)
+    for t in order:
+        first.put([t, t], *_entry(t))
+    size = max(_files(d).values())
+    for age, t in enumerate(order):
+        os.utime(d / f"2-{first.key([t, t])}.state", (1_000_000 + age, 1_000_000 + age))
+
+    again = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=3 * size)
+    assert len(again) == 3 and sum(_files(d).values()) <= 3 * size
+    _consistent(again)
+    for t in (5, 2):
+        assert again.lookup([t, t, 0]) is None
+    hit = again.lookup([7, 7, 0])  # the oldest kept; the hit makes it the most recently used (mtime too)
+    np.testing.assert_array_equal(hit.state["s"], _entry(7)[0]["s"])
+
+    last = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=size)
+    assert list(_files(d)) == [f"2-{first.key([7, 7])}.state"]
+    assert last.lookup([7, 7]).n == 2 and last.lookup([9, 9]) is None
+
+
+def test_an_entry_larger_than_the_disk_budget_is_kept_in_memory_only(tmp_path, caplog):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "notes.txt").write_text("not a state file: left alone")
+    cache = PrefixCache("f" * 64, SHAPES, 10 * 2**20, d, disk_capacity_bytes=1000)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        for t in range(5):
+            cache.put([t], *_entry(t))
+    assert list(_files(d)) == ["notes.txt"] and cache.disk_bytes == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "larger than the disk budget" in lines[0], lines
+    assert cache.lookup([3, 4]).n == 1  # from memory
+
+    # 0: nothing on disk (the state files found at start are removed, nothing else)
+    PrefixCache("f" * 64, SHAPES, 0, tmp_path / "z").put([1], *_entry(1))
+    assert len(_files(tmp_path / "z")) == 1
+    PrefixCache("f" * 64, SHAPES, 0, tmp_path / "z", disk_capacity_bytes=0)
+    assert _files(tmp_path / "z") == {}
+
+
+def test_a_failed_disk_write_keeps_the_entry_in_memory_only(tmp_path, caplog, monkeypatch):
+    cache = PrefixCache("f" * 64, SHAPES, (256 + 8) * 4, tmp_path / "c")  # memory for one entry
+    cache.put([1], *_entry(1))
+
+    def full(fd):  # the disk fills while the file is written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        cache.put([2], *_entry(2))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "cannot write" in lines[0] and "No space left" in lines[0], lines
+    assert "\n" not in lines[0]
+    assert len(_files(tmp_path / "c")) == 1  # no half-written file, no temporary
+    assert cache.lookup([2, 0]).n == 1  # in memory
+    _consistent(cache)
+    monkeypatch.undo()
+    cache.put([3], *_entry(3))  # 2 leaves memory: never written, it is a miss; 1 is still on disk
+    assert cache.lookup([2, 0]) is None and cache.lookup([1, 0]).n == 1
+    _consistent(cache)
+
+
+def test_a_state_file_deleted_by_another_server_is_a_miss_then_forgotten(tmp_path, caplog):
+    a = PrefixCache("f" * 64, SHAPES, 0, tmp_path / "c")
+    a.put([1, 2], *_entry(1))
+    b = PrefixCache("f" * 64, SHAPES, 0, tmp_path / "c")  # another replica on the same directory
+    for f in (tmp_path / "c").iterdir():
+        f.unlink()
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        assert b.lookup([1, 2, 3]) is None
+    assert len(caplog.records) == 1 and len(b) == 0 and b.disk_bytes == 0
+
+
+def test_the_engine_and_the_ray_deployment_get_the_disk_budget(serve_gla, tmp_path):
+    from edgeattn.cli.serve import DEFAULT_DISK_MB as CLI_DEFAULT
+    from edgeattn.serve.cache import DEFAULT_DISK_MB
+
+    assert CLI_DEFAULT == DEFAULT_DISK_MB
+    engine = Engine(serve_gla, cache_dir=tmp_path / "c", cache_disk_mb=3)
+    assert engine.cache.disk_capacity == 3 * 2**20 and engine.cache.directory == tmp_path / "c"
+    assert Engine(serve_gla).cache.disk_capacity == DEFAULT_DISK_MB * 2**20
+    with pytest.raises(ValueError, match="disk"):
+        Engine(serve_gla, cache_disk_mb=-1)
+    pytest.importorskip("ray.serve")
+    from edgeattn.serve.ray import build_deployment
+
+    app = build_deployment(serve_gla, "m", None, replicas=4, cache_dir=tmp_path, cache_disk_mb=100)
+    assert app._bound_deployment.init_args[3]["cache_disk_mb"] == 25  # one directory shared by 4

@@ -9,6 +9,8 @@ import typer
 
 from edgeattn.cli._common import CLIError, Command, check_output_dir, cli_errors
 
+DEFAULT_DISK_MB = 4096  # edgeattn.serve.cache.DEFAULT_DISK_MB (not imported: numpy is not loaded for --help)
+
 
 def _listen(host: str, port: int):
     """A bound, listening socket: a port in use is a one-line error before the model loads."""
@@ -60,6 +62,14 @@ def serve(
         Path | None,
         typer.Option(help="Also keep the prefix-state cache here as state files (kept across restarts)."),
     ] = None,
+    state_cache_disk_mb: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Disk for --state-cache-dir, MiB: the least recently used state files are deleted beyond it "
+            "(0: none on disk; the --ray replicas share it).",
+        ),
+    ] = float(DEFAULT_DISK_MB),
     ray: Annotated[
         bool, typer.Option("--ray", help="Run as a Ray Serve deployment (the `ray` extra).")
     ] = False,
@@ -86,6 +96,7 @@ def serve(
         threads=threads,
         cache_mb=state_cache_mb,
         cache_dir=state_cache_dir,
+        cache_disk_mb=state_cache_disk_mb,
     )
     if ray:
         from edgeattn.serve.ray import run_ray

@@ -445,6 +445,12 @@ def prometheus(engine: Engine) -> str:
         ("edgeattn_cache_hits_total", "counter", "Prompts that resumed from a cached prefix.", c.hits),
         ("edgeattn_cache_misses_total", "counter", "Prompts with no cached prefix.", c.misses),
         ("edgeattn_cache_bytes", "gauge", "Bytes of state held in memory by the prefix cache.", c.bytes),
+        (
+            "edgeattn_cache_disk_bytes",
+            "gauge",
+            "Bytes of state files held on disk by the prefix cache.",
+            c.disk_bytes,
+        ),
         ("edgeattn_cache_entries", "gauge", "Prefix-cache entries (memory and disk).", len(c)),
     ]
     lines = []

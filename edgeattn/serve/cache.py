@@ -19,13 +19,21 @@ The engine keeps one state per conversation in memory, and the states that sever
   other tokens) unless a lookup has used them or the prefix is shared (they are other conversations').
 A conversation whose replies come back as they were generated so holds one state, one whose replies come
 back re-encoded two (its last prompt's and its last reply's). A next turn that extends neither (an edited
-earlier message) finds nothing in memory (the disk, if any, holds every entry).
+earlier message) finds nothing in memory (the disk, if any, holds the entries its budget allows).
 Disk (``directory``): every entry is also written as a state file (``edgeattn.runtimes.state_file``:
-checksummed, written atomically) named ``{n}-{key}.state``, holding the state tensors plus one more tensor,
-``next_token_logits`` ``[1, vocab]``; the directory is indexed at start (by file name, nothing read), and an
-entry evicted from memory or written before a restart is read back on its first hit. A file that is
-damaged, of another model or of another length is skipped with one log line and never used. The disk
-holds every entry ever written (no eviction there).
+checksummed, written atomically: a temporary file, then a rename, so never half a file) named
+``{n}-{key}.state``, holding the state tensors plus one more tensor, ``next_token_logits`` ``[1, vocab]``;
+the directory is indexed at start (by file name and ``stat``, nothing read), and an entry evicted from
+memory or written before a restart is read back on its first hit. A file that is damaged, of another model
+or of another length is skipped with one log line, removed and never used.
+The disk holds at most ``disk_capacity_bytes`` (the files' real sizes): beyond it the least recently used
+files are deleted, with the recency of memory (a hit, in memory or on disk, and a ``put`` of a held key
+count as a use; a use also sets the file's mtime). The files found at start (a restart) count, oldest mtime
+first, and are deleted oldest first while over the budget. A key deleted from the disk and not in memory is
+a miss from then on. An entry larger than the whole budget is not written (one log line, the first time),
+nor is one whose write fails (disk full, permission: one log line each): it stays in memory only. Every
+state file in the directory counts against the budget of the cache that indexes it: caches sharing a
+directory (``--ray`` replicas) each get their share of it (see ``edgeattn.serve.ray``).
 
 Models with a KV-buffer layer (softmax layers on GroupQueryAttention) cache their buffer as it is in the
 state: the whole preallocated ``[1, Hkv, max_length, D]`` key and value buffers per layer, whatever the
@@ -36,10 +44,12 @@ commit), so its RSS is about the prefix's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +59,8 @@ import numpy as np
 from edgeattn.artifact.state_file import load_state, save_state
 
 LOGITS = "next_token_logits"
+DEFAULT_DISK_MB = 4096  # the disk budget of --state-cache-dir unless --state-cache-disk-mb says otherwise
+MiB = 2**20
 _NAME = re.compile(r"^(\d+)-([0-9a-f]{64})\.state$")
 log = logging.getLogger("edgeattn.serve")
 
@@ -66,6 +78,13 @@ class Entry:
         return sum(int(a.nbytes) for a in self.state.values()) + int(self.logits.nbytes)
 
 
+@dataclass
+class _File:
+    path: Path
+    n: int  # tokens consumed (the name's)
+    size: int  # bytes on disk
+
+
 class PrefixCache:
     """See the module docstring. Not thread-safe: one owner (the engine's worker thread) calls it."""
 
@@ -75,15 +94,22 @@ class PrefixCache:
         shapes: dict[str, tuple],
         capacity_bytes: int,
         directory: str | os.PathLike | None = None,
+        disk_capacity_bytes: int = DEFAULT_DISK_MB * MiB,
     ):
-        if capacity_bytes < 0:
-            raise ValueError(f"the cache capacity must be >= 0 bytes, got {capacity_bytes}")
+        if capacity_bytes < 0 or disk_capacity_bytes < 0:
+            raise ValueError(
+                f"the cache capacities must be >= 0 bytes, got {capacity_bytes} (memory) "
+                f"and {disk_capacity_bytes} (disk)"
+            )
         self.fingerprint = fingerprint
         self.shapes = dict(shapes)  # state input name -> shape (a str dimension matches any size)
         self.capacity = int(capacity_bytes)
         self.directory = None if directory is None else Path(directory)
+        self.disk_capacity = int(disk_capacity_bytes)
         self._mem: OrderedDict[str, Entry] = OrderedDict()
-        self._disk: dict[str, Path] = {}
+        self._disk: OrderedDict[str, _File] = OrderedDict()  # least recently used first
+        self.disk_bytes = 0
+        self._said_too_big = False
         self._lengths: dict[int, set[str]] = {}  # n -> keys held (memory or disk)
         # prompt key -> (its n, the key of the state after its reply)
         self._replies: dict[str, tuple[int, str]] = {}
@@ -92,11 +118,20 @@ class PrefixCache:
         self.hits = self.misses = self.hit_tokens = 0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for path in sorted(self.directory.iterdir()):
+            found = []
+            for path in self.directory.iterdir():
                 m = _NAME.match(path.name)
-                if m and path.is_file():
-                    self._index(int(m.group(1)), m.group(2))
-                    self._disk[m.group(2)] = path
+                try:
+                    st = path.stat() if m else None
+                except OSError:  # gone since listed (another server sharing the directory)
+                    continue
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime, path.name, int(m.group(1)), m.group(2), st.st_size))
+            for _, name, n, key, size in sorted(found):  # oldest first
+                if key in self._disk:  # the same key under another length (a renamed file): the older goes
+                    self._drop_file(key)
+                self._add_file(key, _File(self.directory / name, n, size))
+            self._trim_disk(self.disk_capacity)
 
     @property
     def enabled(self) -> bool:
@@ -147,6 +182,7 @@ class PrefixCache:
                 if entry is None:
                     continue
                 self._remember(key, entry)
+            self._touch(key)
             entry.uses += 1
             self.hits += 1
             self.hit_tokens += n
@@ -180,14 +216,9 @@ class PrefixCache:
             self._mem.move_to_end(key)
         else:
             if self.directory is not None and key not in self._disk:
-                path = self.directory / f"{n}-{key}.state"
-                try:
-                    save_state(path, {**state, LOGITS: entry.logits[None]}, self.fingerprint, n)
-                    self._disk[key] = path
-                    self._index(n, key)
-                except (OSError, ValueError) as e:
-                    log.warning("prefix cache: cannot write %s: %s", path, e)
+                self._write(key, entry)
             self._remember(key, entry)
+        self._touch(key)
         if reply_to is not None and key in self._mem:
             prompt = self.key(reply_to)
             self._unlink(prompt)
@@ -234,22 +265,88 @@ class PrefixCache:
         while self.bytes > self.capacity:
             self._left(*self._mem.popitem(last=False))
 
+    # ---- the disk ----
+
+    def _add_file(self, key: str, file: _File) -> None:
+        self._disk[key] = file
+        self.disk_bytes += file.size
+        self._index(file.n, key)
+
+    def _drop_file(self, key: str) -> None:
+        """Delete ``key``'s file; the key stays findable only if it is in memory."""
+        file = self._disk.pop(key)
+        self.disk_bytes -= file.size
+        if key not in self._mem:
+            self._unindex(file.n, key)
+        try:
+            file.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("prefix cache: cannot remove %s: %s", file.path.name, e.strerror or e)
+
+    def _trim_disk(self, limit: int) -> None:
+        """Delete the least recently used files until the disk holds at most ``limit`` bytes."""
+        while self._disk and self.disk_bytes > limit:
+            self._drop_file(next(iter(self._disk)))
+
+    def _touch(self, key: str) -> None:
+        """A use of ``key``: its file becomes the most recently used (in this index and by mtime)."""
+        file = self._disk.get(key)
+        if file is not None:
+            self._disk.move_to_end(key)
+            try:
+                os.utime(file.path)
+            except OSError:
+                pass  # removed meanwhile: the next read of it says so
+
+    def _too_big(self, size: int) -> bool:
+        if size <= self.disk_capacity:
+            return False
+        if not self._said_too_big:
+            self._said_too_big = True
+            log.warning(
+                "prefix cache: an entry of %.2f MiB is larger than the disk budget of %.2f MiB: "
+                "entries this large are kept in memory only",
+                size / MiB,
+                self.disk_capacity / MiB,
+            )
+        return True
+
+    def _write(self, key: str, entry: Entry) -> None:
+        """Write ``entry``'s file within the budget (the least recently used files make room first); an
+        entry larger than the budget, or a write that fails, leaves no file."""
+        if self._too_big(entry.nbytes):  # its file is larger still (a header)
+            return
+        self._trim_disk(self.disk_capacity - entry.nbytes)  # room before writing: a full disk fails it
+        path = self.directory / f"{entry.n}-{key}.state"
+        try:
+            save_state(path, {**entry.state, LOGITS: entry.logits[None]}, self.fingerprint, entry.n)
+            size = path.stat().st_size
+        except (OSError, ValueError) as e:
+            log.warning("prefix cache: cannot write %s: %s", path.name, str(e).splitlines()[0])
+            return
+        if self._too_big(size):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            return
+        self._add_file(key, _File(path, entry.n, size))
+        self._trim_disk(self.disk_capacity)  # never this one: the most recently used, and it fits
+
     def _read(self, n: int, key: str) -> Entry | None:
-        path = self._disk.get(key)
-        if path is None:
+        file = self._disk.get(key)
+        if file is None:
             return None
+        path = file.path
         expected = {**self.shapes, LOGITS: (1, None)}
         try:
             tensors, meta = load_state(path, fingerprint=self.fingerprint, expected=expected)
             if int(meta["position"]) != n:
                 raise ValueError(f"{path} holds the state after {meta['position']} tokens, its name says {n}")
         except ValueError as e:
-            log.warning("prefix cache: skipping %s: %s", path.name, str(e).splitlines()[0])
-            del self._disk[key]
-            self._unindex(n, key)
+            log.warning("prefix cache: skipping %s (removed): %s", path.name, str(e).splitlines()[0])
+            self._drop_file(key)
             return None
         logits = tensors.pop(LOGITS)[0]
         return Entry(n, tensors, logits)
 
 
-__all__ = ["Entry", "PrefixCache"]
+__all__ = ["DEFAULT_DISK_MB", "Entry", "PrefixCache"]

@@ -51,7 +51,7 @@ import numpy as np
 
 from edgeattn.runtimes.sampling import check_sampling
 from edgeattn.runtimes.streams import open_streams
-from edgeattn.serve.cache import PrefixCache
+from edgeattn.serve.cache import DEFAULT_DISK_MB, PrefixCache
 
 MiB = 2**20
 DEFAULT_PREFILL_TOKENS = 256  # the bound of one prefill piece between two steps (rounded to the chunk)
@@ -149,12 +149,15 @@ class Engine:
         threads: int | None = None,
         cache_mb: float = 256,
         cache_dir: str | os.PathLike | None = None,
+        cache_disk_mb: float = DEFAULT_DISK_MB,
         prefill_piece: int = DEFAULT_PREFILL_TOKENS,
     ):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and max_queue >= 0, got {slots} and {max_queue}")
-        if cache_mb < 0:
-            raise ValueError(f"the state cache size must be >= 0 MB, got {cache_mb}")
+        if cache_mb < 0 or cache_disk_mb < 0:
+            raise ValueError(
+                f"the state cache sizes must be >= 0 MB, got {cache_mb} and {cache_disk_mb} (disk)"
+            )
         self.threads = threads
         self.streams, self.serial_reason = open_streams(artifact, threads=threads, max_streams=slots)
         m = self.manifest = self.streams.manifest
@@ -174,6 +177,7 @@ class Engine:
             {e.input: tuple(e.shape) for e in m.state},
             int(cache_mb * MiB),
             cache_dir,
+            int(cache_disk_mb * MiB),
         )
         self.metrics = collections.Counter()  # requests, tokens, ... (see app's /metrics)
         self._ids = itertools.count()

@@ -11,7 +11,9 @@ the deployment uses Ray's ``ConsistentHashRouter`` on the ``x-session-id`` heade
 a conversation that carries the same ``x-session-id`` (the chat page sends one per page) reaches the same
 replica, hence its cache; requests without it are spread like any other. With ``--state-cache-dir`` the
 replicas share one directory (each indexes it when it starts, so the entries of one are found by all
-after a restart).
+after a restart) and its disk budget: each replica keeps the files it indexes within
+``cache_disk_mb / replicas``, so together they stay within ``cache_disk_mb`` (a file one replica deleted is
+a miss, then forgotten, for another that had indexed it).
 """
 
 from __future__ import annotations
@@ -55,8 +57,14 @@ def build_deployment(artifact, name: str, api_key: str | None, *, replicas: int 
         ray_actor_options={"num_cpus": 0},  # the engines' threads are --threads, not Ray's CPU accounting
         request_router_config=RequestRouterConfig(request_router_class=ROUTER),
     )
+    from edgeattn.serve.cache import DEFAULT_DISK_MB
+
     cache_dir = options.get("cache_dir")
-    options = {**options, "cache_dir": None if cache_dir is None else str(cache_dir)}
+    options = {
+        **options,
+        "cache_dir": None if cache_dir is None else str(cache_dir),
+        "cache_disk_mb": options.get("cache_disk_mb", DEFAULT_DISK_MB) / int(replicas),  # one directory
+    }
     return deployment.bind(str(os.path.abspath(artifact)), name, api_key, options)
 
 

@@ -38,7 +38,12 @@ def startup_lines(engine, name: str) -> list[str]:
     if engine.serial_reason:
         lines.append(f"  one stream at a time (no batching): {engine.serial_reason}")
     c = engine.cache
-    where = f", on disk in {c.directory} ({len(c)} entries found)" if c.directory is not None else ""
+    where = ""
+    if c.directory is not None:
+        where = (
+            f", on disk in {c.directory} ({len(c)} entries found, {c.disk_bytes / MiB:.1f} of "
+            f"{c.disk_capacity / MiB:g} MiB)"
+        )
     lines.append(f"  prefix-state cache: {c.capacity / MiB:.0f} MiB in memory{where}")
     return lines
 

@@ -60,7 +60,10 @@ def serve(
     ] = 256.0,
     state_cache_dir: Annotated[
         Path | None,
-        typer.Option(help="Also keep the prefix-state cache here as state files (kept across restarts)."),
+        typer.Option(
+            help="Also keep the prefix-state cache here as state files (kept across restarts); one directory "
+            "per model (another model's files are removed)."
+        ),
     ] = None,
     state_cache_disk_mb: Annotated[
         float,

@@ -12,9 +12,10 @@ What it measures:
 3. With ``--trained CKPT`` (an ``edgeattn train`` checkpoint, byte-level): bits per byte of fp32 and int4
    exports (block 32 and 128, symmetric and not) on held-out text, the first ``--eval-bytes`` of the
    training corpus's validation split (the last 2% of the Python standard library's sources: never
-   trained on). Target: int4 < 3% above fp32.
+   trained on). Target: int4 < 3% above fp32. ``--kv-dtypes int8,float16``: also fp32 and int4 block 128
+   with those KV buffers (a model with softmax layers; read in windows of its ``max_length`` - 1 bytes).
 
-    python benchmarks/weights.py [--threads 2] [--trained runs/gla] [--eval-bytes 8192]
+    python benchmarks/weights.py [--threads 2] [--trained runs/gla] [--eval-bytes 8192] [--kv-dtypes int8]
 
 Prints a table, then ONE JSON line.
 """
@@ -107,38 +108,57 @@ def held_out(n: int) -> np.ndarray:
     return np.asarray(load_corpus(None).val[: n + 1], dtype=np.int64)
 
 
-def eval_bpb(trained: Path, root: Path, n: int, threads: int) -> dict:
+def eval_bpb(trained: Path, root: Path, n: int, threads: int, kv_dtypes: tuple = ()) -> dict:
+    """Bits per byte of each export on the first ``n`` held-out bytes. A model with KV buffers (softmax
+    layers) reads them in windows of its ``max_length`` - 1 bytes, each from an empty state; ``kv_dtypes``
+    adds fp32 and int4 block 128 exports with that KV buffer (``--kv-dtype``)."""
     from edgeattn.export import export_model
     from edgeattn.export.check import bits_per_byte, run_logits
     from edgeattn.runtimes import open_session
 
     ids = held_out(n)[None]
     variants = {
-        "fp32": ("fp32", None),
-        "int4 b32 sym": ("int4", {"block_size": 32, "symmetric": True}),
-        "int4 b32 asym": ("int4", {"block_size": 32, "symmetric": False}),
-        "int4 b128 sym": ("int4", {"block_size": 128, "symmetric": True}),
-        "int4 b128 asym": ("int4", {"block_size": 128, "symmetric": False}),
+        "fp32": ("fp32", None, None),
+        "int4 b32 sym": ("int4", {"block_size": 32, "symmetric": True}, None),
+        "int4 b32 asym": ("int4", {"block_size": 32, "symmetric": False}, None),
+        "int4 b128 sym": ("int4", {"block_size": 128, "symmetric": True}, None),
+        "int4 b128 asym": ("int4", {"block_size": 128, "symmetric": False}, None),
     }
+    for kv in kv_dtypes:
+        variants[f"fp32 kv {kv}"] = ("fp32", None, kv)
+        variants[f"int4 b128 sym kv {kv}"] = ("int4", {"block_size": 128, "symmetric": True}, kv)
     out = {}
-    for name, (precision, q) in variants.items():
+    for name, (precision, q, kv) in variants.items():
         art = export_model(
             trained,
             root / f"trained-{name.replace(' ', '-')}",
             precision=precision,
             quantization=q,
             force=True,
+            **({"kv_dtype": kv} if kv else {}),
         )
-        got = run_logits(open_session(art, threads=threads), ids[:, :-1])
-        logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-        out[name] = bits_per_byte(logits, ids[0, 1:][got["positions"]])
+        sess = open_session(art, threads=threads)
+        window = min(n, (sess.manifest.max_length or n + 1) - 1)
+        bits, count = 0.0, 0
+        for s in range(0, n, window):
+            seg = ids[:, s : s + window + 1]
+            got = run_logits(sess, seg[:, :-1])
+            logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
+            targets = seg[0, 1:][got["positions"]]
+            bits += bits_per_byte(logits, targets) * len(targets)
+            count += len(targets)
+        out[name] = bits / count
     return out
 
 
 def print_bpb(bpb: dict, args) -> None:
     print(f"bits per byte on {args.eval_bytes} held-out bytes ({args.trained}):")
     for k, v in bpb.items():
-        print(f"  {k:<16}{v:.4f}  ({(v / bpb['fp32'] - 1) * 100:+.2f}%)")
+        print(f"  {k:<24}{v:.4f}  ({(v / bpb['fp32'] - 1) * 100:+.2f}%)")
+
+
+def kv_dtypes(args) -> tuple:
+    return tuple(k.strip() for k in args.kv_dtypes.split(",") if k.strip())
 
 
 def main() -> None:
@@ -150,12 +170,17 @@ def main() -> None:
     ap.add_argument("--trained", type=Path, default=None)
     ap.add_argument("--eval-bytes", type=int, default=8192)
     ap.add_argument("--bpb-only", action="store_true", help="only the bits per byte of --trained")
+    ap.add_argument(
+        "--kv-dtypes",
+        default="",
+        help="with --trained: also fp32 and int4 b128 with these KV buffers (int8,float16)",
+    )
     args = ap.parse_args()
     if args.bpb_only:
         if args.trained is None:
             ap.error("--bpb-only needs --trained CKPT")
         with tempfile.TemporaryDirectory(prefix="edgeattn-weights-") as tmp:
-            bpb = eval_bpb(args.trained, Path(tmp), args.eval_bytes, args.threads)
+            bpb = eval_bpb(args.trained, Path(tmp), args.eval_bytes, args.threads, kv_dtypes(args))
         print_bpb(bpb, args)
         print(json.dumps({"bpb": bpb, "int4_bpb_increase": {k: v / bpb["fp32"] - 1 for k, v in bpb.items()}}))
         return
@@ -194,7 +219,11 @@ def main() -> None:
         sessions = {k: open_session(a, threads=args.threads) for k, a in arts.items()}
         decode = time_decode(sessions, args.steps, args.rounds)
         del sessions
-        bpb = eval_bpb(args.trained, root, args.eval_bytes, args.threads) if args.trained else None
+        bpb = (
+            eval_bpb(args.trained, root, args.eval_bytes, args.threads, kv_dtypes(args))
+            if args.trained
+            else None
+        )
 
     base = rss["baseline"]
     print(f"GLA {params / 1e6:.1f}M params (d_model 768, 12 layers, 12 heads), {args.threads} threads")

@@ -160,8 +160,11 @@ class Session(ABC):
         return logits
 
     @_locked
-    def prefill(self, ids) -> np.ndarray:
-        """Consume ids [B, T]: full chunks through the prefill graph, the rest one step at a time."""
+    def prefill(self, ids, *, chunk: int | None = None) -> np.ndarray:
+        """Consume ids [B, T]: full chunks through the prefill graph, the rest one step at a time. ``chunk``:
+        tokens per prefill call, the graph's own here (``OnnxRuntimeSession`` takes any with one graph for
+        any number of tokens)."""
+        self._check_chunk(chunk, any_tokens=False)
         ids = self._check_ids(ids)
         C = self.manifest.prefill_tokens
         T = ids.shape[1]
@@ -174,6 +177,19 @@ class Session(ABC):
         for t in range(n_full * C, T):
             logits = self._advance("step", ids[:, t : t + 1])
         return logits[:, -1]
+
+    def _check_chunk(self, chunk, any_tokens: bool) -> None:
+        """ValueError unless ``chunk`` is None or a positive integer this session's prefill graph takes."""
+        if chunk is None:
+            return
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        n = self.manifest.prefill_tokens
+        if not any_tokens and chunk != n:
+            raise ValueError(
+                f"{self.manifest.root}: its prefill graph takes exactly {n} tokens a call, not {chunk}; "
+                "export with --prefill-chunk to change it"
+            )
 
     @_locked
     def step(self, ids) -> np.ndarray:

@@ -223,22 +223,14 @@ class OnnxRuntimeSession(Session):
 
         ``chunk``: tokens per call instead of the manifest's, with one graph for any number of tokens only
         (a prefill graph of fixed length takes its own length)."""
-        n = self.manifest.prefill_tokens
-        if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-                raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-            if not self.any_tokens and chunk != n:
-                raise ValueError(
-                    f"{self.manifest.root}: its prefill graph takes exactly {n} tokens a call, not {chunk}; "
-                    "export with --prefill-chunk to change it"
-                )
         if not self.any_tokens:
-            return Session.prefill.__wrapped__(self, ids)
+            return Session.prefill.__wrapped__(self, ids, chunk=chunk)
+        self._check_chunk(chunk, any_tokens=True)
         ids = self._check_ids(ids)
         T = ids.shape[1]
         if T == 0:
             raise ValueError("prefill needs at least one token")
-        n = int(chunk or n)
+        n = int(chunk or self.manifest.prefill_tokens)
         for c in range(0, T, n):
             logits = self._run_tokens(ids[:, c : c + n])
             self.position += ids[:, c : c + n].shape[1]

@@ -321,3 +321,41 @@ def test_reduced_kv_buffers_equal_the_lone_session(arts, kv, tmp_path):
     for t in want[0]:
         logits = ref.step(np.array([[t]]))[0]
     np.testing.assert_allclose(streams.logits(from_dict), logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_nan_in_a_states_filled_slots_is_refused_past_them_accepted(arts, kv, tmp_path):
+    """``add(state=...)`` checks the KV buffers' filled slots only (below the state's position): NaN or
+    infinity there is refused, as in any other state tensor; NaN or garbage past them (never read) is
+    accepted, and the stream continues exactly as from the clean state."""
+    import re
+
+    art = arts["gated_deltanet,softmax", "onnxruntime", kv]
+    streams = Streams(art)
+    state, logits, pos = streams.prefill(_prompt(PREFILL + 3, 70))
+    key, value = (e.input for e in streams.manifest.state if e.shared)
+    recurrent = next(e.input for e in streams.manifest.state if e.name == "recurrent_state")
+    position = next(e.input for e in streams.manifest.state if e.name == "position")
+    for name, where, bad in [
+        (key, (0, 1, pos - 1, 3), np.nan),  # the last filled slot
+        (value, (0, 0, 0, 0), np.inf),
+        (recurrent, (0, 1, 2, 3), np.nan),
+        (position, (0,), np.nan),
+    ]:
+        poisoned = {k: v.copy() for k, v in state.items()}
+        poisoned[name][where] = bad
+        with pytest.raises(ValueError, match=rf"state {re.escape(repr(name))} holds NaN or infinity"):
+            streams.add(state=poisoned, logits=logits, position=pos)
+    assert not streams.live
+    junk = {k: v.copy() for k, v in state.items()}
+    junk[key][:, :, pos:] = np.nan
+    junk[value][:, :, pos:] = 1e30
+    kw = dict(logits=logits, position=pos, temperature=0, max_new_tokens=5, stop_ids=[])
+    clean, dirty = streams.add(state=state, **kw), streams.add(state=junk, **kw)
+    while streams.live:
+        streams.step()
+    assert streams.generated(dirty) == streams.generated(clean)
+    got, want = streams.get_state(dirty), streams.get_state(clean)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    streams.save_state(dirty, tmp_path / "dirty.state")  # finite: a state file takes it

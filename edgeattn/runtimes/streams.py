@@ -278,7 +278,8 @@ class Streams:
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
-        state or logits holding NaN or infinity is a ValueError naming the argument."""
+        state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
+        slots below the state's position count: those past it are never read)."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -348,12 +349,20 @@ class Streams:
 
     def _load(self, state, position: int) -> tuple[dict, int]:
         """A batch-1 state (dict or state-file path) checked against the model, and its position. A dict is
-        checked here, no copy through the session. A file comes back from the session, its KV buffers in
-        their own dtype (``_native``)."""
+        checked here, no copy through the session: of a KV buffer only the slots that are read (below the
+        state's position entries, or ``position``) must be finite, the whole ``max_length`` row need not be
+        read. A file comes back from the session, its KV buffers in their own dtype (``_native``)."""
         if not isinstance(state, (str, os.PathLike)):
             from edgeattn.artifact.state_file import check_state
 
-            check_state(state, {e.input: tuple(e.shape) for e in self._entries}, source="state")
+            try:
+                n = max(self._single._filled(state), int(position))
+            except (KeyError, ValueError, OverflowError):
+                n = None  # missing or non-finite positions: every slot checked, check_state names the tensor
+            filled = None if n is None else {e.input: n for e in self._entries if self._kv(e)}
+            check_state(
+                state, {e.input: tuple(e.shape) for e in self._entries}, source="state", filled=filled
+            )
             return {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}, int(position)
         sess = self._single
         with sess.lock:

@@ -18,16 +18,20 @@ class _Artifacts(dict):
         self.root = root
 
     def __missing__(self, key):
-        mixer, target = key
+        mixer, target, *kv = key  # (mixer, target) or (mixer, target, KV buffer dtype)
+        if kv == ["float32"]:  # the default
+            self[key] = self[mixer, target]
+            return self[key]
         ckpt = self.root / f"ckpt_{mixer.replace(',', '_')}"
         if not ckpt.exists():
             make_checkpoint(ckpt, mixer)
         self[key] = export_model(
             ckpt,
-            self.root / f"{mixer.replace(',', '_')}_{target}",
+            self.root / "_".join([mixer.replace(",", "_"), target, *kv]),
             target=target,
             prefill_chunk=PREFILL,
             dynamic_batch=True,
+            kv_dtype=kv[0] if kv else "float32",
         )
         return self[key]
 
@@ -99,11 +103,14 @@ def test_streams_equal_separate_sessions_as_streams_come_and_go(arts, mixer, tar
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=TOL)  # state values reach ~20
 
 
-@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet,softmax"])
-def test_prefill_many_equals_separate_sessions(arts, mixer):
+@pytest.mark.parametrize(
+    ("mixer", "kv"),
+    [("gla", "float32"), ("gated_deltanet,softmax", "float32"), ("gated_deltanet,softmax", "int8")],
+)
+def test_prefill_many_equals_separate_sessions(arts, mixer, kv):
     # pieces of one length at batch 3, each against its own batch-1 session; the GLA's first row resumes
     # from a state, while a KV buffer batches new prompts only, whose piece fits one prefill call
-    art = arts[mixer, "onnxruntime"]
+    art = arts[mixer, "onnxruntime", kv]
     kv = "softmax" in mixer
     s = Streams(art, max_streams=4)
     n = PREFILL if kv else 2 * PREFILL + 5
@@ -118,8 +125,7 @@ def test_prefill_many_equals_separate_sessions(arts, mixer):
         want = ref.prefill(piece[None])[0]
         assert pos == n + (0 if head is None else len(head))
         np.testing.assert_allclose(logits, want, atol=TOL)
-        for name, a in ref.get_state().items():
-            np.testing.assert_allclose(state[name], a, atol=TOL)
+        _assert_state_close(state, ref.get_state(), s.manifest)
 
 
 def test_per_stream_sampling_equals_the_single_session_sampler(arts):
@@ -233,3 +239,123 @@ def test_bad_input_is_refused(arts, tmp_path):
     with pytest.raises(ValueError, match=r"1 of its 3 layers hold a KV cache \(softmax; layers 1\)") as e:
         Streams(hybrid)
     assert "baseline" not in str(e.value)
+
+
+def _assert_state_close(got, want, manifest):
+    """Two batch-1 float32 states: equal within float rounding (an int8 KV slot within one step of its scale,
+    where a rounding went the other way)."""
+    for e in manifest.state:
+        assert got[e.input].dtype == np.float32 and got[e.input].shape == want[e.input].shape
+        step = 0 if e.scale is None else np.asarray(e.scale, np.float32)[None, :, None, :] * (1 + 1e-5)
+        assert np.all(np.abs(got[e.input] - want[e.input]) <= step + TOL + 1e-5 * np.abs(want[e.input])), (
+            e.input
+        )
+
+
+@pytest.mark.parametrize("kv", ["int8", "float16"])
+def test_reduced_kv_buffers_equal_the_lone_session(arts, kv, tmp_path):
+    """A KV buffer of int8 (ONNX Runtime's quantized cache) or float16 held in the batch rows in its own dtype:
+    greedy streams give the tokens of ``Session.generate_ids`` per prompt on the same artifact (the same graph
+    and quantized cache at batch 1), a stream's state equals the session's after the same tokens, and a stream
+    resumed from a saved state (or a state dict) continues as the session does."""
+    art = arts["gated_deltanet,softmax", "onnxruntime", kv]
+    streams = Streams(art)
+    m = streams.manifest
+    kv_entries = [e for e in m.state if e.shared]
+    assert kv_entries and {e.dtype for e in kv_entries} == {kv}
+    # the buffers are the graph's dtype: a quarter (int8) or a half (float16) of the float32 buffers' bytes
+    wide = Streams(arts["gated_deltanet,softmax", "onnxruntime"])
+    for e, a, b in zip(m.state, streams._bufs[0], wide._bufs[0]):
+        assert a.dtype == np.dtype(e.dtype) and a.shape == b.shape
+        assert a.nbytes * (4 if e.dtype == "int8" else 2 if e.dtype == "float16" else 1) == b.nbytes
+    saved = sum(a.nbytes - b.nbytes for a, b in zip(wide._bufs[0], streams._bufs[0]))  # capacity 1: one row
+    assert saved > 0 and wide.state_bytes_per_stream - streams.state_bytes_per_stream == saved
+
+    n, more = 9, 6
+    prompts = [_prompt(PREFILL + 3, 60), _prompt(5, 61), _prompt(2 * PREFILL, 62), _prompt(1, 63)]
+    want = [list(open_session(art).generate_ids(p, n + more, temperature=0, stop_ids=[])) for p in prompts]
+    sids = [streams.add(p, temperature=0, max_new_tokens=n, stop_ids=[]) for p in prompts[:2]]
+    for _ in range(3):
+        streams.step()
+    sids += [streams.add(p, temperature=0, max_new_tokens=n, stop_ids=[]) for p in prompts[2:]]
+    streams.step()
+    # a live stream's state (from the batch rows) against a session that consumed the same tokens
+    ref = open_session(art)
+    ref.prefill(prompts[0][None])
+    for t in streams.generated(sids[0]):
+        ref.step(np.array([[t]]))
+    assert sids[0] in streams.live and streams.position(sids[0]) == ref.position
+    _assert_state_close(streams.get_state(sids[0]), ref.get_state(), m)
+    while streams.live:
+        streams.step()
+    for sid, w in zip(sids, want):
+        assert streams.generated(sid) == w[:n]
+    # a stopped stream's state (parked in the graph's dtype) against the session's after prompt + n tokens
+    ref = open_session(art)
+    ref.prefill(prompts[2][None])
+    for t in want[2][:n]:
+        ref.step(np.array([[t]]))
+    _assert_state_close(streams.get_state(sids[2]), ref.get_state(), m)
+    # resumed from a state file and from a state dict: the next tokens of the uninterrupted session's run
+    path = tmp_path / f"{kv}.state"
+    streams.save_state(sids[2], path)
+    logits = streams.logits(sids[2])
+    from_file = streams.add(state=path, logits=logits, temperature=0, max_new_tokens=more, stop_ids=[])
+    given = streams.get_state(sids[0])
+    from_dict = streams.add(
+        state=given,
+        logits=streams.logits(sids[0]),
+        position=streams.position(sids[0]),
+        temperature=0,
+        max_new_tokens=more,
+        stop_ids=[],
+    )
+    _assert_state_close(streams.get_state(from_dict), given, m)  # float32 -> the row's dtype -> float32
+    _assert_state_close(streams.get_state(from_file), ref.get_state(), m)
+    while streams.live:
+        streams.step()
+    assert streams.generated(from_file) == want[2][n:]
+    assert streams.generated(from_dict) == want[0][n:]
+    ref = open_session(art)  # the logits after every token, against the session's
+    ref.prefill(prompts[0][None])
+    for t in want[0]:
+        logits = ref.step(np.array([[t]]))[0]
+    np.testing.assert_allclose(streams.logits(from_dict), logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_nan_in_a_states_filled_slots_is_refused_past_them_accepted(arts, kv, tmp_path):
+    """``add(state=...)`` checks the KV buffers' filled slots only (below the state's position): NaN or
+    infinity there is refused, as in any other state tensor; NaN or garbage past them (never read) is
+    accepted, and the stream continues exactly as from the clean state."""
+    import re
+
+    art = arts["gated_deltanet,softmax", "onnxruntime", kv]
+    streams = Streams(art)
+    state, logits, pos = streams.prefill(_prompt(PREFILL + 3, 70))
+    key, value = (e.input for e in streams.manifest.state if e.shared)
+    recurrent = next(e.input for e in streams.manifest.state if e.name == "recurrent_state")
+    position = next(e.input for e in streams.manifest.state if e.name == "position")
+    for name, where, bad in [
+        (key, (0, 1, pos - 1, 3), np.nan),  # the last filled slot
+        (value, (0, 0, 0, 0), np.inf),
+        (recurrent, (0, 1, 2, 3), np.nan),
+        (position, (0,), np.nan),
+    ]:
+        poisoned = {k: v.copy() for k, v in state.items()}
+        poisoned[name][where] = bad
+        with pytest.raises(ValueError, match=rf"state {re.escape(repr(name))} holds NaN or infinity"):
+            streams.add(state=poisoned, logits=logits, position=pos)
+    assert not streams.live
+    junk = {k: v.copy() for k, v in state.items()}
+    junk[key][:, :, pos:] = np.nan
+    junk[value][:, :, pos:] = 1e30
+    kw = dict(logits=logits, position=pos, temperature=0, max_new_tokens=5, stop_ids=[])
+    clean, dirty = streams.add(state=state, **kw), streams.add(state=junk, **kw)
+    while streams.live:
+        streams.step()
+    assert streams.generated(dirty) == streams.generated(clean)
+    got, want = streams.get_state(dirty), streams.get_state(clean)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    streams.save_state(dirty, tmp_path / "dirty.state")  # finite: a state file takes it

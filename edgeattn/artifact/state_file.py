@@ -115,10 +115,14 @@ def load_state(
 
 
 def check_state(
-    tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple], source: str = "state"
+    tensors: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple],
+    source: str = "state",
+    filled: Mapping[str, int] | None = None,
 ) -> None:
     """Raise ValueError unless ``tensors`` has exactly the names of ``expected`` with matching shapes and finite
-    values."""
+    values. ``filled`` maps the names of KV buffers (``[1, Hkv, max_length, D]``) to the slots (axis 2) that
+    must be finite: GroupQueryAttention never reads those past them, which may hold anything."""
     missing = [n for n in expected if n not in tensors]
     extra = [n for n in tensors if n not in expected]
     if missing or extra:
@@ -137,7 +141,10 @@ def check_state(
             raise ValueError(
                 f"{source}: state tensor {name} has shape {list(got)}, the artifact's is {list(shape)}"
             )
-        if not np.isfinite(tensors[name]).all():  # the model would compute NaN logits from it
+        values = tensors[name]
+        if filled is not None and name in filled:
+            values = np.asarray(values)[:, :, : filled[name]]
+        if not np.isfinite(values).all():  # the model would compute NaN logits from it
             raise ValueError(f"state {name!r} holds NaN or infinity ({source})")
 
 

@@ -308,19 +308,21 @@ class OnnxRuntimeSession(Session):
         pos = [state[e.input] for e in self.manifest.state if e.name == "position"]
         return int(np.ceil(max((float(p.max()) for p in pos if p.size), default=0.0)))
 
-    def _get_state(self) -> dict[str, np.ndarray]:
-        # float32 copies (a float16 KV buffer widened, an int8 one times its scales)
+    def _get_state(self, native: bool = False) -> dict[str, np.ndarray]:
+        """float32 copies (a float16 KV buffer widened, an int8 one times its scales); with ``native`` the KV
+        buffers' copies in their own dtype, as the graph holds them (what ``Streams`` writes into its batch
+        rows: no float32 round trip)."""
         kvs = self._kv_np or [None] * len(self.manifest.state)
         out = {
-            e.input: kv_to_float(e, v.numpy())
+            e.input: v.numpy().copy() if native else kv_to_float(e, v.numpy())  # numpy(): a view on CPU
             for e, v, kv in zip(self.manifest.state, self._current(), kvs)
             if kv is None
         }
         n = self._filled(out)
         for e, kv in zip(self.manifest.state, kvs):
             if kv is not None:  # the filled slots only; those past the position hold stale tokens, never
-                a = kv_zeros(kv.shape)  # read: zeros, as written (pages the OS has not committed)
-                a[:, :, :n] = kv_to_float(e, kv[:, :, :n])
+                a = kv_zeros(kv.shape, kv.dtype if native else np.float32)  # read: zeros (uncommitted pages)
+                a[:, :, :n] = kv[:, :, :n] if native else kv_to_float(e, kv[:, :, :n])
                 out[e.input] = a
         return {e.input: out[e.input] for e in self.manifest.state}
 

@@ -15,10 +15,15 @@ token per ``step()``. A stream stops when it samples one of ``stop_ids`` (defaul
 end-of-sequence ids; the stop token is consumed into its state but not returned) or after
 ``max_new_tokens``; a stopped stream leaves the batch but keeps its state until ``drop``.
 
-The live streams' state sits in rows 0..N-1 of ``[capacity, ...]`` float32 buffers (two per state tensor,
+The live streams' state sits in rows 0..N-1 of ``[capacity, ...]`` buffers (two per state tensor,
 the step graph reads one and writes the other; capacity ``max_streams``, or doubled as needed); ``add``
 writes one row, ``drop`` moves the last row into the freed one, and both rebind views; ``step`` only
-writes N token ids and runs. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
+writes N token ids and runs. Each buffer has its graph input's dtype: float32, or a KV buffer exported with
+``--kv-dtype float16`` or ``int8`` (ONNX Runtime's quantized cache: a row a quarter of float32's bytes) in
+that dtype. States go in and out in float32 as ``Session.get_state`` / ``set_state`` take them (an int8
+slot times its scales, ``kv_to_float``; written back with ``kv_from_float``); a prompt that ``add``
+prefills is copied from the batch-1 session's buffer as it is, and a stopped stream keeps its state in the
+graph's dtypes. Only the ONNX Runtime backend and fixed-size states: a growing softmax KV cache
 (different lengths per stream) is refused. A preallocated KV buffer (softmax layers on the onnxruntime
 target, manifest ``"shared": true``) batches: GroupQueryAttention takes each row's position, and the
 buffer is bound as both past and present (written in place); a stream stops when its buffer is full
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.base import kv_zeros
+from edgeattn.runtimes.base import kv_from_float, kv_to_float, kv_zeros
 from edgeattn.runtimes.decode import Decoder
 from edgeattn.runtimes.sampling import finite_logits
 
@@ -70,8 +75,18 @@ def _layer_mixers(model: dict) -> list[str]:
     return [x.strip() for x in mixer.split(",")] if "," in mixer else [mixer] * n
 
 
+def _is_kv(e, max_length: int | None) -> bool:
+    """Whether state entry ``e`` is a KV buffer ``[B, Hkv, max_length, D]`` (its slots at or past a stream's
+    position are never read: GroupQueryAttention reads and writes below it)."""
+    return e.shared and len(e.shape) == 4 and e.shape[2] == max_length
+
+
 class Streams:
     """N independent streams over one artifact, stepped together at batch N (see the module docstring)."""
+
+    # The states that ``add`` writes into the batch rows and parks hold each KV buffer in its own dtype, as
+    # the graph does (int8, float16); SerialStreams hands them to ``Session.set_state``, which takes float32.
+    _native = True
 
     def __init__(
         self,
@@ -108,11 +123,13 @@ class Streams:
                 "fixed-size states only; use a model whose layers are all linear attention (or mixer 'swa'), or "
                 "export with --target onnxruntime (a preallocated KV buffer)"
             )
-        reduced = next((e for e in m.state if e.dtype != "float32"), None)
-        if reduced is not None:  # the batch buffers here are float32, written row by row from states
+        # a KV buffer's rows are held in its own dtype (float16, int8) and converted where a state is read or
+        # written; other tensors of a reduced dtype (no export makes them) have no such conversion
+        reduced = next((e for e in m.state if e.dtype != "float32" and not _is_kv(e, m.max_length)), None)
+        if reduced is not None:
             raise ValueError(
-                f"{m.root}: its KV buffers are {reduced.dtype} ({reduced.input!r}); streams hold float32 "
-                "buffers only: export with --kv-dtype float32"
+                f"{m.root}: its state {reduced.input!r} is {reduced.dtype} but not a KV buffer [batch, kv heads, "
+                "max_length, head dim]; streams hold float16 and int8 KV buffers only: export with --kv-dtype float32"
             )
         if max_streams is not None and (isinstance(max_streams, bool) or int(max_streams) < 1):
             raise ValueError(f"max_streams must be None or an integer >= 1, got {max_streams!r}")
@@ -137,9 +154,9 @@ class Streams:
         return tuple(e.shape[1:])
 
     def _zeros(self, e, rows: int) -> np.ndarray:
-        """Zero state ``[rows, ...]`` of entry ``e`` (a KV buffer's without huge pages: ``kv_zeros``)."""
+        """Zero state ``[rows, ...]`` of entry ``e`` in its dtype (a KV buffer's without huge pages: ``kv_zeros``)."""
         shape = (rows, *self._row_shape(e))
-        return kv_zeros(shape) if self._kv(e) else np.zeros(shape, np.float32)
+        return kv_zeros(shape, e.dtype) if self._kv(e) else np.zeros(shape, e.dtype)
 
     def _grow(self, capacity: int) -> None:
         """Buffers for ``capacity`` rows (zeros: the OS commits pages as rows are used), the live rows
@@ -152,7 +169,7 @@ class Streams:
         # np.zeros, not zeros_like (which writes its zeros, committing every page of every row at once)
         self._bufs = [
             first,
-            [a if e.shared else np.zeros(a.shape, np.float32) for a, e in zip(first, self._entries)],
+            [a if e.shared else np.zeros(a.shape, a.dtype) for a, e in zip(first, self._entries)],
         ]
         self._cur = 0
         self._capacity = capacity
@@ -182,20 +199,33 @@ class Streams:
             self._bindings.append(io)
 
     def _kv(self, e) -> bool:
-        """Whether entry ``e`` is a KV buffer ``[B, Hkv, max_length, D]`` (its slots at or past a stream's
-        position are never read: GroupQueryAttention reads and writes below it)."""
-        return e.shared and len(e.shape) == 4 and e.shape[2] == self.manifest.max_length
+        return _is_kv(e, self.manifest.max_length)
 
-    def _row(self, arrays: list[np.ndarray], i: int, filled: int) -> dict[str, np.ndarray]:
-        """Row ``i`` of [N, ...] state arrays, copied as a batch-1 state dict: of a KV buffer only the
-        ``filled`` slots below the position, the rest zeros (pages the OS commits only when written)."""
+    def _put(self, e, dst: np.ndarray, src, filled: int) -> None:
+        """Write ``src`` ([B, ...] values of entry ``e``, float32 or in ``e``'s dtype) into ``dst`` ([B, ...]):
+        of a KV buffer the ``filled`` slots only (those past them are never read), converted as the batch-1
+        session converts (``kv_from_float``, ``kv_to_float``) where the dtypes differ, copied where they agree."""
+        src, held = np.asarray(src), np.dtype(e.dtype)
+        if self._kv(e):
+            dst, src = dst[:, :, :filled], src[:, :, :filled]
+        if src.dtype == held and dst.dtype != held:  # the graph's values (int8: times the scales)
+            src = kv_to_float(e, src)
+        if dst.dtype == held and src.dtype != held:  # float values as the graph holds them
+            src = kv_from_float(e, src)
+        dst[...] = src
+
+    def _row(
+        self, arrays: list[np.ndarray], i: int, filled: int, native: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Row ``i`` of [N, ...] state arrays, copied as a batch-1 state dict, float32 as ``Session.get_state``
+        returns it (``native``: each tensor in its entry's dtype): of a KV buffer only the ``filled`` slots below
+        the position, the rest zeros (pages the OS commits only when written)."""
         out = {}
         for a, e in zip(arrays, self._entries):
-            if self._kv(e):
-                row = kv_zeros((1, *a.shape[1:]), a.dtype)
-                row[:, :, :filled] = a[i : i + 1, :, :filled]
-            else:
-                row = a[i : i + 1].copy()
+            dtype = np.dtype(e.dtype) if native else np.float32
+            shape = (1, *a.shape[1:])
+            row = kv_zeros(shape, dtype) if self._kv(e) else np.empty(shape, dtype)
+            self._put(e, row, a[i : i + 1], filled)
             out[e.input] = row
         return out
 
@@ -223,8 +253,12 @@ class Streams:
 
     @property
     def state_bytes_per_stream(self) -> int:
-        """Bytes of recurrent state one stream holds (all layers, float32)."""
-        return sum(4 * int(np.prod(self._row_shape(e), dtype=np.int64)) for e in self._entries)
+        """Bytes of recurrent state one stream holds (all layers, each tensor in its dtype: an int8 KV
+        buffer's a quarter of float32's)."""
+        return sum(
+            np.dtype(e.dtype).itemsize * int(np.prod(self._row_shape(e), dtype=np.int64))
+            for e in self._entries
+        )
 
     def add(
         self,
@@ -244,7 +278,8 @@ class Streams:
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
-        state or logits holding NaN or infinity is a ValueError naming the argument."""
+        state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
+        slots below the state's position count: those past it are never read)."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -272,7 +307,7 @@ class Streams:
                     "give logits only without prompt_ids (the prompt's last logits come from prefill)"
                 )
             if ids is not None:
-                row, last, pos = self.prefill(ids, state=state, position=position)
+                row, last, pos = self._prefill(ids, state, position, native=self._native)
             else:
                 finite_logits(logits, "logits")
                 last = np.asarray(logits, dtype=np.float32).reshape(-1)
@@ -295,7 +330,8 @@ class Streams:
                 max_length=self.manifest.max_length,
             )
             if decoder.done:  # max_new_tokens 0
-                self._streams[sid].parked = {k: v.copy() for k, v in row.items()}
+                held = [row[e.input] for e in self._entries]
+                self._streams[sid].parked = self._row(held, 0, pos, native=self._native)
                 return sid
             self._enter(sid, row)
             return sid
@@ -306,36 +342,46 @@ class Streams:
         if n == self._capacity:
             self._grow(2 * self._capacity)
         filled = self._streams[sid].position
-        for a, e in zip(self._bufs[self._cur], self._entries):
-            if self._kv(e):  # the slots past the position are never read: the row's old ones stay
-                a[n, :, :filled] = row[e.input][0, :, :filled]
-            else:
-                a[n] = row[e.input][0]
+        for a, e in zip(self._bufs[self._cur], self._entries):  # a KV buffer's slots past the position are
+            self._put(e, a[n : n + 1], row[e.input], filled)  # never read: the row's old ones stay
         self._rows.append(sid)
         self._bind()
 
     def _load(self, state, position: int) -> tuple[dict, int]:
-        """A batch-1 state (dict or state-file path) checked against the model, and its position."""
-        if not isinstance(state, (str, os.PathLike)):  # a dict: checked here, no copy through the session
+        """A batch-1 state (dict or state-file path) checked against the model, and its position. A dict is
+        checked here, no copy through the session: of a KV buffer only the slots that are read (below the
+        state's position entries, or ``position``) must be finite, the whole ``max_length`` row need not be
+        read. A file comes back from the session, its KV buffers in their own dtype (``_native``)."""
+        if not isinstance(state, (str, os.PathLike)):
             from edgeattn.artifact.state_file import check_state
 
-            check_state(state, {e.input: tuple(e.shape) for e in self._entries}, source="state")
+            try:
+                n = max(self._single._filled(state), int(position))
+            except (KeyError, ValueError, OverflowError):
+                n = None  # missing or non-finite positions: every slot checked, check_state names the tensor
+            filled = None if n is None else {e.input: n for e in self._entries if self._kv(e)}
+            check_state(
+                state, {e.input: tuple(e.shape) for e in self._entries}, source="state", filled=filled
+            )
             return {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}, int(position)
         sess = self._single
         with sess.lock:
             sess.reset()
-            if isinstance(state, (str, os.PathLike)):
-                sess.load_state(state)
-            else:
-                sess.set_state(state, position=int(position))
-            return sess.get_state(), sess.position
+            sess.load_state(state)
+            return sess._get_state(native=self._native), sess.position
 
     def prefill(self, prompt_ids, *, state=None, position: int = 0) -> tuple[dict, np.ndarray, int]:
         """Consume ``prompt_ids`` (1-D) at batch 1, from zeros or from ``state`` (a batch-1 state dict
         at ``position``, or a state-file path), without starting a stream: ``(state, next-token logits
         [vocab], position)``, which ``add(state=..., logits=..., position=...)`` takes. A caller can so
         prefill a long prompt in pieces between ``step`` calls; pieces that are multiples of the
-        manifest's prefill tokens give the same numbers as one call."""
+        manifest's prefill tokens give the same numbers as one call. The state is float32, as
+        ``Session.get_state`` returns it."""
+        return self._prefill(prompt_ids, state, position, native=False)
+
+    def _prefill(self, prompt_ids, state, position: int, native: bool) -> tuple[dict, np.ndarray, int]:
+        """``prefill``; with ``native`` the state's KV buffers in their own dtype, copied from the batch-1
+        session's (what ``add`` writes into a batch row: no float32 round trip)."""
         with self.lock:
             ids = np.asarray(prompt_ids)
             if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
@@ -350,7 +396,7 @@ class Streams:
                 elif state is not None:
                     sess.set_state(state, position=int(position))
                 last = sess.prefill(ids[None].astype(np.int64))[0]
-                return sess.get_state(), np.array(last, dtype=np.float32), sess.position
+                return sess._get_state(native=native), np.array(last, dtype=np.float32), sess.position
 
     def prefill_many(self, pieces: list[tuple]) -> list[tuple[dict, np.ndarray, int]]:
         """``prefill`` of several prompts at once: ``pieces`` is a list of ``(prompt_ids, state, position)``
@@ -378,13 +424,8 @@ class Streams:
             for e in self._entries:
                 a = self._zeros(e, B)
                 for r, (_, state, position) in enumerate(pieces):
-                    if state is None:
-                        continue
-                    row = np.asarray(state[e.input], dtype=np.float32)[0]
-                    if self._kv(e):
-                        a[r, :, :position] = row[:, :position]
-                    else:
-                        a[r] = row
+                    if state is not None:
+                        self._put(e, a[r : r + 1], state[e.input], position)
                 cur.append(a)
             C = self.manifest.prefill_tokens
             spans = [(c, min(c + C, T)) for c in range(0, T, C)]
@@ -429,7 +470,7 @@ class Streams:
         live = self._current()
         for i, s in enumerate(self._rows):
             if keep and s in sids and self._streams.get(s) is not None:
-                self._streams[s].parked = self._row(live, i, self._streams[s].position)
+                self._streams[s].parked = self._row(live, i, self._streams[s].position, native=True)
         rows, cur = self._rows, self._bufs[self._cur]
         for i in sorted((i for i, s in enumerate(rows) if s in sids), reverse=True):
             last = len(rows) - 1
@@ -472,7 +513,7 @@ class Streams:
         """A copy of the stream's state, batch 1, keyed by the graph input names (``Session.set_state`` takes it)."""
         with self.lock:
             st = self._stream(sid)
-            if st.parked is not None:  # of a KV buffer the filled slots only, as from the batch rows
+            if st.parked is not None:  # of a KV buffer the filled slots only, float32, as from the batch rows
                 return self._row([st.parked[e.input] for e in self._entries], 0, st.position)
             return self._row(self._current(), self._rows.index(sid), st.position)
 
@@ -532,11 +573,14 @@ class SerialStreams(Streams):
         self._rows = []
         self._next_id = 0
 
+    _native = False  # the live stream's state goes through Session.set_state / get_state: float32
+
     @property
     def state_bytes_per_stream(self) -> int:
         """Bytes of state one stream holds at the start (a growing cache counted empty)."""
         return sum(
-            4 * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)])) for e in self._entries
+            np.dtype(e.dtype).itemsize * int(np.prod([d for d in e.shape[1:] if not isinstance(d, str)]))
+            for e in self._entries
         )
 
     def _busy(self) -> None:
@@ -545,10 +589,10 @@ class SerialStreams(Streams):
                 f"this artifact serves one stream at a time and stream {self._rows[0]} is live; drop it first"
             )
 
-    def prefill(self, prompt_ids, *, state=None, position: int = 0):
+    def _prefill(self, prompt_ids, state, position: int, native: bool):
         with self.lock:
             self._busy()
-            return super().prefill(prompt_ids, state=state, position=position)
+            return super()._prefill(prompt_ids, state, position, native)
 
     def prefill_many(self, pieces: list[tuple]) -> list[tuple[dict, np.ndarray, int]]:
         return [self.prefill(ids, state=state, position=pos) for ids, state, pos in pieces]

@@ -60,7 +60,10 @@ struct StateEntry {
   int layer = 0;
   std::string name;
   std::vector<std::variant<int64_t, std::string>> shape;  // a string is a dynamic dimension
-  std::string dtype;
+  std::string dtype;  // float32; a shared KV buffer float16 or int8 too
+  // int8: the scales [Hkv * D] (row-major [Hkv][D]) of a [B, Hkv, max_length, D] buffer; a slot holds
+  // clip(rint(x / scale), -128, 127) of the float32 value x (ONNX Runtime's PER_CHANNEL quantized cache)
+  std::vector<float> scale;
   // One buffer bound as both the past input and the present output: a preallocated KV buffer of max_length
   // tokens that the graph (ONNX Runtime's GroupQueryAttention) updates in place.
   bool shared = false;

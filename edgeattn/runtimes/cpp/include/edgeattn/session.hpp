@@ -166,8 +166,10 @@ class Session {
   // Back to the initial (all-zero) state at position 0.
   void reset();
 
-  // Write / read the state as a safetensors state file (docs/artifact-format.md). load_state refuses a state
-  // of another model (fingerprint) or with other tensor names or shapes, and leaves the session unchanged then.
+  // Write / read the state as a safetensors state file (docs/artifact-format.md), float32 throughout: a float16 or
+  // int8 KV buffer's slots below the position are converted (int8 with its scales), as Python's sessions do.
+  // load_state refuses a state of another model (fingerprint) or with other tensor names or shapes, and leaves the
+  // session unchanged then.
   void save_state(const std::string& path) const;
   void load_state(const std::string& path);
 

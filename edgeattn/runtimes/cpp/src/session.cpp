@@ -128,8 +128,8 @@ Session::Session(const std::string& artifact_dir, const SessionOptions& options)
     s.open(s.step, m.step, options);
     s.open(s.prefill, m.prefill, options, m.prefill.path == m.step.path ? &s.step : nullptr);
     // A shared entry (a preallocated KV buffer) has one buffer: set 1 holds a second OrtValue over set 0's memory,
-    // so both bindings read and write it in place and the swap changes nothing for it.
-    // A KV buffer is in the graph's element type (float32, float16 or int8); every other state tensor float32.
+    // so both bindings read and write it in place and the swap changes nothing for it. It is in the graph's element
+    // type (float32, float16 or int8); every other state tensor is float32.
     for (size_t i = 0; i < s.shapes.size(); ++i) {
       const ONNXTensorElementDataType type = detail::element_type(m.state[i].dtype);
       s.state[0].push_back(zeros(s.step.allocator, s.shapes[i], type, s.item_bytes(i)));

@@ -151,9 +151,9 @@ struct Session::Impl {
   size_t item_bytes(size_t i) const { return detail::state_item_bytes(manifest.state[i].dtype); }
   size_t bytes(size_t i) const { return static_cast<size_t>(detail::numel(shapes[i])) * item_bytes(i); }
 
-  // The reduced KV buffer slots that a state holds (`values[i]`: entry i's float32 values, nullptr for a reduced KV buffer):
-  // its largest "position", rounded up (GroupQueryAttention reads and writes no slot at or past it), as Python's
-  // OnnxRuntimeSession._filled; every slot when the artifact has no position entry.
+  // The reduced KV buffer slots that a state holds: its largest "position" value, rounded up (GroupQueryAttention
+  // reads and writes no slot at or past it), as Python's OnnxRuntimeSession._filled; every slot when the artifact
+  // has no position entry. `values[i]`: entry i's float32 values (only the position entries' are read).
   int64_t filled(const std::vector<const float*>& values) const {
     double n = -1;
     int64_t slots = 0;

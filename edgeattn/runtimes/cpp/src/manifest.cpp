@@ -1,4 +1,5 @@
 // edgeattn.json: parse, check and verify (docs/artifact-format.md).
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -129,6 +130,28 @@ WeightsInfo parse_weights(const Fields& f, const json& data) {
   return w;
 }
 
+// An int8 KV buffer's "scale": [Hkv][D] positive numbers for its shape [B, Hkv, max_length, D], flattened.
+std::vector<float> parse_kv_scale(const std::string& path, const json& s, const StateEntry& e) {
+  const std::vector<int64_t> shape = e.fixed_shape();  // [B, Hkv, max_length, D]
+  const std::string want = std::to_string(shape[1]) + " rows of " + std::to_string(shape[3]) +
+                           " positive numbers (an int8 KV buffer's scales per KV head and channel)";
+  if (!s.contains("scale"))
+    throw ManifestError(path + ": state " + e.input + " is an int8 KV buffer without \"scale\": " + want);
+  const json& scale = s["scale"];
+  std::vector<float> out;
+  bool ok = scale.is_array() && static_cast<int64_t>(scale.size()) == shape[1];
+  for (size_t r = 0; ok && r < scale.size(); ++r) {
+    ok = scale[r].is_array() && static_cast<int64_t>(scale[r].size()) == shape[3];
+    for (size_t c = 0; ok && c < scale[r].size(); ++c) {
+      const json& x = scale[r][c];
+      ok = x.is_number() && x.get<float>() > 0 && std::isfinite(x.get<float>());  // (booleans are not numbers)
+      if (ok) out.push_back(x.get<float>());
+    }
+  }
+  if (!ok) throw ManifestError(path + ": state " + e.input + " \"scale\" must list " + want);
+  return out;
+}
+
 }  // namespace
 
 bool TokenizerInfo::is_eos(int64_t token) const {
@@ -208,7 +231,6 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     e.layer = static_cast<int>(f.integer(s, "layer"));
     e.name = f.str(s, "name");
     e.dtype = f.str(s, "dtype");
-    if (e.dtype != "float32") throw ManifestError(path + ": state " + e.input + " has dtype " + e.dtype + ", not float32");
     const json& shape = f.get(s, "shape");
     if (!shape.is_array()) throw ManifestError(path + ": state " + e.input + " shape must be a list");
     for (const json& d : shape) {
@@ -228,6 +250,13 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     }
     if (e.shared && m.max_length < 0)
       throw ManifestError(path + ": state " + e.input + " is a shared KV buffer, but \"max_length\" is not set");
+    if (e.dtype != "float32" && !(e.shared && (e.dtype == "float16" || e.dtype == "int8")))
+      throw ManifestError(path + ": state " + e.input + " has dtype " + e.dtype +
+                          ": state tensors are float32 (a shared KV buffer float16 or int8 too)");
+    if (e.dtype != "float32" && e.fixed_shape().size() != 4)
+      throw ManifestError(path + ": state " + e.input + " is a " + e.dtype + " KV buffer of " +
+                          std::to_string(e.shape.size()) + " dimensions, not [B, H, max_length, D]");
+    if (e.dtype == "int8") e.scale = parse_kv_scale(path, s, e);
     m.state.push_back(std::move(e));
   }
 

@@ -5,6 +5,7 @@
 // every tensor handed to both sessions as the same OrtValue (SessionOptions::AddInitializer), and both sessions
 // are created with one Ort::PrepackedWeightsContainer, so each matrix is prepacked once for both. When step and
 // prefill name the same graph file (one graph with a dynamic token axis), one session serves both.
+#include <cmath>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -59,11 +60,46 @@ void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<i
   expect(inputs, m.input_ids_name, "input", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {1, g.tokens});
   expect(outputs, m.logits_name, "output", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, {1, g.tokens, m.vocab_size});
   for (size_t i = 0; i < m.state.size(); ++i) {
-    expect(inputs, m.state[i].input, "input", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, shapes[i]);
-    expect(outputs, m.state[i].output, "output", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, shapes[i]);
+    expect(inputs, m.state[i].input, "input", element_type(m.state[i].dtype), shapes[i]);
+    expect(outputs, m.state[i].output, "output", element_type(m.state[i].dtype), shapes[i]);
   }
   if (!inputs.empty())
     throw ManifestError(g.file + " has the input " + inputs.begin()->first + ", which edgeattn.json does not list");
+}
+
+static_assert(sizeof(Ort::Float16_t) == 2, "a float16 KV buffer is read as an array of Ort::Float16_t");
+
+// Slots [0, n) of each [L, D] row of a [B, H, L, D] KV buffer: f(element index, scale index).
+template <typename F>
+void for_slots(const std::vector<int64_t>& shape, int64_t n, F f) {
+  const int64_t B = shape[0], H = shape[1], L = shape[2], D = shape[3];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < D; ++d) f(((b * H + h) * L + t) * D + d, h * D + d);
+}
+
+void kv_to_float(const StateEntry& e, const std::vector<int64_t>& shape, const void* kv, int64_t n, float* out) {
+  if (e.dtype == "int8") {
+    const auto* q = static_cast<const int8_t*>(kv);
+    for_slots(shape, n, [&](int64_t i, int64_t c) { out[i] = static_cast<float>(q[i]) * e.scale[c]; });
+  } else {
+    const auto* h = static_cast<const Ort::Float16_t*>(kv);
+    for_slots(shape, n, [&](int64_t i, int64_t) { out[i] = h[i].ToFloat(); });
+  }
+}
+
+void kv_from_float(const StateEntry& e, const std::vector<int64_t>& shape, const float* x, int64_t n, void* kv) {
+  if (e.dtype == "int8") {
+    auto* q = static_cast<int8_t*>(kv);
+    for_slots(shape, n, [&](int64_t i, int64_t c) {
+      // nearbyint rounds half to even in the default rounding mode, as numpy's rint (edgeattn.runtimes.base)
+      q[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[i] / e.scale[c]), -128.0f), 127.0f));
+    });
+  } else {
+    auto* h = static_cast<Ort::Float16_t*>(kv);
+    for_slots(shape, n, [&](int64_t i, int64_t) { h[i] = Ort::Float16_t(x[i]); });
+  }
 }
 
 }  // namespace detail
@@ -92,13 +128,14 @@ Session::Session(const std::string& artifact_dir, const SessionOptions& options)
     s.open(s.step, m.step, options);
     s.open(s.prefill, m.prefill, options, m.prefill.path == m.step.path ? &s.step : nullptr);
     // A shared entry (a preallocated KV buffer) has one buffer: set 1 holds a second OrtValue over set 0's memory,
-    // so both bindings read and write it in place and the swap changes nothing for it.
+    // so both bindings read and write it in place and the swap changes nothing for it. It is in the graph's element
+    // type (float32, float16 or int8); every other state tensor is float32.
     for (size_t i = 0; i < s.shapes.size(); ++i) {
-      s.state[0].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
+      const ONNXTensorElementDataType type = detail::element_type(m.state[i].dtype);
+      s.state[0].push_back(zeros(s.step.allocator, s.shapes[i], type, s.item_bytes(i)));
       if (m.state[i].shared)
-        s.state[1].push_back(Ort::Value::CreateTensor<float>(
-            s.cpu, s.state[0][i].GetTensorMutableData<float>(), static_cast<size_t>(numel(s.shapes[i])),
-            s.shapes[i].data(), s.shapes[i].size()));
+        s.state[1].push_back(Ort::Value::CreateTensor(s.cpu, s.state[0][i].GetTensorMutableRawData(), s.bytes(i),
+                                                      s.shapes[i].data(), s.shapes[i].size(), type));
       else
         s.state[1].push_back(zeros<float>(s.step.allocator, s.shapes[i]));
     }
@@ -137,18 +174,29 @@ std::vector<float> Session::step(int64_t token) {
 
 void Session::reset() {
   Impl& s = *impl_;
-  for (size_t i = 0; i < s.shapes.size(); ++i)
-    std::memset(s.state[s.cur][i].GetTensorMutableData<float>(), 0,
-                static_cast<size_t>(numel(s.shapes[i])) * sizeof(float));
+  for (size_t i = 0; i < s.shapes.size(); ++i) std::memset(s.state[s.cur][i].GetTensorMutableRawData(), 0, s.bytes(i));
   s.position = 0;
 }
 
 void Session::save_state(const std::string& path) const {
   const Impl& s = *impl_;
-  std::vector<detail::StateTensorView> views;
+  const Manifest& m = s.manifest;
+  // A state file holds float32: a reduced KV buffer's filled slots converted, zeros past them (never read).
+  std::vector<std::vector<float>> converted(s.shapes.size());
+  std::vector<const float*> current;
   for (size_t i = 0; i < s.shapes.size(); ++i)
-    views.push_back({s.manifest.state[i].input, s.shapes[i], s.state[s.cur][i].GetTensorData<float>()});
-  detail::write_state_file(path, views, s.manifest.fingerprint, s.position);
+    current.push_back(m.state[i].dtype == "float32" ? s.state[s.cur][i].GetTensorData<float>() : nullptr);
+  const int64_t n = s.filled(current);
+  std::vector<detail::StateTensorView> views;
+  for (size_t i = 0; i < s.shapes.size(); ++i) {
+    if (!current[i]) {
+      converted[i].assign(static_cast<size_t>(numel(s.shapes[i])), 0.0f);
+      detail::kv_to_float(m.state[i], s.shapes[i], s.state[s.cur][i].GetTensorRawData(), n, converted[i].data());
+      current[i] = converted[i].data();
+    }
+    views.push_back({m.state[i].input, s.shapes[i], current[i]});
+  }
+  detail::write_state_file(path, views, m.fingerprint, s.position);
 }
 
 void Session::load_state(const std::string& path) {
@@ -174,9 +222,15 @@ void Session::load_state(const std::string& path) {
     if (loaded.shapes[order[i]] != s.shapes[i])
       throw StateFileError(path + ": state tensor " + m.state[i].input + " has shape " +
                            shape_str(loaded.shapes[order[i]]) + ", the artifact's is " + shape_str(s.shapes[i]));
+  std::vector<const float*> values;
+  for (size_t i = 0; i < m.state.size(); ++i) values.push_back(loaded.data[order[i]].data());
+  const int64_t n = s.filled(values);
   for (size_t i = 0; i < m.state.size(); ++i) {
-    const auto& src = loaded.data[order[i]];
-    std::memcpy(s.state[s.cur][i].GetTensorMutableData<float>(), src.data(), src.size() * sizeof(float));
+    void* dst = s.state[s.cur][i].GetTensorMutableRawData();
+    if (m.state[i].dtype == "float32")
+      std::memcpy(dst, values[i], s.bytes(i));
+    else  // a reduced KV buffer: its filled slots only, as Python's set_state (the others are never read)
+      detail::kv_from_float(m.state[i], s.shapes[i], values[i], n, dst);
   }
   s.position = loaded.position;
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -38,6 +39,16 @@ inline std::string shape_str(const std::vector<int64_t>& shape) {
 inline std::string one_line(std::string s) {
   std::replace(s.begin(), s.end(), '\n', ' ');
   return s;
+}
+
+// Bytes per element of a state tensor: float32; a KV buffer float16 or int8 too.
+inline size_t state_item_bytes(const std::string& dtype) { return dtype == "int8" ? 1 : dtype == "float16" ? 2 : 4; }
+
+inline Ort::Value zeros(Ort::Allocator& allocator, const std::vector<int64_t>& shape, ONNXTensorElementDataType type,
+                        size_t item_bytes) {
+  Ort::Value v = Ort::Value::CreateTensor(allocator, shape.data(), shape.size(), type);
+  std::memset(v.GetTensorMutableRawData(), 0, static_cast<size_t>(numel(shape)) * item_bytes);
+  return v;
 }
 
 template <typename T>
@@ -96,6 +107,12 @@ inline ONNXTensorElementDataType element_type(const std::string& dtype) {
   throw ManifestError("weights tensor of unknown dtype " + dtype);
 }
 
+// A reduced KV buffer (float16 or int8, [B, H, L, D]) and float32 values, converted over slots [0, n) of every
+// (batch, head) row; the other slots of `out` are left as they are. int8: x = q * scale, q = clip(rint(x / scale),
+// -128, 127) with the per-(head, channel) scales; float16: IEEE conversion, round to nearest even.
+void kv_to_float(const StateEntry& e, const std::vector<int64_t>& shape, const void* kv, int64_t n, float* out);
+void kv_from_float(const StateEntry& e, const std::vector<int64_t>& shape, const float* x, int64_t n, void* kv);
+
 // One graph with its own preallocated input_ids and logits, and two bindings: binding[p] reads state set p and
 // writes state set 1 - p. `session` is `own`, or the other graph's session when both name the same file.
 struct Graph {
@@ -130,6 +147,24 @@ struct Session::Impl {
   std::vector<Ort::Value> state[2];
   int cur = 0;  // state[cur] holds the current state
   int64_t position = 0;
+
+  size_t item_bytes(size_t i) const { return detail::state_item_bytes(manifest.state[i].dtype); }
+  size_t bytes(size_t i) const { return static_cast<size_t>(detail::numel(shapes[i])) * item_bytes(i); }
+
+  // The reduced KV buffer slots that a state holds: its largest "position" value, rounded up (GroupQueryAttention
+  // reads and writes no slot at or past it), as Python's OnnxRuntimeSession._filled; every slot when the artifact
+  // has no position entry. `values[i]`: entry i's float32 values (only the position entries' are read).
+  int64_t filled(const std::vector<const float*>& values) const {
+    double n = -1;
+    int64_t slots = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      if (manifest.state[i].dtype != "float32") slots = std::max(slots, shapes[i][2]);  // [B, H, L, D]
+      if (manifest.state[i].name != "position" || !values[i]) continue;
+      n = std::max(n, 0.0);
+      for (int64_t k = 0; k < detail::numel(shapes[i]); ++k) n = std::max(n, static_cast<double>(values[i][k]));
+    }
+    return n < 0 ? slots : std::min(slots, static_cast<int64_t>(std::ceil(n)));
+  }
 
   // Map the manifest's weights file once and make one OrtValue per tensor, under each of its names.
   void map_weights() {

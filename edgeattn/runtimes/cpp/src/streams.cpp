@@ -175,8 +175,9 @@ Streams::Streams(Session& session, int64_t max_streams) : impl_(std::make_unique
                         ": streams need graphs that take any batch; export again with --dynamic-batch");
   for (const StateEntry& e : m.state)
     if (e.shared)
-      throw ManifestError("state " + e.input + " is a KV buffer (the softmax baseline): streams take fixed-size "
-                          "recurrent state only; use a linear-attention model (or mixer swa)");
+      throw ManifestError("state " + e.input + " is a KV buffer (softmax attention, " + e.dtype +
+                          "): streams take fixed-size recurrent state only; use a linear-attention model (or mixer "
+                          "swa), or a Session per stream");
   if (max_streams == 0 || max_streams < -1) throw InputError("max_streams must be >= 1 (or -1: no limit)");
   for (const auto& shape : t.s->shapes) {
     t.row_shapes.emplace_back(shape.begin() + 1, shape.end());

@@ -60,7 +60,10 @@ struct StateEntry {
   int layer = 0;
   std::string name;
   std::vector<std::variant<int64_t, std::string>> shape;  // a string is a dynamic dimension
-  std::string dtype;
+  std::string dtype;  // float32; a shared KV buffer float16 or int8 too
+  // int8: the scales [Hkv * D] (row-major [Hkv][D]) of a [B, Hkv, max_length, D] buffer; a slot holds
+  // clip(rint(x / scale), -128, 127) of the float32 value x (ONNX Runtime's PER_CHANNEL quantized cache)
+  std::vector<float> scale;
   // One buffer bound as both the past input and the present output: a preallocated KV buffer of max_length
   // tokens that the graph (ONNX Runtime's GroupQueryAttention) updates in place.
   bool shared = false;
@@ -163,8 +166,10 @@ class Session {
   // Back to the initial (all-zero) state at position 0.
   void reset();
 
-  // Write / read the state as a safetensors state file (docs/artifact-format.md). load_state refuses a state
-  // of another model (fingerprint) or with other tensor names or shapes, and leaves the session unchanged then.
+  // Write / read the state as a safetensors state file (docs/artifact-format.md), float32 throughout: a float16 or
+  // int8 KV buffer's slots below the position are converted (int8 with its scales), as Python's sessions do.
+  // load_state refuses a state of another model (fingerprint) or with other tensor names or shapes, and leaves the
+  // session unchanged then.
   void save_state(const std::string& path) const;
   void load_state(const std::string& path);
 

@@ -13,8 +13,12 @@ int4 default block size went from 32 to 128 (issue 25, item 4), from the `perf2`
 change), whose other 15 cases still hashed as recorded. The aft and aft_local step graphs were
 re-recorded from branch arch4b (issue 21 item 4: the layer makes one `aft(mode="auto")` call, so the decay's
 Softplus and Neg, computed by the layer before the call, now precede the op's slices of q, k and v): the same
-nodes, initializers, inputs and outputs in another order, and ONNX Runtime's outputs bit-identical. Rerecord it (from the code before a
-change) only when a change of the graphs is intended. The hashes hold
+nodes, initializers, inputs and outputs in another order, and ONNX Runtime's outputs bit-identical.
+qwen3_5_hf_int4's step.onnx (and the manifest, which hashes it) was re-recorded with the fix that rotates
+each row of a batch from its own position where the graph runs the rotary itself (rotary dims that
+GroupQueryAttention's tables do not take: this tiny model's 8), not from row 0's; its large-model path
+still writes the same files. Rerecord it (from the code before a change) only when a change of the graphs
+is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """
 

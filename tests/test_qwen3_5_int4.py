@@ -296,14 +296,11 @@ def test_int8_kv_streams_equal_the_session(hf, ids, tmp_path):
             assert np.all(np.abs(got[e.input] - ref[e.input]) <= step + 1e-5 + 1e-5 * np.abs(ref[e.input]))
 
 
-@pytest.mark.xfail(
-    strict=True, reason="GroupQueryAttention's rotary at batch N: rows below the longest differ"
-)
 def test_rotary_rows_at_different_positions(hf, ids, tmp_path):
-    """A known difference, float32 KV buffers too: in a batch-N step of rows at different positions, the rows
-    below the batch's longest get keys (GroupQueryAttention's own rotary, ``do_rotary``) and logits apart from
-    the lone session's (logits by ~1e-2 here); the row at the longest position equals it. Non-rotary models
-    (tests/test_streams.py) do not show it."""
+    """A batch-N step of rows at different positions equals each row's lone session: every row's keys and
+    queries are rotated from its own position. (The rotary the graph runs itself, for rotary dims that
+    GroupQueryAttention's tables do not take, rotated every row from row 0's position: the rows below the
+    longest got logits ~1e-2 apart.)"""
     from edgeattn.runtimes.streams import Streams
 
     _, root = hf

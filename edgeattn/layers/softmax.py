@@ -50,12 +50,13 @@ def _rms(x, weight, eps: float):
 
 def _rotate(x, pos, rotary_dim: int, theta: float):
     """Rotary embedding (rotate-half convention) on the first ``rotary_dim`` dims of x [B, T, H, Dh];
-    pos [T] float positions."""
+    pos [T] float positions (every row's), or [B, T] (each row's own)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
     )
-    freqs = pos[:, None] * inv_freq  # [T, rotary_dim / 2]
-    emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, T, 1, rotary_dim]
+    freqs = pos[..., None] * inv_freq  # [T or B, T, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T or B, T, rotary_dim]
+    emb = emb[None, :, None, :] if pos.dim() == 1 else emb[:, :, None, :]  # [1 or B, T, 1, rotary_dim]
     cos, sin = emb.cos(), emb.sin()
     xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
@@ -138,7 +139,9 @@ class SoftmaxAttention(_Attention):
                 if gqa_rotary_ok(rd, Dh):  # GroupQueryAttention rotates q and k from cos/sin tables
                     rotary = _tables(self.kv_buffer, rd, c.rope_theta, x.device)
                 else:
-                    pos = state["position"][:1] + torch.ones_like(q[0, :, 0, 0]).cumsum(0) - 1  # [T]
+                    # each row from its own position (rows of a batch sit at different ones: Streams)
+                    steps = torch.ones_like(q[0, :, 0, 0]).cumsum(0) - 1  # [T]
+                    pos = state["position"][:, None] + steps[None, :]  # [B, T]
                     q, k = _rotate(q, pos, rd, c.rope_theta), _rotate(k, pos, rd, c.rope_theta)
             o, key, value, position = buffer_attention(
                 q, k, v, state["key"], state["value"], state["position"], scale=Dh**-0.5, rotary=rotary

@@ -554,7 +554,7 @@ class Streams:
 
 class SerialStreams(Streams):
     """The ``Streams`` API, one live stream at a time, for the artifacts ``Streams`` refuses (a fixed
-    batch, a growing KV cache, a preallocated KV buffer): the live stream's state stays in one batch-1
+    batch, a growing KV cache): the live stream's state stays in one batch-1
     session and ``step`` runs the step graph at batch 1. ``add`` (and ``prefill``) refuse while a stream
     is live; a stopped stream keeps a copy of its state until ``drop`` as in ``Streams``."""
 

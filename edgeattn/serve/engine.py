@@ -34,8 +34,9 @@ or resumed from the cache. Without a cache hit the prompt is consumed in the sam
 state that was computed with other chunk boundaries (the reply's tokens one step each), equal up to float
 rounding (tests/test_serve_engine.py measures it and checks the greedy tokens).
 
-Artifacts that ``Streams`` refuses (a fixed batch, a KV-buffer or growing-cache softmax layer) run one
-request at a time (``SerialStreams``); ``engine.serial_reason`` says why.
+Artifacts that ``Streams`` refuses (a fixed batch, a growing-cache softmax layer) run one request at a
+time (``SerialStreams``); ``engine.serial_reason`` says why. Preallocated KV buffers (float32, float16 or
+int8) batch like fixed-size states.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -248,4 +250,40 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     return Ort::Status(e).release();
   }
   return nullptr;
+}
+
+// The floor: ``n_bufs`` buffers of ``n`` int8 bytes each read once (widened to float and summed, as the kernel
+// widens them), split between ``threads`` threads buffer by buffer; returns milliseconds.
+extern "C" double edgeattn_read_ms(const int8_t* const* bufs, int n_bufs, int64_t n, int threads) {
+  std::vector<double> sums(static_cast<size_t>(threads), 0.0);
+  auto read = [&](int t) {
+    for (int b = t; b < n_bufs; b += threads) {
+      const int8_t* x = bufs[b];
+      int64_t i = 0;
+#ifdef __AVX512F__
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (; i + 64 <= n; i += 64) {
+        const __m512i raw = _mm512_loadu_si512(x + i);
+        a0 = _mm512_add_ps(a0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(raw))));
+        a1 = _mm512_add_ps(a1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(raw, 1))));
+        a2 = _mm512_add_ps(a2, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(raw, 2))));
+        a3 = _mm512_add_ps(a3, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(raw, 3))));
+      }
+      double s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#else
+      double s = 0.0;
+#endif
+      for (; i < n; ++i) s += x[i];
+      sums[static_cast<size_t>(t)] += s;
+    }
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(read, t);
+  read(0);
+  for (auto& th : pool) th.join();
+  const auto t1 = std::chrono::steady_clock::now();
+  volatile double keep = 0;
+  for (double x : sums) keep = keep + x;
+  return std::chrono::duration<double, std::milli>(t1 - t0).count();
 }

@@ -10,9 +10,17 @@ edgeattn's runtimes or exports.
    two rows at different positions, other head counts and sizes. The attention output within 1e-5 (relative
    to its largest value) and every byte of the cache equal, or it exits 1.
 3. Races the two, interleaved round by round: one decode step of ``--layers`` attention layers (Qwen3.5-0.8B's:
-   8 query / 2 KV heads of 256, 64 rotary dims), each over its own buffers, at each ``--contexts``.
+   8 query / 2 KV heads of 256, 64 rotary dims), each over its own buffers, at each ``--contexts``; and the
+   floor: the same int8 bytes (2 x ``--layers`` buffers of context x 512) read once, widened and summed, by
+   ``--threads`` threads (``edgeattn_read_ms`` in the library), computing nothing else.
+4. With ``--artifact DIR`` (an ``edgeattn export --kv-dtype int8`` artifact): a copy of it whose
+   GroupQueryAttention nodes are the prototype's, both decoding in one process, alternating rounds of 8
+   steps at each context (the state placed at that position before each round: random KV slots and
+   recurrent states, the timing does not depend on their values); ms a token and the ratio to the first
+   context.
 
-    python benchmarks/kv_int8_kernel.py [--contexts 128,16384] [--layers 6] [--threads 2] [--rounds 10]
+    python benchmarks/kv_int8_kernel.py [--contexts 128,16384] [--layers 6] [--threads 2] [--rounds 10] \
+        [--artifact DIR]
 
 Prints the checks and a table (median ms a step of all layers, and the range over rounds), then ONE JSON line.
 """
@@ -64,7 +72,9 @@ def build(out: Path) -> Path:
         )
     lib = out / "libedgeattn_kv_int8.so"
     cmd = [gxx, "-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
-    res = subprocess.run([*cmd, f"-I{inc}", str(SOURCE), "-o", str(lib)], capture_output=True, text=True)
+    res = subprocess.run(
+        [*cmd, f"-I{inc}", str(SOURCE), "-o", str(lib), "-lpthread"], capture_output=True, text=True
+    )
     if res.returncode != 0:
         sys.exit(
             f"kv_int8_kernel: g++ failed: {res.stderr.strip().splitlines()[-1] if res.stderr else res.returncode}"
@@ -185,12 +195,126 @@ def race(lib: Path, context: int, layers: int, threads: int, rounds: int) -> dic
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
+def read_floor(lib: Path, context: int, layers: int, threads: int, rounds: int) -> tuple[float, float, float]:
+    import ctypes
+
+    so = ctypes.CDLL(str(lib))
+    so.edgeattn_read_ms.restype = ctypes.c_double
+    so.edgeattn_read_ms.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    n = context * 2 * 256  # one KV buffer's filled slots: 2 KV heads of 256
+    bufs = [np.random.default_rng(i).integers(-127, 128, n, dtype=np.int8) for i in range(2 * layers)]
+    ptrs = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
+    ms = [so.edgeattn_read_ms(ptrs, len(bufs), n, threads) for _ in range(rounds + 1)][1:]
+    return statistics.median(ms), min(ms), max(ms)
+
+
+def with_prototype(art: Path, out: Path) -> Path:
+    """A copy of artifact ``art`` whose int8 GroupQueryAttention nodes are edgeattn.GroupQueryAttentionInt8."""
+    import onnx
+
+    from edgeattn.artifact.manifest import MANIFEST, sha256_file
+
+    out.mkdir()
+    for f in art.iterdir():
+        if f.name not in ("step.onnx", MANIFEST) and f.is_file():
+            shutil.copyfile(f, out / f.name)  # the weights beside the graph (ONNX Runtime keeps them there)
+    model = onnx.load(str(art / "step.onnx"), load_external_data=False)
+    replaced = 0
+    for n in model.graph.node:
+        if n.op_type != "GroupQueryAttention":
+            continue
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+        if (a.get("k_quant_type"), a.get("do_rotary"), a.get("rotary_interleaved", 0)) != (
+            b"PER_CHANNEL",
+            1,
+            0,
+        ):
+            sys.exit(
+                f"kv_int8_kernel: {art} is not an --kv-dtype int8 export with GroupQueryAttention's rotary"
+            )
+        ins = list(n.input)
+        new = onnx.helper.make_node(
+            "GroupQueryAttentionInt8", ins[:9] + ins[12:14], list(n.output), name=n.name, domain="edgeattn",
+            num_heads=a["num_heads"], kv_num_heads=a["kv_num_heads"], scale=a["scale"],
+        )  # fmt: skip
+        n.CopyFrom(new)
+        replaced += 1
+    if not replaced:
+        sys.exit(f"kv_int8_kernel: {art} has no GroupQueryAttention node")
+    model.opset_import.append(onnx.helper.make_opsetid("edgeattn", 1))
+    onnx.save(model, str(out / "step.onnx"))
+    manifest = json.loads((art / MANIFEST).read_text())
+    manifest["files"]["step.onnx"] = {
+        "sha256": sha256_file(out / "step.onnx"),
+        "bytes": (out / "step.onnx").stat().st_size,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+def decode(art: Path, lib: Path, contexts: list[int], threads: int, rounds: int) -> dict:
+    import onnxruntime as ort
+
+    from edgeattn.runtimes import open_session
+
+    plain = ort.SessionOptions
+
+    class WithLibrary(plain):  # the runtime makes its own SessionOptions: register the library in them
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.register_custom_ops_library(str(lib))
+
+    with tempfile.TemporaryDirectory(prefix="edgeattn-kv8-art-") as tmp:
+        sessions = {"GroupQueryAttention int8": open_session(art, threads=threads)}
+        ort.SessionOptions = WithLibrary
+        try:
+            sessions["prototype"] = open_session(with_prototype(art, Path(tmp) / "art"), threads=threads)
+        finally:
+            ort.SessionOptions = plain
+        rng = np.random.default_rng(0)
+
+        def place(sess, p: int) -> None:
+            state = sess.get_state()
+            for e in sess.manifest.state:
+                a = state[e.input]
+                if e.name == "position":
+                    a[...] = p
+                elif e.shared:  # a KV buffer [B, Hkv, L, D]: its first p slots
+                    a[:, :, :p] = rng.standard_normal((*a.shape[:2], p, a.shape[3])).astype(np.float32) * 0.5
+                else:
+                    a[...] = rng.standard_normal(a.shape).astype(np.float32) * 0.01
+            sess.set_state(state, position=p)
+
+        out = {}
+        for c in contexts:
+            times = {k: [] for k in sessions}
+            for _ in range(rounds):
+                for k, sess in sessions.items():
+                    place(sess, c)
+                    steps = []
+                    for _ in range(8):
+                        t = time.perf_counter()
+                        sess.step(np.array([[7]], np.int64))
+                        steps.append(1e3 * (time.perf_counter() - t))
+                    times[k].append(statistics.median(steps))
+            out[c] = {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="128,16384")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--artifact", type=Path, default=None, help="an --kv-dtype int8 artifact to decode with both"
+    )
     args = ap.parse_args()
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
@@ -209,12 +333,33 @@ def main() -> None:
             print("the prototype does not compute what GroupQueryAttention computes", file=sys.stderr)
             sys.exit(1)
         results = {c: race(lib, c, args.layers, args.threads, args.rounds) for c in contexts}
+        floors = {c: read_floor(lib, c, args.layers, args.threads, args.rounds) for c in contexts}
+        decoded = (
+            decode(args.artifact, lib, contexts, args.threads, max(2, args.rounds // 2))
+            if args.artifact
+            else {}
+        )
     print(f"\none decode step of {args.layers} attention layers, {args.threads} threads: median ms [range]\n")
-    print("| context | GroupQueryAttention int8 | prototype | prototype / GQA |")
-    print("|---|---|---|---|")
+    print(
+        "| context | GroupQueryAttention int8 | prototype | prototype / GQA | read the int8 bytes once (floor) |"
+    )
+    print("|---|---|---|---|---|")
     for c, r in results.items():
-        (g, gl, gh), (p, pl, ph) = r["GroupQueryAttention int8"], r["prototype"]
-        print(f"| {c} | {g:.2f} [{gl:.2f}-{gh:.2f}] | {p:.2f} [{pl:.2f}-{ph:.2f}] | {p / g:.2f} |")
+        (g, gl, gh), (p, pl, ph), (f, fl, fh) = r["GroupQueryAttention int8"], r["prototype"], floors[c]
+        print(
+            f"| {c} | {g:.2f} [{gl:.2f}-{gh:.2f}] | {p:.2f} [{pl:.2f}-{ph:.2f}] | {p / g:.2f} | {f:.2f} [{fl:.2f}-{fh:.2f}] |"
+        )
+    if decoded:
+        first = contexts[0]
+        print(f"\n{args.artifact}, decode ms a token [range over rounds] (x the decode at {first}):\n")
+        print("| context | " + " | ".join(decoded[first]) + " |")
+        print("|---|" + "---|" * len(decoded[first]))
+        for c, r in decoded.items():
+            cells = [
+                f"{m:.2f} [{lo:.2f}-{hi:.2f}] ({m / decoded[first][k][0]:.2f}x)"
+                for k, (m, lo, hi) in r.items()
+            ]
+            print(f"| {c} | " + " | ".join(cells) + " |")
     print(
         json.dumps(
             {
@@ -223,6 +368,8 @@ def main() -> None:
                 "threads": args.threads,
                 "checks": checks,
                 "ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in results.items()},
+                "read_floor_ms": {str(c): v[0] for c, v in floors.items()},
+                "decode_ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in decoded.items()},
             }
         )
     )

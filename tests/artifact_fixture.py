@@ -375,3 +375,16 @@ def run_generate(binary: Path, artifact_dir, prompt: bytes, *args, check: bool =
         assert res.returncode == 0, res.stderr
         assert res.proc.stdout.startswith(prompt)
     return res
+
+
+def greedy_logits(sess, prompt_ids, n: int) -> tuple[list[int], np.ndarray]:
+    """The loop of ``generate_ids(prompt, n, temperature=0)`` and of the C++ example, keeping the logits each
+    token was drawn from: prefill ``prompt_ids`` (a sequence of ids), then argmax and step ``n`` times (every
+    generated token is consumed)."""
+    logits = sess.prefill(np.asarray(prompt_ids, np.int64)[None])
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(logits[0])
+        tokens.append(int(np.argmax(logits[0])))
+        logits = sess.step(np.array([[tokens[-1]]], np.int64))
+    return tokens, np.stack(rows)

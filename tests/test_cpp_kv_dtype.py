@@ -22,7 +22,7 @@ import pytest
 from edgeattn.runtimes import open_session
 from edgeattn.runtimes.base import kv_to_float
 from edgeattn.runtimes.state_file import load_state, save_state
-from tests.artifact_fixture import build_generate
+from tests.artifact_fixture import build_generate, greedy_logits
 from tests.hf_helpers import rel_err
 
 PREFILL = 16
@@ -86,17 +86,6 @@ def run_ids(binary: Path, art: Path, prompt: list[int], *args, check: bool = Tru
     return res
 
 
-def py_greedy(sess, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Prefill, then argmax and step ``n`` times, every token consumed (the C++ example's loop)."""
-    logits = sess.prefill(np.array([prompt], np.int64))
-    tokens, rows = [], []
-    for _ in range(n):
-        rows.append(logits[0])
-        tokens.append(int(np.argmax(logits[0])))
-        logits = sess.step(np.array([[tokens[-1]]], np.int64))
-    return tokens, np.stack(rows)
-
-
 def kv_entries(art: Path) -> list:
     return [e for e in open_session(art, threads=1).manifest.state if e.shared]
 
@@ -122,7 +111,7 @@ def test_artifacts_have_reduced_kv_buffers(root):
 def test_greedy_matches_python(generate, art, tmp_path):
     logits_file = tmp_path / "logits.npy"
     res = run_ids(generate, art, PROMPT, "-n", N, "--dump-logits", logits_file)
-    tokens, rows = py_greedy(open_session(art, threads=1), PROMPT, N)
+    tokens, rows = greedy_logits(open_session(art, threads=1), PROMPT, N)
     assert res.tokens == tokens
     assert rel_err(np.load(logits_file), rows) <= 1e-5
     assert np.ptp(rows, axis=0).max() > 0.1  # the logits move from token to token
@@ -135,7 +124,7 @@ def test_cpp_state_loads_in_python(generate, art, tmp_path):
     state_file = tmp_path / "cpp.state"
     res = run_ids(generate, art, PROMPT, "-n", N, "--state-out", state_file)
     ref = open_session(art, threads=1)
-    assert py_greedy(ref, PROMPT, N)[0] == res.tokens
+    assert greedy_logits(ref, PROMPT, N)[0] == res.tokens
     tensors, meta = load_state(state_file)
     assert int(meta["position"]) == ref.position == len(PROMPT) + N
     state = ref.get_state()
@@ -151,10 +140,10 @@ def test_cpp_state_loads_in_python(generate, art, tmp_path):
             q = np.rint(kv / scale)
             assert np.array_equal(kv, q * scale) and np.abs(q).max() <= 128
 
-    expected_tokens, expected_rows = py_greedy(ref, PROMPT2, N)  # Python, never through a file
+    expected_tokens, expected_rows = greedy_logits(ref, PROMPT2, N)  # Python, never through a file
     resumed = open_session(art, threads=1)
     resumed.load_state(state_file)
-    tokens, rows = py_greedy(resumed, PROMPT2, N)
+    tokens, rows = greedy_logits(resumed, PROMPT2, N)
     assert tokens == expected_tokens and rel_err(rows, expected_rows) <= 1e-5
     logits_file = tmp_path / "logits.npy"
     again = run_ids(generate, art, PROMPT2, "-n", N, "--state-in", state_file, "--dump-logits", logits_file)
@@ -164,10 +153,10 @@ def test_cpp_state_loads_in_python(generate, art, tmp_path):
 
 def test_python_state_resumes_in_cpp(generate, art, tmp_path):
     sess = open_session(art, threads=1)
-    py_greedy(sess, PROMPT, N)
+    greedy_logits(sess, PROMPT, N)
     state_file = tmp_path / "py.state"
     sess.save_state(state_file)
-    tokens, rows = py_greedy(sess, PROMPT2, N)
+    tokens, rows = greedy_logits(sess, PROMPT2, N)
 
     logits_file = tmp_path / "logits.npy"
     res = run_ids(generate, art, PROMPT2, "-n", N, "--state-in", state_file, "--dump-logits", logits_file)

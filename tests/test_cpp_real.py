@@ -29,7 +29,7 @@ import pytest
 
 from edgeattn.runtimes import open_session
 from edgeattn.runtimes.state_file import load_state
-from tests.artifact_fixture import build_generate, run_generate
+from tests.artifact_fixture import build_generate, greedy_logits, run_generate
 
 PREFILL = 16
 PROMPT = b"Once upon a time, in a land far away, a"  # 40 tokens: 2 prefill chunks + 8 steps
@@ -116,15 +116,8 @@ def session(art: Path):
 
 
 def py_greedy(sess, prompt: bytes, n: int) -> tuple[list[int], np.ndarray]:
-    """The loop of ``generate_ids(prompt, n, temperature=0)``, keeping the logits each token was drawn from:
-    prefill, then argmax and step ``n`` times (every generated token is consumed, as in the C++ example)."""
-    logits = sess.prefill(np.frombuffer(prompt, np.uint8).astype(np.int64)[None])
-    tokens, rows = [], []
-    for _ in range(n):
-        rows.append(logits[0])
-        tokens.append(int(np.argmax(logits[0])))
-        logits = sess.step(np.array([[tokens[-1]]], np.int64))
-    return tokens, np.stack(rows)
+    """``greedy_logits`` of a byte prompt."""
+    return greedy_logits(sess, np.frombuffer(prompt, np.uint8), n)
 
 
 def assert_logits_equal(got: np.ndarray, expected: np.ndarray) -> None:

@@ -40,6 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ort_ops import _session  # noqa: E402  (a one-graph CPU session, the custom-op library registered)
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).with_suffix(".cc")
 # (B, S, H, Hkv, D, L, R, past per row)
@@ -84,7 +87,6 @@ def build(out: Path) -> Path:
 
 def session(lib: Path | None, H: int, Hkv: int, D: int, L: int, R: int, threads: int):
     """One attention node: ours (``lib``) or ONNX Runtime's GroupQueryAttention (None)."""
-    import onnxruntime as ort
     from onnx import TensorProto as TP
     from onnx import helper
 
@@ -108,14 +110,7 @@ def session(lib: Path | None, H: int, Hkv: int, D: int, L: int, R: int, threads:
         vi("ks", f, [1, Hkv, 1, D]), vi("vs", f, [1, Hkv, 1, D]),
     ]  # fmt: skip
     outputs = [vi("o", f, None), vi("ok", TP.INT8, None), vi("ov", TP.INT8, None)]
-    opsets = [helper.make_opsetid(d, v) for d, v in (("", 21), ("com.microsoft", 1), ("edgeattn", 1))]
-    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs), opset_imports=opsets)
-    model.ir_version = 10
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    if lib is not None:
-        so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _session([node], inputs, outputs, [], threads, library=lib)
 
 
 def inputs(B, S, H, Hkv, D, L, R, past, seed=0) -> dict:
@@ -322,6 +317,8 @@ def main() -> None:
         ap.error(f"--contexts must be comma-separated integers, got {args.contexts!r}")
     if not contexts or min(contexts) < 1 or args.layers < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--contexts, --layers, --rounds and --threads must be positive")
+    if args.artifact is not None and not (args.artifact / "edgeattn.json").is_file():
+        ap.error(f"--artifact {args.artifact}: not an edgeattn artifact (no edgeattn.json)")
     with tempfile.TemporaryDirectory(prefix="edgeattn-kv8-") as tmp:
         lib = build(Path(tmp))
         checks = check(lib, args.threads)

@@ -36,17 +36,21 @@ import time
 import numpy as np
 
 
-def _session(nodes, inputs, outputs, inits, threads: int):
+def _session(nodes, inputs, outputs, inits, threads: int, library=None):
+    """A CPU session of a graph of ``nodes``; ``library``: a custom-op library (domain ``edgeattn``) to register."""
     import onnxruntime as ort
     from onnx import helper
 
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    if library is not None:
+        opsets.append(helper.make_opsetid("edgeattn", 1))
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    if library is not None:
+        so.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

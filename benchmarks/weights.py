@@ -161,6 +161,14 @@ def kv_dtypes(args) -> tuple:
     return tuple(k.strip() for k in args.kv_dtypes.split(",") if k.strip())
 
 
+def check_kv_dtypes(ap, args) -> None:
+    from edgeattn.artifact.manifest import KV_DTYPES
+
+    bad = [k for k in kv_dtypes(args) if k not in KV_DTYPES]
+    if bad:
+        ap.error(f"--kv-dtypes takes {', '.join(KV_DTYPES)}, got {', '.join(bad)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -176,6 +184,7 @@ def main() -> None:
         help="with --trained: also fp32 and int4 b128 with these KV buffers (int8,float16)",
     )
     args = ap.parse_args()
+    check_kv_dtypes(ap, args)
     if args.bpb_only:
         if args.trained is None:
             ap.error("--bpb-only needs --trained CKPT")

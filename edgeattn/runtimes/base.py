@@ -255,12 +255,18 @@ class Session(ABC):
         stop_ids=None,
         repetition_penalty: float = 1.0,
         repetition_window: int = 0,
+        speculative=None,
     ) -> Iterator[int]:
         """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
         stops before a token of ``stop_ids`` (default: the tokenizer's end-of-sequence ids), which is
         consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
         ``edgeattn.runtimes.sampling.sample_next``. ``repetition_penalty`` applies to the tokens of this
-        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers)."""
+        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers).
+
+        ``speculative``: "ngram" (prompt lookup), a draft artifact's directory or Session (the same tokenizer),
+        or a drafter object: the same tokens (greedy; sampled: the same distribution) from fewer graph calls,
+        on a one-graph ONNX Runtime artifact (``edgeattn.runtimes.speculative``); its figures land in
+        ``self.speculative_stats``."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         dec = Decoder(  # checks the sampling arguments before any work
@@ -282,9 +288,17 @@ class Session(ABC):
                 f"maximum of {limit} (the KV cache of its softmax layers); generate at most "
                 f"{max(limit - self.position - ids.shape[1], 0)}, or export again with a larger --max-length"
             )
-        logits = self.prefill(ids) if ids.shape[1] else None
-        if logits is None:
+        if not ids.shape[1]:
             raise ValueError("the prompt is empty")
+        if speculative is not None:
+            from edgeattn.runtimes import speculative as spec
+
+            drafter = spec.make_drafter(self, speculative, seed=seed)
+            dec.context = [int(t) for t in ids[0]]
+            self.speculative_stats = spec.SpeculativeStats()
+            yield from spec.generate(self, dec, ids, drafter, self.speculative_stats)
+            return
+        logits = self.prefill(ids)
         dec.context = [int(t) for t in ids[0]]  # the tokens the repetition penalty looks at
         while (nxt := dec.next(logits[0])) is not None:
             yield nxt

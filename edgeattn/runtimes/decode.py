@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.runtimes.sampling import check_sampling, next_distribution, sample_next
 
 
 @dataclass
@@ -52,20 +52,36 @@ class Decoder:
     def sampling(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
+    def _previous(self) -> list:
+        return self.context[-self.repetition_window :] if self.repetition_window else self.context
+
     def next(self, logits) -> int | None:
         """The next token from ``logits: [vocab]``, or None when it is a stop token (then ``last`` holds
         it) or the stream had already stopped. Marks the stream done at a stop token or at
         ``max_new_tokens``."""
         if self.done:
             return None
-        previous = self.context[-self.repetition_window :] if self.repetition_window else self.context
-        self.last = tok = sample_next(
-            logits,
-            rng=self.rng,
-            repetition_penalty=self.repetition_penalty,
-            previous=previous,
-            **self.sampling,
+        return self.take(
+            sample_next(
+                logits,
+                rng=self.rng,
+                repetition_penalty=self.repetition_penalty,
+                previous=self._previous(),
+                **self.sampling,
+            )
         )
+
+    def distribution(self, logits) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(logits, p)`` as ``next`` would sample from them now (``sampling.next_distribution``; ``p`` None:
+        greedy, the argmax of ``logits``)."""
+        return next_distribution(
+            logits, repetition_penalty=self.repetition_penalty, previous=self._previous(), **self.sampling
+        )
+
+    def take(self, tok: int) -> int | None:
+        """Record ``tok`` as the stream's next token, chosen elsewhere (``next`` samples it; speculative
+        decoding's rejection rule may choose it): None when it is a stop token, as ``next``."""
+        self.last = tok = int(tok)
         if self.repetition_penalty != 1:
             self.context.append(tok)
         if tok in self.stop_ids:

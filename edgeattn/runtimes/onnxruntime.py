@@ -199,6 +199,7 @@ class OnnxRuntimeSession(Session):
         # read faster at long context (decode at 4096 tokens of the Qwen3.5-0.8B int4 shape: 41.5 ms with
         # them, 45.5-46.0 ms in 4 KiB pages); the batch buffers of Streams, written row by row, use kv_zeros
         self._kv_np: list[np.ndarray | None] = []
+        self._calls = 0  # graph calls run (what _rewind checks)
         if self.dynamic:
             self._state = None
             self._reset_state()
@@ -251,6 +252,47 @@ class OnnxRuntimeSession(Session):
             io.bind_ortvalue_output(e.output, bufs[1 - self._cur])
         self.sessions["prefill"].run_with_iobinding(io)
         self._cur = 1 - self._cur
+        self._calls += 1
+        return logits
+
+    # ---- speculative decoding (edgeattn.runtimes.speculative): one call on many tokens, and its undo ----
+
+    def speculative_refusal(self) -> str | None:
+        """Why this session cannot verify drafts (None: it can). Verifying k drafts takes one call on k + 1
+        tokens that returns the logits of each, and rolling back takes the state as it was before that call:
+        the one graph for any number of tokens, its logits at every position, and the double-buffered state."""
+        if not self.any_tokens:
+            return (
+                f"{self.manifest.root}: speculative decoding needs a one-graph artifact for any number of tokens "
+                "on the CPU (the onnxruntime target, fp32 or int4, fused recurrences and KV-buffer softmax "
+                "layers; export without --target portable)"
+            )
+        if self.manifest.prefill_logits == "last":
+            return (
+                f"{self.manifest.root}: speculative decoding reads the logits of every drafted position; this "
+                "artifact returns the last one only (exported with --prefill-logits last)"
+            )
+        return None
+
+    def _mark(self) -> tuple[int, int, int]:
+        """What ``_rewind`` restores: which of the two state buffers holds the state, the position, and the
+        count of graph calls so far (a rewind past more than one call is refused)."""
+        return self._cur, self.position, self._calls
+
+    def _rewind(self, mark: tuple[int, int, int]) -> None:
+        """Back to the state at ``mark``, undoing the one graph call made since: the fixed-size state tensors
+        are still in the buffer that call read (it wrote the other), and a KV buffer's slots past the restored
+        position are never read before they are written again (its position state is double-buffered)."""
+        cur, position, calls = mark
+        if self._calls - calls > 1:
+            raise RuntimeError(f"cannot rewind {self._calls - calls} graph calls; one at most")
+        self._cur, self.position, self._calls = cur, position, calls
+
+    def _verify(self, ids) -> np.ndarray:
+        """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V]."""
+        ids = self._check_ids(ids)
+        logits = self._run_tokens(ids)
+        self.position += ids.shape[1]
         return logits
 
     def _tokens(self, graph: str) -> int:
@@ -288,6 +330,7 @@ class OnnxRuntimeSession(Session):
         if not self.dynamic:
             self.sessions[graph].run_with_iobinding(self._bindings[graph][self._cur])
             self._cur = 1 - self._cur
+            self._calls += 1
             return self._read_logits(graph)
         io = self.sessions[graph].io_binding()
         io.bind_ortvalue_input(self.manifest.input_ids_name, self._ids[graph])

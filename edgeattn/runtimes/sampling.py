@@ -50,6 +50,43 @@ def finite_logits(logits, what: str = "the model's logits") -> np.ndarray:
     return logits
 
 
+def next_distribution(
+    logits: np.ndarray,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    previous=(),
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(logits, p)``: the logits after the repetition penalty, and the probabilities ``[V]`` that
+    ``sample_next`` draws from (temperature, top-k, top-p applied), or ``p = None`` where it takes the argmax
+    (greedy). Speculative decoding's rejection rule reads ``p``."""
+    check_sampling(temperature, top_k, top_p, repetition_penalty)
+    logits = finite_logits(logits)
+    if repetition_penalty != 1:
+        logits = apply_repetition_penalty(logits, previous, repetition_penalty)
+    if temperature <= 0:
+        return logits, None
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = logits / temperature
+    if np.isnan(z).any() or not np.isfinite(z.max()):  # overflow: the limit of temperature -> 0 is greedy
+        return logits, None
+    if 0 < top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < top_p  # always keeps the most likely token
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return logits, p
+
+
 def sample_next(
     logits: np.ndarray,
     *,
@@ -65,27 +102,20 @@ def sample_next(
     ``repetition_penalty`` (1: none) applies first to the tokens in ``previous`` (``apply_repetition_penalty``),
     as transformers applies its logits processors before temperature, top-k and top-p. Non-finite logits are
     a ValueError (``finite_logits``)."""
-    check_sampling(temperature, top_k, top_p, repetition_penalty)
-    logits = finite_logits(logits)
-    if repetition_penalty != 1:
-        logits = apply_repetition_penalty(logits, previous, repetition_penalty)
-    if temperature <= 0:
+    logits, p = next_distribution(
+        logits,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        previous=previous,
+    )
+    if p is None:
         return int(np.argmax(logits))
-    with np.errstate(over="ignore", invalid="ignore"):
-        z = logits / temperature
-    if np.isnan(z).any() or not np.isfinite(z.max()):  # overflow: the limit of temperature -> 0 is greedy
-        return int(np.argmax(logits))
-    if 0 < top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p)
-        keep = np.cumsum(p[order]) - p[order] < top_p  # always keeps the most likely token
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
+    return draw(p, rng)
+
+
+def draw(p: np.ndarray, rng: np.random.Generator | None = None) -> int:
+    """One index drawn from the probabilities ``p`` with ``rng`` (a fresh generator when None)."""
     rng = rng if rng is not None else np.random.default_rng()
     return int(rng.choice(p.size, p=p))

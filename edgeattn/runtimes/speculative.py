@@ -1,0 +1,341 @@
+"""Speculative decoding: draft several tokens cheaply, verify them in ONE call of the target's one graph, keep
+the longest prefix the target itself would have produced, and roll the state back past the rest.
+
+    sess.generate(prompt, speculative="ngram")            # prompt lookup: n-gram matches in the text so far
+    sess.generate(prompt, speculative="runs/small.onnx")  # a draft artifact with the same tokenizer
+    edgeattn run ART --speculative ngram|DRAFT_ART
+
+A round: the tokens not yet in the target's state (the last one chosen, and any the previous round has to
+re-advance) plus k drafts go through the graph as one chunk; its logits at each position choose the next
+token exactly as plain decoding would (the stream's ``Decoder``: greedy, temperature / top-k / top-p with the
+stream's generator, repetition penalty, stop ids, ``max_new_tokens``), and a draft is kept while it equals the
+token chosen. Sampling:
+- drafts that are fixed tokens (prompt lookup, a draft model at temperature 0): the token at each position is
+  drawn from the target's distribution and the draft kept when equal. That is the standard rejection rule for
+  a draft distribution q concentrated on the draft d (keep d with probability min(1, p(d) / q(d)) = p(d), else
+  draw from the residual max(p - q, 0), which is p without d), so the output is the target's distribution;
+  here it even draws the same tokens as plain sampling with the same seed.
+- a draft model sampling at the stream's temperature returns its distributions q, and the rule runs as written
+  (Leviathan et al. 2023, Chen et al. 2023).
+
+Rollback: the one-graph session keeps the state the verify call read (its two buffers,
+``OnnxRuntimeSession._mark`` / ``_rewind``); after a partly rejected round it returns to that state and the
+accepted tokens are re-advanced, not in a call of their own but as the first tokens of the next round's
+verify call (a CPU call reads the weights once whatever its few tokens: the re-advance costs almost nothing).
+Recurrent and convolution states come back whole; a KV buffer comes back by its position (its slots past the
+position are never read before being written again). The draft model's own state goes back through
+``get_state`` / ``set_state`` (a small model's state, copied once a round).
+
+Adaptive draft length: k grows by 2 after a round that kept every draft and shrinks by 1 after one that did
+not (transformers' "heuristic" schedule); after rounds that keep nothing, drafting pauses for a number of
+tokens that doubles with each failure (free generation then runs as plain decoding).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgeattn.runtimes.decode import Decoder
+from edgeattn.runtimes.sampling import draw, next_distribution
+
+MAX_DRAFT = 16  # drafts per round at most
+MAX_TODO = 16  # tokens to re-advance at most before a round drafts again
+
+
+@dataclass
+class SpeculativeStats:
+    """What a speculative run did: rounds (verify calls), drafted and accepted tokens, tokens produced."""
+
+    rounds: int = 0
+    drafting_rounds: int = 0  # rounds with at least one draft
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0  # tokens produced (a stop token included)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens produced per verify call (plain decoding: 1)."""
+        return self.tokens / max(self.rounds, 1)
+
+    @property
+    def acceptance(self) -> float:
+        """The fraction of drafted tokens that were kept."""
+        return self.accepted / max(self.drafted, 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafting_rounds": self.drafting_rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tokens": self.tokens,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "acceptance": round(self.acceptance, 4),
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# drafters: propose(context, k, dec) -> (draft tokens, their distributions or None)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix of the text (``min_n`` to ``max_n`` tokens) that occurred before, and
+    the tokens that followed its latest occurrence (continued periodically where they run into the end: a
+    repeating pattern drafts its next period). Fixed tokens: no distributions."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 8):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.sizes = range(max_n, min_n - 1, -1)
+        self._index = {n: {} for n in self.sizes}  # n -> n-gram -> the end of its latest occurrence
+        self._seen: list[int] = []  # the tokens indexed (a prefix of every later context)
+
+    def _extend(self, context: list[int]) -> None:
+        if context[: len(self._seen)] != self._seen:  # another text: start over
+            self._index = {n: {} for n in self.sizes}
+            self._seen = []
+        # index the n-grams that end before the last token (a continuation exists for each)
+        for e in range(max(len(self._seen), 1), len(context)):
+            for n in self.sizes:
+                if e >= n:
+                    self._index[n][tuple(context[e - n : e])] = e
+        self._seen = list(context)
+
+    def propose(self, context: list[int], k: int, dec: Decoder | None = None):
+        self._extend(context)
+        for n in self.sizes:
+            if len(context) <= n:
+                continue
+            e = self._index[n].get(tuple(context[-n:]))
+            if e is not None:
+                out = list(context)
+                for i in range(k):
+                    out.append(out[e + i])
+                return out[len(context) :], None
+        return [], None
+
+
+class ModelDrafter:
+    """A draft artifact's session (the same tokenizer): k tokens by its own decoding, greedy when the target
+    is greedy, else sampled at the target's temperature / top-k / top-p with their distributions returned
+    (the rejection rule needs them). Its state follows the committed text: before drafting it consumes the
+    tokens committed since its last round, after going back (``set_state``) to the state it saved at the end
+    of the committed text when its drafts were not all kept."""
+
+    def __init__(self, session, target=None, seed: int | None = None):
+        if session.manifest.batch_size != 1:
+            raise ValueError("the draft artifact must be exported with --batch 1")
+        if target is not None:
+            check_same_tokenizer(target.manifest, session.manifest)
+        self.sess = session
+        # its own stream of random numbers: the target's generator draws the acceptances, and a draft drawn from
+        # the same sequence would be correlated with them
+        self.rng = np.random.default_rng(None if seed is None else (int(seed), 1))
+        self.consumed: list[int] = []  # the tokens in the draft's state
+        self.saved = None  # (state, position, tokens): the state after a committed prefix
+        self.logits = None  # the draft's logits after ``consumed``
+
+    def propose(self, context: list[int], k: int, dec: Decoder):
+        s = self.sess
+        with s.lock:
+            if self.consumed != context[: len(self.consumed)]:  # drafts not kept: back to the saved state
+                state, position, n = self.saved
+                s.set_state(state, position=position)
+                self.consumed, self.logits = self.consumed[:n], None
+            if not self.consumed and self.saved is None:
+                s.reset()
+            new = context[len(self.consumed) :]
+            limit = s.manifest.max_length
+            if limit is not None:
+                k = min(k, limit - s.position - len(new))
+            if k <= 0:
+                return [], None
+            if new:
+                self.logits = s.prefill(np.asarray([new], np.int64))[0]
+            self.consumed = list(context)
+            self.saved = (s.get_state(), s.position, len(context))
+            greedy = dec.distribution(np.zeros(1))[1] is None if dec is not None else True
+            drafts, qs = [], []
+            for i in range(k):
+                if greedy:
+                    d = int(np.argmax(self.logits))
+                else:
+                    _, q = next_distribution(self.logits, **dec.sampling)
+                    d = draw(q, self.rng) if q is not None else int(np.argmax(self.logits))
+                    qs.append(q if q is not None else np.eye(self.logits.size)[d])
+                drafts.append(d)
+                if i < k - 1:
+                    self.logits = s.step(np.array([[d]], np.int64))[0]
+                    self.consumed.append(d)
+            return drafts, (None if greedy else qs)
+
+
+def _tokenizer_key(manifest) -> tuple:
+    info = manifest.data.get("tokenizer") or {}
+    kind = info.get("type", "byte")
+    path = info.get("path", "tokenizer.json") if kind != "byte" else None
+    digest = (manifest.data.get("files", {}).get(path) or {}).get("sha256") if path else None
+    return manifest.vocab_size, kind, digest
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """ValueError unless the two manifests' models read the same token ids (vocabulary, tokenizer file)."""
+    if _tokenizer_key(target) != _tokenizer_key(draft):
+        raise ValueError(
+            f"the draft artifact {draft.root} has another tokenizer than {target.root} (vocabulary "
+            f"{draft.vocab_size} vs {target.vocab_size}, or another tokenizer file): drafts must be the same ids"
+        )
+
+
+def make_drafter(target, speculative, seed: int | None = None):
+    """The drafter that ``speculative`` names: "ngram", a draft artifact's directory, an open Session, or any
+    object with ``propose(context, k, dec)``."""
+    if isinstance(speculative, str) and speculative == "ngram":
+        return NgramDrafter()
+    if isinstance(speculative, (str, os.PathLike)):
+        from edgeattn.runtimes import open_session
+
+        if not os.path.isdir(speculative):
+            raise ValueError(
+                f"speculative must be 'ngram' or a draft artifact's directory; {str(speculative)!r} is neither"
+            )
+        threads = getattr(getattr(target, "sessions", {}).get("step"), "get_session_options", None)
+        n = threads().intra_op_num_threads if threads else None
+        return ModelDrafter(open_session(speculative, threads=n or None), target, seed=seed)
+    from edgeattn.runtimes.base import Session
+
+    if isinstance(speculative, Session):
+        return ModelDrafter(speculative, target, seed=seed)
+    if hasattr(speculative, "propose"):
+        return speculative
+    raise ValueError(
+        f"speculative must be 'ngram', a draft artifact's directory, a Session or a drafter, got {speculative!r}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the draft length
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Schedule:
+    """How many tokens to draft next (see the module docstring)."""
+
+    k: int = 4
+    max_k: int = MAX_DRAFT
+    pause: int = 0  # tokens to produce before drafting again
+    backoff: int = 4  # the next pause after a round that kept nothing
+    history: list = field(default_factory=list)
+
+    def next_k(self, remaining: int | None) -> int:
+        if self.pause > 0:
+            return 0
+        k = self.k if remaining is None else min(self.k, remaining - 1)
+        return max(k, 0)
+
+    def update(self, drafted: int, accepted: int, produced: int) -> None:
+        if self.pause > 0:
+            self.pause = max(self.pause - produced, 0)
+            return
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k + 2, self.max_k)
+        else:
+            self.k = max(self.k - 1, 1)
+        if accepted == 0:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, 256)
+        else:
+            self.backoff = 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _choose(dec: Decoder, logits: np.ndarray, draft: int, q: np.ndarray | None) -> int | None:
+    """The token at a drafted position: the target's own choice (``dec.next``) for a fixed draft, the rejection
+    rule for a draft drawn from ``q``; recorded in ``dec`` (None: a stop token)."""
+    if q is None:
+        return dec.next(logits)
+    logits, p = dec.distribution(logits)
+    if p is None:
+        return dec.take(int(np.argmax(logits)))
+    if dec.rng.random() * q[draft] < p[draft]:  # accept with probability min(1, p(d) / q(d))
+        return dec.take(draft)
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q: the rejection above cannot happen; draw from p
+        return dec.take(draw(p, dec.rng))
+    return dec.take(draw(residual / total, dec.rng))
+
+
+def generate(
+    sess, dec: Decoder, ids: np.ndarray, drafter, stats: SpeculativeStats | None = None
+) -> Iterator[int]:
+    """Yield the tokens that plain decoding of ``sess`` with ``dec`` would (see the module docstring), the
+    state afterwards holding them (and a stop token) as plain decoding's does. ``ids``: the prompt [1, T]."""
+    reason = (
+        sess.speculative_refusal()
+        if hasattr(sess, "speculative_refusal")
+        else (f"speculative decoding needs the onnxruntime backend, not {sess.backend!r}")
+    )
+    if reason:
+        raise ValueError(reason)
+    stats = stats if stats is not None else SpeculativeStats()
+    schedule = Schedule()
+    context = [int(t) for t in ids[0]]
+    with sess.lock:
+        logits = sess.prefill(ids)[0]
+    tok = dec.next(logits)
+    todo = [] if tok is None and dec.last is None else [int(dec.last)]  # chosen, not yet in the state
+    stats.tokens += len(todo)
+    if tok is not None:
+        context.append(tok)
+        yield tok
+    while not dec.done:
+        remaining = None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
+        k = schedule.next_k(remaining) if len(todo) <= MAX_TODO else 0
+        drafts, qs = drafter.propose(context, k, dec) if k > 0 else ([], None)
+        drafts = [int(d) for d in drafts[:k]]
+        with sess.lock:
+            mark = sess._mark()
+            logits = sess._verify(np.asarray([todo + drafts], np.int64))[
+                0, len(todo) - 1 :
+            ]  # [len(drafts)+1, V]
+            chosen = []  # this round's tokens (a stop token included)
+            for i in range(len(drafts) + 1):
+                if i < len(drafts):
+                    tok = _choose(dec, logits[i], drafts[i], None if qs is None else qs[i])
+                else:
+                    tok = dec.next(logits[i])
+                chosen.append(int(dec.last))
+                if tok is not None:
+                    context.append(tok)
+                if dec.done or i == len(drafts) or tok != drafts[i]:
+                    break
+            if chosen[: len(drafts)] == drafts:  # every draft kept: the state is right
+                todo = chosen[len(drafts) :]
+            else:  # back to the state before this call; re-advance what it held that was kept
+                sess._rewind(mark)
+                todo = todo + chosen
+        kept = next(
+            (i for i, (a, b) in enumerate(zip(chosen, drafts)) if a != b), min(len(chosen), len(drafts))
+        )
+        stats.rounds += 1
+        stats.drafting_rounds += bool(drafts)
+        stats.drafted += len(drafts)
+        stats.accepted += kept
+        stats.tokens += len(chosen)
+        schedule.update(len(drafts), kept, len(chosen))
+        yield from (t for t in chosen if t not in dec.stop_ids)  # a stop token ends the round, unyielded
+    if todo:  # plain decoding leaves every chosen token (and the stop token) in the state
+        with sess.lock:
+            sess.prefill(np.asarray([todo], np.int64))

@@ -1,0 +1,255 @@
+"""Speculative decoding (edgeattn.runtimes.speculative): the same tokens as plain decoding, the same state after,
+the target's distribution when sampling, on every family with a state and a softmax hybrid's KV buffer.
+
+Random tiny models write text that ignores the prompt, so prompt lookup alone would rarely draft and never
+test rollback: a crafted drafter that knows plain decoding's output forces every kind of round (all drafts
+kept, a wrong draft in the middle, a wrong first draft, drafts that run past a stop token)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgeattn.export import export_model
+from edgeattn.runtimes import open_session
+from edgeattn.runtimes import speculative as spec
+from tests.export_helpers import PREFILL, make_checkpoint
+
+FAMILIES = ["gla", "gated_deltanet", "mamba2", "gla,softmax"]
+PROMPT = list(b"def f(x):\n    return x + 1\n\ndef f(x):\n    return")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for mixer in FAMILIES:
+        d = root / mixer.replace(",", "_")
+        ckpt = make_checkpoint(d / "ckpt", mixer)
+        out[mixer] = export_model(ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False)
+    return out
+
+
+class Oracle:
+    """Drafts from a known continuation of the prompt, wrong on purpose by a cycle of patterns: all right, wrong
+    at the third draft, wrong at the first. Records the kinds of rounds the target saw."""
+
+    PATTERNS = ("right", "third wrong", "first wrong")
+
+    def __init__(self, prompt, truth, vocab):
+        self.prompt, self.truth, self.vocab = list(prompt), list(truth), vocab
+        self.round = 0
+        self.seen = set()
+
+    def propose(self, context, k, dec=None):
+        n = len(context) - len(self.prompt)
+        assert context[: len(self.prompt)] == self.prompt and context[len(self.prompt) :] == self.truth[:n]
+        drafts = self.truth[n : n + k]
+        pattern = self.PATTERNS[self.round % len(self.PATTERNS)]
+        self.round += 1
+        wrong = {"right": None, "third wrong": 2, "first wrong": 0}[pattern]
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % self.vocab
+            self.seen.add(pattern)
+        elif drafts:
+            self.seen.add("right" if len(drafts) == k else "past the end")
+        return drafts, None
+
+
+def plain(sess, prompt, n, **kw):
+    sess.reset()
+    out = list(sess.generate_ids(prompt, n, **kw))
+    return out, sess.get_state(), sess.position
+
+
+def speculative(sess, prompt, n, drafter, **kw):
+    sess.reset()
+    out = list(sess.generate_ids(prompt, n, speculative=drafter, **kw))
+    return out, sess.get_state(), sess.position
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("mixer", FAMILIES)
+def test_greedy_same_tokens_and_state_every_kind_of_round(artifacts, mixer):
+    sess = open_session(artifacts[mixer], threads=1)
+    want, state, position = plain(sess, PROMPT, 48, temperature=0, stop_ids=())
+    oracle = Oracle(PROMPT, want + [0] * 32, sess.manifest.vocab_size)
+    got, got_state, got_position = speculative(sess, PROMPT, 48, oracle, temperature=0, stop_ids=())
+    assert got == want
+    assert got_position == position == len(PROMPT) + 48
+    assert_same_state(got_state, state)
+    assert {"right", "third wrong", "first wrong"} <= oracle.seen
+    stats = sess.speculative_stats
+    assert stats.tokens == 48 and stats.rounds < 48 and 0 < stats.accepted < stats.drafted
+    # the state continues exactly: one more plain step from each gives the same logits
+    tok = np.array([[want[-1]]])
+    a = sess.step(tok)
+    sess.set_state(state, position=position)
+    np.testing.assert_allclose(sess.step(tok), a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["gla", "gla,softmax"])
+def test_greedy_stop_token_inside_the_drafts(artifacts, mixer):
+    """A stop token chosen in the middle of a round: not yielded, consumed into the state as plain decoding's."""
+    sess = open_session(artifacts[mixer], threads=1)
+    free, _, _ = plain(sess, PROMPT, 30, temperature=0, stop_ids=())
+    stop = free[17]
+    want, state, position = plain(sess, PROMPT, 30, temperature=0, stop_ids=(stop,))
+    assert len(want) < 30 and stop not in want
+    oracle = Oracle(PROMPT, free, sess.manifest.vocab_size)
+    oracle.PATTERNS = ("right",)
+    got, got_state, got_position = speculative(sess, PROMPT, 30, oracle, temperature=0, stop_ids=(stop,))
+    assert got == want and got_position == position
+    assert_same_state(got_state, state)
+
+
+@pytest.mark.parametrize("mixer", FAMILIES)
+def test_ngram_greedy_same_tokens(artifacts, mixer):
+    sess = open_session(artifacts[mixer], threads=1)
+    prompt = list(b"abcabcabcabc hello hello hello ")
+    want, state, position = plain(sess, prompt, 60, temperature=0, stop_ids=())
+    got, got_state, got_position = speculative(sess, prompt, 60, "ngram", temperature=0, stop_ids=())
+    assert got == want and got_position == position
+    assert_same_state(got_state, state)
+
+
+def test_sampling_with_fixed_drafts_draws_plain_samplings_tokens(artifacts):
+    """Fixed drafts (prompt lookup, the oracle): each position's token is drawn from the target with the stream's
+    generator, so a seed gives plain sampling's tokens, repetition penalty and top-k included."""
+    sess = open_session(artifacts["gla,softmax"], threads=1)
+    kw = dict(temperature=0.8, top_k=40, seed=3, stop_ids=(), repetition_penalty=1.2, repetition_window=16)
+    want, state, _ = plain(sess, PROMPT, 40, **kw)
+    oracle = Oracle(PROMPT, want + [0] * 32, sess.manifest.vocab_size)
+    got, got_state, _ = speculative(sess, PROMPT, 40, oracle, **kw)
+    assert got == want
+    assert_same_state(got_state, state)
+    assert speculative(sess, PROMPT, 40, "ngram", **kw)[0] == want
+
+
+# ---- the rejection rule against the exact distribution, on a vocabulary of 4 ----
+
+VOCAB, LENGTH, TEMPERATURE = 4, 3, 1.0
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec4")
+    arts = []
+    for name, seed in (("target", 0), ("draft", 5)):
+        ckpt = make_checkpoint(root / f"{name}-ckpt", "gla", seed=seed, vocab_size=VOCAB)
+        arts.append(export_model(ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False))
+    return arts
+
+
+def exact_distribution(sess, prompt):
+    """P(first LENGTH tokens) under plain sampling, by enumerating every sequence."""
+    probs = {}
+
+    def walk(seq, p, logits):
+        if len(seq) == LENGTH:
+            probs[tuple(seq)] = p
+            return
+        z = logits.astype(np.float64) / TEMPERATURE
+        q = np.exp(z - z.max())
+        q /= q.sum()
+        state, pos = sess.get_state(), sess.position
+        for t in range(VOCAB):
+            sess.set_state(state, position=pos)
+            walk(seq + [t], p * q[t], sess.step(np.array([[t]]))[0] if len(seq) + 1 < LENGTH else None)
+
+    sess.reset()
+    walk([], 1.0, sess.prefill(np.array([prompt]))[0])
+    return probs
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic with the cells of expected count < 5 pooled, and its degrees of freedom."""
+    stat, df, pool_o, pool_e = 0.0, -1, 0, 0.0
+    for key, p in probs.items():
+        e, o = n * p, counts.get(key, 0)
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+            continue
+        stat, df = stat + (o - e) ** 2 / e, df + 1
+    if pool_e > 0:
+        stat, df = stat + (pool_o - pool_e) ** 2 / pool_e, df + 1
+    return stat, df
+
+
+def critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (Wilson-Hilferty)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def sample_counts(sess, draft, n):
+    counts = {}
+    for seed in range(n):
+        sess.reset()
+        out = list(
+            sess.generate_ids(
+                PROMPT_4, LENGTH, temperature=TEMPERATURE, seed=seed, stop_ids=(), speculative=draft
+            )
+        )
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+PROMPT_4 = [1, 2, 3, 0, 1, 2]
+N_SAMPLES = 1500
+
+
+def test_draft_model_sampling_is_the_targets_distribution(small_vocab):
+    target, draft = (open_session(a, threads=1) for a in small_vocab)
+    probs = exact_distribution(target, PROMPT_4)
+    counts = sample_counts(target, draft, N_SAMPLES)
+    assert target.speculative_stats.drafted > 0
+    stat, df = chi_square(counts, probs, N_SAMPLES)
+    assert stat < critical(df), (stat, df)
+
+
+def test_chi_square_detects_a_wrong_rule(small_vocab, monkeypatch):
+    """The test above can fail: keeping every sampled draft gives the draft's distribution, which it rejects."""
+    target, draft = (open_session(a, threads=1) for a in small_vocab)
+    probs = exact_distribution(target, PROMPT_4)
+    monkeypatch.setattr(spec, "_choose", lambda dec, logits, d, q: dec.take(d))
+    counts = sample_counts(target, draft, N_SAMPLES)
+    stat, df = chi_square(counts, probs, N_SAMPLES)
+    assert stat > critical(df), (stat, df)
+
+
+def test_refusals(tmp_path, artifacts):
+    sess = open_session(artifacts["gla"], threads=1)
+    with pytest.raises(ValueError, match="'ngram' or a draft artifact"):
+        list(sess.generate_ids(PROMPT, 4, speculative=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="speculative must be"):
+        list(sess.generate_ids(PROMPT, 4, speculative=3))
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla", vocab_size=128)
+    other = export_model(ckpt, tmp_path / "other", prefill_chunk=PREFILL, include_checkpoint=False)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        list(sess.generate_ids(PROMPT, 4, speculative=str(other)))
+    last = export_model(
+        make_checkpoint(tmp_path / "c2", "gla"),
+        tmp_path / "last",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
+        prefill_logits="last",
+    )
+    with pytest.raises(ValueError, match="prefill-logits last"):
+        list(open_session(last, threads=1).generate_ids(PROMPT, 4, speculative="ngram"))
+    two = export_model(
+        make_checkpoint(tmp_path / "c3", "gla"),
+        tmp_path / "two",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
+        one_graph=False,
+    )
+    with pytest.raises(ValueError, match="one-graph artifact"):
+        list(open_session(two, threads=1).generate_ids(PROMPT, 4, speculative="ngram"))

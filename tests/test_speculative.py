@@ -253,3 +253,24 @@ def test_refusals(tmp_path, artifacts):
     )
     with pytest.raises(ValueError, match="one-graph artifact"):
         list(open_session(two, threads=1).generate_ids(PROMPT, 4, speculative="ngram"))
+
+
+def test_cli_run_speculative(artifacts, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from edgeattn.cli import run
+
+    app = typer.Typer()
+    run.register(app)
+    runner = CliRunner()
+    art = str(artifacts["gla,softmax"])
+    args = [art, "--prompt", "abcabcabc hello hello hello ", "-n", "40", "--temperature", "0"]
+    want = runner.invoke(app, args)
+    assert want.exit_code == 0, want.output
+    for draft in ("ngram", str(artifacts["gla"])):
+        got = runner.invoke(app, [*args, "--speculative", draft])
+        assert got.exit_code == 0, got.output
+        assert got.stdout == want.stdout and "tokens per call" in got.stderr
+    bad = runner.invoke(app, [*args, "--speculative", str(tmp_path / "nope")])
+    assert bad.exit_code == 2 and bad.output.strip().startswith("error: --speculative must be")

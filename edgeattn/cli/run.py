@@ -66,6 +66,13 @@ def run(
         bool,
         typer.Option("--chat", help="Format the prompt as a user message with the model's chat template."),
     ] = False,
+    speculative: Annotated[
+        str | None,
+        typer.Option(
+            help="Speculative decoding: 'ngram' (drafts looked up in the text so far) or a draft artifact's "
+            "directory (the same tokenizer); the same text from fewer graph calls.",
+        ),
+    ] = None,
 ) -> None:
     """Generate text token by token, keeping the fixed-size state inside the runtime; stops at the
     model's end-of-sequence token.
@@ -78,6 +85,10 @@ def run(
         raise ValueError(f"state file {state_in} does not exist")
     if state_out is not None:
         check_output_file(state_out, "--state-out")
+    if speculative is not None and speculative != "ngram" and not Path(speculative).is_dir():
+        raise ValueError(
+            f"--speculative must be 'ngram' or a draft artifact's directory, got {speculative!r}"
+        )
     sess = open_session(artifact, backend=backend.value, threads=threads)
     if state_in is not None:
         sess.load_state(state_in)
@@ -94,6 +105,7 @@ def run(
         seed=seed,
         repetition_penalty=repetition_penalty,
         repetition_window=repetition_window,
+        speculative=speculative,
     )
     # The first piece checks and prefills the prompt (and the length), so a bad prompt prints nothing but
     # its error; then the prompt is echoed so the continuation reads as text, as with `edgeattn sample`.
@@ -109,9 +121,13 @@ def run(
     if state_out is not None:
         sess.save_state(state_out)
     n = max(sess.position - pos0 - n_prompt, 0)  # generated tokens (and the end-of-sequence token)
+    spec = ""
+    if speculative is not None:
+        st = sess.speculative_stats
+        spec = f", speculative {speculative}: {st.mean_accepted:.2f} tokens per call, {st.acceptance:.0%} of drafts kept"
     typer.echo(
         f"[{backend.value}] {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tokens/s), "
-        f"prompt {n_prompt} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB",
+        f"prompt {n_prompt} tokens, peak RSS {peak_rss_bytes() / 2**20:.1f} MiB{spec}",
         err=True,
     )
 

@@ -291,7 +291,8 @@ class OnnxRuntimeSession(Session):
     def _verify(self, ids) -> np.ndarray:
         """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V]."""
         ids = self._check_ids(ids)
-        logits = self._run_tokens(ids)
+        # one token: the step graph's bindings, made once (a call on another length binds its own buffers)
+        logits = self._run("step", ids) if ids.shape[1] == 1 else self._run_tokens(ids)
         self.position += ids.shape[1]
         return logits
 

@@ -55,6 +55,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0  # tokens produced (a stop token included)
+    readvanced: int = 0  # kept tokens fed again after a rollback (the cost of rolling back)
 
     @property
     def mean_accepted(self) -> float:
@@ -73,6 +74,7 @@ class SpeculativeStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tokens": self.tokens,
+            "readvanced": self.readvanced,
             "mean_accepted": round(self.mean_accepted, 4),
             "acceptance": round(self.acceptance, 4),
         }
@@ -321,10 +323,14 @@ def generate(
                     context.append(tok)
                 if dec.done or i == len(drafts) or tok != drafts[i]:
                     break
+            kept = next(
+                (i for i, (a, b) in enumerate(zip(chosen, drafts)) if a != b), min(len(chosen), len(drafts))
+            )
             if chosen[: len(drafts)] == drafts:  # every draft kept: the state is right
                 todo = chosen[len(drafts) :]
             else:  # back to the state before this call; re-advance what it held that was kept
                 sess._rewind(mark)
+                stats.readvanced += len(todo) + kept
                 todo = todo + chosen
         kept = next(
             (i for i, (a, b) in enumerate(zip(chosen, drafts)) if a != b), min(len(chosen), len(drafts))

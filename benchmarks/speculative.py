@@ -1,0 +1,174 @@
+"""Speculative decoding against plain decoding at batch 1: decode tokens/s and tokens per graph call.
+
+What it measures: for each task of ``benchmarks/speculative_tasks.json`` (prompt-grounded ones that quote,
+rewrite or continue code or text given in the prompt, and free generation), greedy decoding of ``-n`` new
+tokens from one artifact, plain (``Session.generate_ids``) and with ``speculative=`` each drafter of
+``--drafters`` ("ngram", or a draft artifact's directory), in one process, interleaved (plain, drafter, ...,
+then again), ``--repeats`` times. Decode time runs from the first generated token (the prompt's prefill is the
+same call in both and is left out) to the last; the median per task is reported with
+
+- tokens/s plain and speculative, and their ratio;
+- tokens per call: tokens produced per verify call (plain decoding: 1);
+- whether the speculative text equals the plain text (greedy: it must).
+
+The summary is the geometric mean of the ratios over the grounded tasks and over the free ones.
+
+    python benchmarks/speculative.py ART [--chat] [--drafters ngram,DRAFT] [-n 128] [--threads 2] [--repeats 3]
+    python benchmarks/speculative.py ART --quick      # two tasks, 24 tokens, one repeat: checks the harness
+
+``--chat`` feeds each task's ``chat`` message through the artifact's chat template (an instruct model such
+as SmolLM2-135M-Instruct), otherwise its ``raw`` prompt (a base model). Prints a markdown table, then one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+TASKS = Path(__file__).with_name("speculative_tasks.json")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def timed(sess, prompt_ids, n, speculative):
+    """(tokens, decode seconds from the first token to the last, tokens per call or 1.0)."""
+    sess.reset()
+    out, first = [], None
+    for tok in sess.generate_ids(prompt_ids, n, temperature=0, speculative=speculative):
+        if first is None:
+            first = time.perf_counter()
+        out.append(tok)
+    elapsed = time.perf_counter() - first if first is not None else 0.0
+    per_call = sess.speculative_stats.mean_accepted if speculative is not None else 1.0
+    return out, elapsed, per_call
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--chat", action="store_true", help="the tasks' chat messages through the chat template")
+    ap.add_argument("--drafters", default="ngram", help="comma-separated: ngram and/or draft artifacts")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tasks", type=Path, default=TASKS)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.max_new_tokens < 2 or args.repeats < 1 or args.threads < 1:
+        ap.error("-n must be >= 2, --repeats and --threads >= 1")
+    if not args.artifact.is_dir():
+        ap.error(f"{args.artifact} is not an artifact directory")
+    from edgeattn.runtimes import open_session
+
+    sess = open_session(args.artifact, threads=args.threads)
+    reason = sess.speculative_refusal() if hasattr(sess, "speculative_refusal") else "not onnxruntime"
+    if reason:
+        ap.error(reason)
+    tasks = json.loads(args.tasks.read_text())["tasks"]
+    if args.quick:
+        tasks = [next(t for t in tasks if t["kind"] == k) for k in ("grounded", "free")]
+        args.max_new_tokens, args.repeats = 24, 1
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    for d in drafters:
+        if d != "ngram" and not Path(d).is_dir():
+            ap.error(f"--drafters: {d!r} is neither 'ngram' nor an artifact directory")
+    # a draft artifact is opened once (its own session, the same threads)
+    opened = {d: d if d == "ngram" else open_session(d, threads=args.threads) for d in drafters}
+    tok = sess.tokenizer
+    rows = []
+    for task in tasks:
+        text = tok.apply_chat_template(task["chat"]) if args.chat else task["raw"]
+        ids = tok.encode(text)
+        timed(sess, ids, 4, None)  # warm-up
+        plain_t, spec = [], {d: ([], []) for d in drafters}
+        want = None
+        same = {d: True for d in drafters}
+        for _ in range(args.repeats):
+            out, t, _ = timed(sess, ids, args.max_new_tokens, None)
+            want = out
+            plain_t.append((len(out) - 1) / max(t, 1e-9))
+            for d in drafters:
+                got, t, per_call = timed(sess, ids, args.max_new_tokens, opened[d])
+                same[d] &= got == want
+                spec[d][0].append((len(got) - 1) / max(t, 1e-9))
+                spec[d][1].append(per_call)
+        plain = statistics.median(plain_t)
+        for d in drafters:
+            s = statistics.median(spec[d][0])
+            rows.append(
+                {
+                    "task": task["name"],
+                    "kind": task["kind"],
+                    "drafter": d if d == "ngram" else Path(d).name,
+                    "prompt_tokens": len(ids),
+                    "tokens": len(want),
+                    "plain_tok_s": round(plain, 1),
+                    "spec_tok_s": round(s, 1),
+                    "speedup": round(s / plain, 3),
+                    "tokens_per_call": round(statistics.median(spec[d][1]), 2),
+                    "same_text": same[d],
+                }
+            )
+    print(
+        f"{args.artifact.name}, batch 1, greedy, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
+    )
+    print()
+    print(
+        "| task | kind | drafter | tokens | plain tok/s | speculative tok/s | ratio | tokens/call | same text |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['task']} | {r['kind']} | {r['drafter']} | {r['tokens']} | {r['plain_tok_s']} | "
+            f"{r['spec_tok_s']} | {r['speedup']:.2f}x | {r['tokens_per_call']} | {r['same_text']} |"
+        )
+    summary = {}
+    for d in {r["drafter"] for r in rows}:
+        for kind in ("grounded", "free"):
+            sel = [r for r in rows if r["drafter"] == d and r["kind"] == kind]
+            summary[f"{d}/{kind}"] = {
+                "speedup_geomean": round(geomean([r["speedup"] for r in sel]), 3),
+                "tokens_per_call_mean": round(statistics.mean(r["tokens_per_call"] for r in sel), 2)
+                if sel
+                else None,
+            }
+    print()
+    for k, v in sorted(summary.items()):
+        print(f"{k}: {v['speedup_geomean']:.2f}x, {v['tokens_per_call_mean']} tokens per call")
+    print(
+        json.dumps(
+            {
+                "benchmark": "speculative",
+                "artifact": str(args.artifact),
+                "chat": args.chat,
+                "threads": args.threads,
+                "max_new_tokens": args.max_new_tokens,
+                "repeats": args.repeats,
+                "cpu": cpu_name(),
+                "load": os.getloadavg(),
+                "summary": summary,
+                "rows": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -39,6 +39,7 @@ class Oracle:
     PATTERNS = ("right", "third wrong", "first wrong")
 
     def __init__(self, prompt, truth, vocab):
+        self.schedule = spec.FixedSchedule(4)
         self.prompt, self.truth, self.vocab = list(prompt), list(truth), vocab
         self.round = 0
         self.seen = set()
@@ -190,6 +191,9 @@ def critical(df: int, z: float = 3.09) -> float:
 
 
 def sample_counts(sess, draft, n):
+    """Outcomes of ``n`` seeds, two drafts per round (the draft model samples them: its q is not one-hot)."""
+    draft = spec.ModelDrafter(draft, sess)
+    draft.schedule = spec.FixedSchedule(2)
     counts = {}
     for seed in range(n):
         sess.reset()

@@ -26,16 +26,17 @@ Recurrent and convolution states come back whole; a KV buffer comes back by its 
 position are never read before being written again). The draft model's own state goes back through
 ``get_state`` / ``set_state`` (a small model's state, copied once a round).
 
-Adaptive draft length: k grows by 2 after a round that kept every draft and shrinks by 1 after one that did
-not (transformers' "heuristic" schedule); after rounds that keep nothing, drafting pauses for a number of
-tokens that doubles with each failure (free generation then runs as plain decoding).
+Adaptive draft length (``Schedule``): each round drafts the k that maximizes the expected tokens per second
+from the measured cost of a call on each number of tokens and the running chance that a draft is kept; where
+drafts fail, k falls to 0 and the round is plain decoding (one token, the step graph's call).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -142,34 +143,51 @@ class ModelDrafter:
         self.saved = None  # (state, position, tokens): the state after a committed prefix
         self.logits = None  # the draft's logits after ``consumed``
 
+    def _sync(self, context: list[int]) -> None:
+        """Bring the draft's state to ``context`` (its logits after the last token in ``self.logits``): from
+        where it is when that is a prefix, else from the state saved at the previous round's committed text
+        (all but its last token) when that is, else from the start. The state before the last token is saved
+        (a prefix of every later context: the committed text only grows)."""
+        s = self.sess
+        if not (len(self.consumed) < len(context) and self.consumed == context[: len(self.consumed)]):
+            if (
+                self.saved is not None
+                and len(self.saved[2]) < len(context)
+                and context[: len(self.saved[2])] == self.saved[2]
+            ):
+                state, position, self.consumed = self.saved
+                s.set_state(state, position=position)
+            else:
+                s.reset()
+                self.consumed = []
+        new = context[len(self.consumed) :]
+        if len(new) > 1:
+            s.prefill(np.asarray([new[:-1]], np.int64))
+        self.saved = (s.get_state(), s.position, list(context[:-1]))
+        self.logits = s.step(np.asarray([new[-1:]], np.int64))[0]
+        self.consumed = list(context)
+
     def propose(self, context: list[int], k: int, dec: Decoder):
         s = self.sess
         with s.lock:
-            if self.consumed != context[: len(self.consumed)]:  # drafts not kept: back to the saved state
-                state, position, n = self.saved
-                s.set_state(state, position=position)
-                self.consumed, self.logits = self.consumed[:n], None
-            if not self.consumed and self.saved is None:
-                s.reset()
-            new = context[len(self.consumed) :]
             limit = s.manifest.max_length
-            if limit is not None:
-                k = min(k, limit - s.position - len(new))
+            if limit is not None:  # the draft's own KV buffer: room for the context and k - 1 drafts
+                k = min(k, limit - len(context) + 1)
             if k <= 0:
                 return [], None
-            if new:
-                self.logits = s.prefill(np.asarray([new], np.int64))[0]
-            self.consumed = list(context)
-            self.saved = (s.get_state(), s.position, len(context))
-            greedy = dec.distribution(np.zeros(1))[1] is None if dec is not None else True
+            self._sync(context)
+            greedy = dec is None or dec.temperature <= 0
             drafts, qs = [], []
             for i in range(k):
                 if greedy:
                     d = int(np.argmax(self.logits))
                 else:
                     _, q = next_distribution(self.logits, **dec.sampling)
-                    d = draw(q, self.rng) if q is not None else int(np.argmax(self.logits))
-                    qs.append(q if q is not None else np.eye(self.logits.size)[d])
+                    if q is None:  # a temperature so small that it is greedy: q is one-hot
+                        q = np.zeros(self.logits.size)
+                        q[int(np.argmax(self.logits))] = 1.0
+                    d = draw(q, self.rng)
+                    qs.append(q)
                 drafts.append(d)
                 if i < k - 1:
                     self.logits = s.step(np.array([[d]], np.int64))[0]
@@ -225,36 +243,80 @@ def make_drafter(target, speculative, seed: int | None = None):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class Schedule:
-    """How many tokens to draft next (see the module docstring)."""
+    """How many tokens to draft next: the k that maximizes the expected tokens per second of a round,
 
-    k: int = 4
-    max_k: int = MAX_DRAFT
-    pause: int = 0  # tokens to produce before drafting again
-    backoff: int = 4  # the next pause after a round that kept nothing
-    history: list = field(default_factory=list)
+        E(k) / (t(n + k) + k * d),    E(k) = 1 + a + a^2 + ... + a^k,
 
-    def next_k(self, remaining: int | None) -> int:
-        if self.pause > 0:
-            return 0
-        k = self.k if remaining is None else min(self.k, remaining - 1)
-        return max(k, 0)
+    with ``a`` the chance that a draft is kept given the ones before it were (a running estimate over the
+    drafted positions), ``t(m)`` the measured seconds of a verify call on m tokens (``n`` of them to re-advance
+    and the last token), and ``d`` the drafter's measured seconds per draft. k = 0 is plain decoding. Where
+    drafts keep failing ``a`` falls and drafting stops; it drifts back towards its prior while nothing is
+    drafted, so drafting is retried now and then. On a CPU a call's cost grows with its tokens (int4
+    MatMulNBits past one row, the vocabulary head per position), which this weighs instead of assuming it flat."""
 
-    def update(self, drafted: int, accepted: int, produced: int) -> None:
-        if self.pause > 0:
-            self.pause = max(self.pause - produced, 0)
-            return
-        if drafted == 0:
-            return
-        if accepted == drafted:
-            self.k = min(self.k + 2, self.max_k)
+    PRIOR = 0.6  # the chance a draft is kept, before any evidence (prompt lookup drafts only on a match)
+    SLOPE = 0.25  # the cost of each token of a call beyond the first, as a fraction of a one-token call, until measured
+    KEEP = 0.7  # weight of the old value in the running estimates
+
+    def __init__(self, max_k: int = MAX_DRAFT):
+        self.max_k = max_k
+        self.alpha = self.PRIOR
+        self.times: dict[int, float] = {}  # call length -> running seconds
+        self.draft_time = 0.0  # seconds per draft token
+
+    def cost(self, m: int) -> float:
+        if m in self.times:
+            return self.times[m]
+        if not self.times:
+            return 1.0 + self.SLOPE * (m - 1)
+        known = sorted(self.times)
+        near = min(known, key=lambda x: abs(x - m))
+        if len(known) >= 2:
+            xs, ys = np.asarray(known, float), np.asarray([self.times[x] for x in known])
+            slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
         else:
-            self.k = max(self.k - 1, 1)
-        if accepted == 0:
-            self.pause, self.backoff = self.backoff, min(2 * self.backoff, 256)
-        else:
-            self.backoff = 4
+            slope = self.SLOPE * self.times[near] / (1.0 + self.SLOPE * (near - 1))
+        return self.times[near] + slope * (m - near)
+
+    def next_k(self, n: int, remaining: int | None) -> int:
+        """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance)."""
+        top = self.max_k if remaining is None else min(self.max_k, remaining - 1)
+        best, best_rate, expected, p = 0, 1.0 / self.cost(n), 1.0, 1.0
+        for k in range(1, top + 1):
+            p *= self.alpha
+            expected += p
+            rate = expected / (self.cost(n + k) + k * self.draft_time)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, m: int, seconds: float) -> None:
+        old = self.times.get(m)
+        self.times[m] = seconds if old is None else self.KEEP * old + (1 - self.KEEP) * seconds
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float = 0.0) -> None:
+        if drafted == 0:  # nothing tried: back towards the prior, slowly
+            self.alpha += 0.02 * (self.PRIOR - self.alpha)
+            return
+        tested = accepted + (accepted < drafted)
+        rate = accepted / tested
+        w = self.KEEP**tested  # each tested position counts as one observation
+        self.alpha = w * self.alpha + (1 - w) * rate
+        self.alpha = min(self.alpha, 0.98)
+        per = draft_seconds / drafted
+        self.draft_time = per if self.draft_time == 0 else self.KEEP * self.draft_time + (1 - self.KEEP) * per
+
+
+class FixedSchedule(Schedule):
+    """Always ``k`` drafts (fewer near ``max_new_tokens``): a drafter with a ``schedule`` attribute brings its own
+    (tests force their rounds with it; benchmarks compare against it)."""
+
+    def __init__(self, k: int):
+        super().__init__(max_k=k)
+
+    def next_k(self, n: int, remaining: int | None) -> int:
+        return self.max_k if remaining is None else max(min(self.max_k, remaining - 1), 0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -292,7 +354,7 @@ def generate(
     if reason:
         raise ValueError(reason)
     stats = stats if stats is not None else SpeculativeStats()
-    schedule = Schedule()
+    schedule = getattr(drafter, "schedule", None) or Schedule()
     context = [int(t) for t in ids[0]]
     with sess.lock:
         logits = sess.prefill(ids)[0]
@@ -304,9 +366,11 @@ def generate(
         yield tok
     while not dec.done:
         remaining = None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
-        k = schedule.next_k(remaining) if len(todo) <= MAX_TODO else 0
+        k = schedule.next_k(len(todo), remaining) if len(todo) <= MAX_TODO else 0
+        t0 = time.perf_counter()
         drafts, qs = drafter.propose(context, k, dec) if k > 0 else ([], None)
         drafts = [int(d) for d in drafts[:k]]
+        t1 = time.perf_counter()
         with sess.lock:
             mark = sess._mark()
             logits = sess._verify(np.asarray([todo + drafts], np.int64))[
@@ -340,7 +404,7 @@ def generate(
         stats.drafted += len(drafts)
         stats.accepted += kept
         stats.tokens += len(chosen)
-        schedule.update(len(drafts), kept, len(chosen))
+        schedule.update(len(drafts), kept, t1 - t0)
         yield from (t for t in chosen if t not in dec.stop_ids)  # a stop token ends the round, unyielded
     if todo:  # plain decoding leaves every chosen token (and the stop token) in the state
         with sess.lock:

@@ -9,7 +9,11 @@ same call in both and is left out) to the last; the median per task is reported 
 
 - tokens/s plain and speculative, and their ratio;
 - tokens per call: tokens produced per verify call (plain decoding: 1);
-- whether the speculative text equals the plain text (greedy: it must).
+- whether the speculative text equals the plain text (greedy: it must; sampled with prompt lookup's fixed
+  drafts too, the same seed drawing the same tokens).
+
+``--temperature T`` (with ``--seed``, ``--repetition-penalty``, ``--repetition-window``) samples instead of
+greedy decoding: a small model's greedy text falls into loops that any drafter predicts.
 
 The summary is the geometric mean of the ratios over the grounded tasks and over the free ones.
 
@@ -43,11 +47,11 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def timed(sess, prompt_ids, n, speculative):
+def timed(sess, prompt_ids, n, speculative, sampling=None):
     """(tokens, decode seconds from the first token to the last, tokens per call or 1.0)."""
     sess.reset()
     out, first = [], None
-    for tok in sess.generate_ids(prompt_ids, n, temperature=0, speculative=speculative):
+    for tok in sess.generate_ids(prompt_ids, n, speculative=speculative, **(sampling or {"temperature": 0})):
         if first is None:
             first = time.perf_counter()
         out.append(tok)
@@ -70,7 +74,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tasks", type=Path, default=TASKS)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with --seed")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--repetition-window", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    sampling = {
+        "temperature": args.temperature,
+        "repetition_penalty": args.repetition_penalty,
+        "repetition_window": args.repetition_window,
+        "seed": args.seed,
+    }
     if args.max_new_tokens < 2 or args.repeats < 1 or args.threads < 1:
         ap.error("-n must be >= 2, --repeats and --threads >= 1")
     if not args.artifact.is_dir():
@@ -101,11 +115,11 @@ def main() -> None:
         want = None
         same = {d: True for d in drafters}
         for _ in range(args.repeats):
-            out, t, _ = timed(sess, ids, args.max_new_tokens, None)
+            out, t, _ = timed(sess, ids, args.max_new_tokens, None, sampling)
             want = out
             plain_t.append((len(out) - 1) / max(t, 1e-9))
             for d in drafters:
-                got, t, per_call = timed(sess, ids, args.max_new_tokens, opened[d])
+                got, t, per_call = timed(sess, ids, args.max_new_tokens, opened[d], sampling)
                 same[d] &= got == want
                 spec[d][0].append((len(got) - 1) / max(t, 1e-9))
                 spec[d][1].append(per_call)
@@ -127,7 +141,7 @@ def main() -> None:
                 }
             )
     print(
-        f"{args.artifact.name}, batch 1, greedy, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
+        f"{args.artifact.name}, batch 1, {how}, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
     )
     print()
     print(
@@ -158,6 +172,7 @@ def main() -> None:
                 "benchmark": "speculative",
                 "artifact": str(args.artifact),
                 "chat": args.chat,
+                "sampling": sampling,
                 "threads": args.threads,
                 "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats,

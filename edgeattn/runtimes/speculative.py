@@ -246,66 +246,76 @@ def make_drafter(target, speculative, seed: int | None = None):
 class Schedule:
     """How many tokens to draft next: the k that maximizes the expected tokens per second of a round,
 
-        E(k) / (t(n + k) + k * d),    E(k) = 1 + a + a^2 + ... + a^k,
+        E(k) / t(n + k),    E(k) = 1 + a + a^2 + ... + a^k,
 
     with ``a`` the chance that a draft is kept given the ones before it were (a running estimate over the
-    drafted positions), ``t(m)`` the measured seconds of a verify call on m tokens (``n`` of them to re-advance
-    and the last token), and ``d`` the drafter's measured seconds per draft. k = 0 is plain decoding. Where
-    drafts keep failing ``a`` falls and drafting stops; it drifts back towards its prior while nothing is
+    drafted positions) and ``t(m)`` the measured seconds of a whole round whose call fed m tokens (``n`` of
+    them to re-advance and the last token): drafting, the graph call, choosing the tokens. k = 0 is plain
+    decoding. A round's overhead counts, so a model whose call costs less than the Python around it drafts
+    little. Where drafts keep failing ``a`` falls and drafting stops; it drifts back towards its prior while nothing is
     drafted, so drafting is retried now and then. On a CPU a call's cost grows with its tokens (int4
     MatMulNBits past one row, the vocabulary head per position), which this weighs instead of assuming it flat."""
 
     PRIOR = 0.6  # the chance a draft is kept, before any evidence (prompt lookup drafts only on a match)
     SLOPE = 0.25  # the cost of each token of a call beyond the first, as a fraction of a one-token call, until measured
     KEEP = 0.7  # weight of the old value in the running estimates
+    MARGIN = 1.1
 
     def __init__(self, max_k: int = MAX_DRAFT):
         self.max_k = max_k
         self.alpha = self.PRIOR
         self.times: dict[int, float] = {}  # call length -> running seconds
-        self.draft_time = 0.0  # seconds per draft token
+        self._slope = None  # seconds per fed token, fitted once two lengths are measured
 
     def cost(self, m: int) -> float:
+        """The expected seconds of a round that feeds m tokens: measured, or from the nearest measured length
+        along the least-squares slope of the measurements (the prior slope while there is one)."""
         if m in self.times:
             return self.times[m]
-        if not self.times:
-            return 1.0 + self.SLOPE * (m - 1)
-        known = sorted(self.times)
-        near = min(known, key=lambda x: abs(x - m))
-        if len(known) >= 2:
-            xs, ys = np.asarray(known, float), np.asarray([self.times[x] for x in known])
-            slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
-        else:
-            slope = self.SLOPE * self.times[near] / (1.0 + self.SLOPE * (near - 1))
-        return self.times[near] + slope * (m - near)
+        if self._slope is None:
+            if not self.times:
+                return 1.0 + self.SLOPE * (m - 1)
+            near = next(iter(self.times))
+            return self.times[near] * (1.0 + self.SLOPE * (m - 1)) / (1.0 + self.SLOPE * (near - 1))
+        near = min(self.times, key=lambda x: abs(x - m))
+        return self.times[near] + self._slope * (m - near)
 
     def next_k(self, n: int, remaining: int | None) -> int:
         """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance)."""
         top = self.max_k if remaining is None else min(self.max_k, remaining - 1)
-        best, best_rate, expected, p = 0, 1.0 / self.cost(n), 1.0, 1.0
+        # drafting must promise MARGIN more tokens per second than plain decoding (the estimates are noisy)
+        best, best_rate, expected, p = 0, self.MARGIN / self.cost(n), 1.0, 1.0
         for k in range(1, top + 1):
             p *= self.alpha
             expected += p
-            rate = expected / (self.cost(n + k) + k * self.draft_time)
-            if rate > best_rate:
-                best, best_rate = k, rate
+            rate = expected / self.cost(n + k)
+            if rate <= best_rate:  # the rate of a linear cost and a geometric gain has one peak
+                break
+            best, best_rate = k, rate
         return best
 
     def observe(self, m: int, seconds: float) -> None:
         old = self.times.get(m)
         self.times[m] = seconds if old is None else self.KEEP * old + (1 - self.KEEP) * seconds
+        if len(self.times) >= 2:  # least squares, in plain Python: this runs every round
+            n = len(self.times)
+            mx = sum(self.times) / n
+            my = sum(self.times.values()) / n
+            sxx = sum((x - mx) ** 2 for x in self.times)
+            sxy = sum((x - mx) * (y - my) for x, y in self.times.items())
+            # at least a twentieth of the shortest round per token: noise must not make long calls look free
+            floor = 0.05 * self.times[min(self.times)]
+            self._slope = max(sxy / sxx, floor)
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float = 0.0) -> None:
+    def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:  # nothing tried: back towards the prior, slowly
-            self.alpha += 0.02 * (self.PRIOR - self.alpha)
+            self.alpha += 0.01 * (self.PRIOR - self.alpha)
             return
         tested = accepted + (accepted < drafted)
         rate = accepted / tested
         w = self.KEEP**tested  # each tested position counts as one observation
         self.alpha = w * self.alpha + (1 - w) * rate
         self.alpha = min(self.alpha, 0.98)
-        per = draft_seconds / drafted
-        self.draft_time = per if self.draft_time == 0 else self.KEEP * self.draft_time + (1 - self.KEEP) * per
 
 
 class FixedSchedule(Schedule):
@@ -370,12 +380,11 @@ def generate(
         t0 = time.perf_counter()
         drafts, qs = drafter.propose(context, k, dec) if k > 0 else ([], None)
         drafts = [int(d) for d in drafts[:k]]
-        t1 = time.perf_counter()
         with sess.lock:
             mark = sess._mark()
-            logits = sess._verify(np.asarray([todo + drafts], np.int64))[
-                0, len(todo) - 1 :
-            ]  # [len(drafts)+1, V]
+            n_fed = len(todo) + len(drafts)
+            # the logits at the last token and each draft: [len(drafts) + 1, V]
+            logits = sess._verify(np.asarray([todo + drafts], np.int64))[0, len(todo) - 1 :]
             chosen = []  # this round's tokens (a stop token included)
             for i in range(len(drafts) + 1):
                 if i < len(drafts):
@@ -404,7 +413,8 @@ def generate(
         stats.drafted += len(drafts)
         stats.accepted += kept
         stats.tokens += len(chosen)
-        schedule.update(len(drafts), kept, t1 - t0)
+        schedule.observe(n_fed, time.perf_counter() - t0)
+        schedule.update(len(drafts), kept)
         yield from (t for t in chosen if t not in dec.stop_ids)  # a stop token ends the round, unyielded
     if todo:  # plain decoding leaves every chosen token (and the stop token) in the state
         with sess.lock:

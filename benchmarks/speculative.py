@@ -140,6 +140,7 @@ def main() -> None:
                     "same_text": same[d],
                 }
             )
+    how = "greedy" if args.temperature <= 0 else f"sampled {sampling}"
     print(
         f"{args.artifact.name}, batch 1, {how}, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
     )

@@ -278,3 +278,33 @@ def test_cli_run_speculative(artifacts, tmp_path):
         assert got.stdout == want.stdout and "tokens per call" in got.stderr
     bad = runner.invoke(app, [*args, "--speculative", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and bad.output.strip().startswith("error: --speculative must be")
+
+
+def test_benchmark_quick(artifacts):
+    """benchmarks/speculative.py --quick runs and ends with its JSON line (the same greedy text in every row)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "speculative.py"),
+            str(artifacts["gla"]),
+            "--quick",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "speculative" and {r["kind"] for r in out["rows"]} == {"grounded", "free"}
+    assert all(r["same_text"] for r in out["rows"])

@@ -91,7 +91,10 @@ class NgramDrafter:
     the tokens that followed its latest occurrence (continued periodically where they run into the end: a
     repeating pattern drafts its next period). Fixed tokens: no distributions."""
 
+    cheap = True  # drafting costs next to nothing: draft first, then let the schedule cut by the match's size
+
     def __init__(self, min_n: int = 2, max_n: int = 8):
+        self.match = 0  # the size of the n-gram the last drafts followed (0: none)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.sizes = range(max_n, min_n - 1, -1)
@@ -119,7 +122,9 @@ class NgramDrafter:
                 out = list(context)
                 for i in range(k):
                     out.append(out[e + i])
+                self.match = n
                 return out[len(context) :], None
+        self.match = 0
         return [], None
 
 
@@ -263,7 +268,7 @@ class Schedule:
 
     def __init__(self, max_k: int = MAX_DRAFT):
         self.max_k = max_k
-        self.alpha = self.PRIOR
+        self.alphas: dict = {}  # the drafter's confidence (prompt lookup: the n-gram's size) -> chance a draft is kept
         self.times: dict[int, float] = {}  # call length -> running seconds
         self._slope = None  # seconds per fed token, fitted once two lengths are measured
 
@@ -280,13 +285,15 @@ class Schedule:
         near = min(self.times, key=lambda x: abs(x - m))
         return self.times[near] + self._slope * (m - near)
 
-    def next_k(self, n: int, remaining: int | None) -> int:
-        """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance)."""
+    def next_k(self, n: int, remaining: int | None, bucket=None) -> int:
+        """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance), for
+        drafts of the drafter's confidence ``bucket``."""
         top = self.max_k if remaining is None else min(self.max_k, remaining - 1)
+        alpha = self.alphas.get(bucket, self.PRIOR)
         # drafting must promise MARGIN more tokens per second than plain decoding (the estimates are noisy)
         best, best_rate, expected, p = 0, self.MARGIN / self.cost(n), 1.0, 1.0
         for k in range(1, top + 1):
-            p *= self.alpha
+            p *= alpha
             expected += p
             rate = expected / self.cost(n + k)
             if rate <= best_rate:  # the rate of a linear cost and a geometric gain has one peak
@@ -307,15 +314,16 @@ class Schedule:
             floor = 0.05 * self.times[min(self.times)]
             self._slope = max(sxy / sxx, floor)
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, bucket=None) -> None:
         if drafted == 0:  # nothing tried: back towards the prior, slowly
-            self.alpha += 0.01 * (self.PRIOR - self.alpha)
+            for b, a in self.alphas.items():
+                self.alphas[b] = a + 0.01 * (self.PRIOR - a)
             return
+        alpha = self.alphas.get(bucket, self.PRIOR)
         tested = accepted + (accepted < drafted)
         rate = accepted / tested
         w = self.KEEP**tested  # each tested position counts as one observation
-        self.alpha = w * self.alpha + (1 - w) * rate
-        self.alpha = min(self.alpha, 0.98)
+        self.alphas[bucket] = min(w * alpha + (1 - w) * rate, 0.98)
 
 
 class FixedSchedule(Schedule):
@@ -325,7 +333,7 @@ class FixedSchedule(Schedule):
     def __init__(self, k: int):
         super().__init__(max_k=k)
 
-    def next_k(self, n: int, remaining: int | None) -> int:
+    def next_k(self, n: int, remaining: int | None, bucket=None) -> int:
         return self.max_k if remaining is None else max(min(self.max_k, remaining - 1), 0)
 
 
@@ -376,10 +384,20 @@ def generate(
         yield tok
     while not dec.done:
         remaining = None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
-        k = schedule.next_k(len(todo), remaining) if len(todo) <= MAX_TODO else 0
         t0 = time.perf_counter()
-        drafts, qs = drafter.propose(context, k, dec) if k > 0 else ([], None)
-        drafts = [int(d) for d in drafts[:k]]
+        bucket = None
+        if len(todo) > MAX_TODO:
+            drafts, qs = [], None
+        elif getattr(drafter, "cheap", False):  # draft all that may help, keep what the schedule says
+            top = MAX_DRAFT if remaining is None else max(min(MAX_DRAFT, remaining - 1), 0)
+            drafts, qs = drafter.propose(context, top, dec) if top > 0 else ([], None)
+            bucket = getattr(drafter, "match", None)
+            drafts = drafts[: schedule.next_k(len(todo), remaining, bucket)] if drafts else []
+        else:
+            k = schedule.next_k(len(todo), remaining)
+            drafts, qs = drafter.propose(context, k, dec) if k > 0 else ([], None)
+            drafts = drafts[:k]
+        drafts = [int(d) for d in drafts]
         with sess.lock:
             mark = sess._mark()
             n_fed = len(todo) + len(drafts)
@@ -414,7 +432,7 @@ def generate(
         stats.accepted += kept
         stats.tokens += len(chosen)
         schedule.observe(n_fed, time.perf_counter() - t0)
-        schedule.update(len(drafts), kept)
+        schedule.update(len(drafts), kept, bucket)
         yield from (t for t in chosen if t not in dec.stop_ids)  # a stop token ends the round, unyielded
     if todo:  # plain decoding leaves every chosen token (and the stop token) in the state
         with sess.lock:

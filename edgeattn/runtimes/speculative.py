@@ -99,31 +99,34 @@ class NgramDrafter:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.sizes = range(max_n, min_n - 1, -1)
         self._index = {n: {} for n in self.sizes}  # n -> n-gram -> the end of its latest occurrence
-        self._seen: list[int] = []  # the tokens indexed (a prefix of every later context)
+        self._seen, self._last = 0, None  # how many tokens are indexed, and the last of them
 
     def _extend(self, context: list[int]) -> None:
-        if context[: len(self._seen)] != self._seen:  # another text: start over
-            self._index = {n: {} for n in self.sizes}
-            self._seen = []
-        # index the n-grams that end before the last token (a continuation exists for each)
-        for e in range(max(len(self._seen), 1), len(context)):
-            for n in self.sizes:
-                if e >= n:
-                    self._index[n][tuple(context[e - n : e])] = e
-        self._seen = list(context)
+        n = self._seen
+        if n > len(context) or (n and context[n - 1] != self._last):  # another text: start over
+            self._index = {size: {} for size in self.sizes}
+            n = 0
+        # index the n-grams that end before the last token (a continuation exists for each); no copy of the
+        # context: this runs every round
+        for e in range(max(n, 1), len(context)):
+            for size in self.sizes:
+                if e >= size:
+                    self._index[size][tuple(context[e - size : e])] = e
+        self._seen, self._last = len(context), context[-1] if context else None
 
     def propose(self, context: list[int], k: int, dec: Decoder | None = None):
         self._extend(context)
+        L = len(context)
         for n in self.sizes:
-            if len(context) <= n:
+            if L <= n:
                 continue
             e = self._index[n].get(tuple(context[-n:]))
             if e is not None:
-                out = list(context)
-                for i in range(k):
-                    out.append(out[e + i])
                 self.match = n
-                return out[len(context) :], None
+                drafts = []
+                for i in range(e, e + k):  # past the end: the drafts themselves (a repeating pattern)
+                    drafts.append(context[i] if i < L else drafts[i - L])
+                return drafts, None
         self.match = 0
         return [], None
 

@@ -274,6 +274,7 @@ class Schedule:
         self.alphas: dict = {}  # the drafter's confidence (prompt lookup: the n-gram's size) -> chance a draft is kept
         self.times: dict[int, float] = {}  # call length -> running seconds
         self._slope = None  # seconds per fed token, fitted once two lengths are measured
+        self._observed = 0
 
     def cost(self, m: int) -> float:
         """The expected seconds of a round that feeds m tokens: measured, or from the nearest measured length
@@ -307,7 +308,9 @@ class Schedule:
     def observe(self, m: int, seconds: float) -> None:
         old = self.times.get(m)
         self.times[m] = seconds if old is None else self.KEEP * old + (1 - self.KEEP) * seconds
-        if len(self.times) >= 2:  # least squares, in plain Python: this runs every round
+        self._observed += 1
+        # least squares, in plain Python, when a length is new and every 16th round (it is overhead per token)
+        if len(self.times) >= 2 and (old is None or self._observed % 16 == 0):
             n = len(self.times)
             mx = sum(self.times) / n
             my = sum(self.times.values()) / n

@@ -93,6 +93,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (the workers, the run loop and the table of benchmarks/peers.py)
 
+from edgeattn.bench.machine import with_cpu
+
 ROPE = peers.qwen35_rope(256, theta=10_000_000)  # [11, 11, 10], as published
 FULL = dict(
     vocab_size=248320,
@@ -363,7 +365,9 @@ def run_paired(
             key = f"{names[1]}@{th}"
             with open(log, "a") as f:
                 f.write(
-                    json.dumps({"key": key, "models": names, "threads": th, "opts": opts, "result": res})
+                    json.dumps(
+                        with_cpu({"key": key, "models": names, "threads": th, "opts": opts, "result": res})
+                    )
                     + "\n"
                 )
             status = res.get("error") or " ".join(
@@ -632,28 +636,30 @@ def main() -> None:
     params = next((m["params"] for m in models.values() if m.get("params")), 0)
     print(
         json.dumps(
-            {
-                "shape": shape,
-                "params": params,
-                "contexts": contexts,
-                "threads": threads,
-                "precisions": precisions,
-                "repeats": repeats,
-                "steps": steps,
-                "prefill": prefill,
-                **(
-                    {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
-                    if args.paired
-                    else {}
-                ),
-                "errors": {k: v["error"] for k, v in models.items() if "error" in v},
-                "disk": disk,
-                "results": {
-                    k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
-                    for k, v in results.items()
-                },
-                "ratios": ratios,
-            }
+            with_cpu(
+                {
+                    "shape": shape,
+                    "params": params,
+                    "contexts": contexts,
+                    "threads": threads,
+                    "precisions": precisions,
+                    "repeats": repeats,
+                    "steps": steps,
+                    "prefill": prefill,
+                    **(
+                        {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
+                        if args.paired
+                        else {}
+                    ),
+                    "errors": {k: v["error"] for k, v in models.items() if "error" in v},
+                    "disk": disk,
+                    "results": {
+                        k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
+                        for k, v in results.items()
+                    },
+                    "ratios": ratios,
+                }
+            )
         )
     )
 

@@ -56,6 +56,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from edgeattn.bench.machine import with_cpu
+
 CHUNK = 64
 # Datasheet dense bf16 tensor TFLOP/s and memory GB/s, matched on torch.cuda.get_device_name().
 PEAKS = [
@@ -351,13 +353,13 @@ def main() -> int:
         print(
             "benchmarks/kernels.py: no CUDA device here; the Triton training kernels are timed on a GPU only."
         )
-        print(json.dumps({"skipped": "no CUDA device"}))
+        print(json.dumps(with_cpu({"skipped": "no CUDA device"})))
         return 0
     try:
         import triton  # noqa: F401
     except ImportError:
         print("benchmarks/kernels.py: triton is not installed (pip install 'edgeattn[train]').")
-        print(json.dumps({"skipped": "triton not installed"}))
+        print(json.dumps(with_cpu({"skipped": "triton not installed"})))
         return 0
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -456,7 +458,7 @@ def main() -> int:
         },
         "notes": notes,
     }
-    print(json.dumps(result))
+    print(json.dumps(with_cpu(result)))
     return 0
 
 

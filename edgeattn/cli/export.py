@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.artifact.manifest import KV_DTYPES, PRECISIONS, TARGETS
+from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
 from edgeattn.cli._common import Command, check_output_dir, cli_errors
 
 
@@ -21,6 +21,7 @@ Target = _choices("Target", TARGETS)
 Precision = _choices("Precision", PRECISIONS)
 PrefillLogits = _choices("PrefillLogits", ("all", "last"))
 KvDtype = _choices("KvDtype", KV_DTYPES)
+Int8Weights = _choices("Int8Weights", INT8_WEIGHTS)
 
 
 @cli_errors
@@ -51,6 +52,13 @@ def export(
     int4_asymmetric: Annotated[
         bool, typer.Option("--int4-asymmetric", help="int4: a zero point per block (default: symmetric).")
     ] = False,
+    int8_weights: Annotated[
+        Int8Weights,
+        typer.Option(
+            help="int8: u8 gives the same logits on every CPU; s8 is faster with VNNI or AMX and saturates "
+            "on AVX2 CPUs without VNNI (`edgeattn check` says so there)."
+        ),
+    ] = Int8Weights.u8,
     no_checkpoint: Annotated[
         bool,
         typer.Option(
@@ -119,6 +127,8 @@ def export(
         quantization={"symmetric": not int4_asymmetric}
         | ({"block_size": int4_block_size} if int4_block_size is not None else {})
         if precision == Precision.int4
+        else {"weights": int8_weights.value}
+        if precision == Precision.int8
         else None,
         genai=genai,
         max_length=max_length,

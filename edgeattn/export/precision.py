@@ -9,7 +9,12 @@
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
 - int8: ONNX Runtime's dynamic quantization of the MatMul projections whose weights are initializers
-  (int8 weights, activations quantized per call); the recurrence itself is untouched.
+  (8-bit weights, one scale and zero point per output channel; activations quantized per call to uint8);
+  the recurrence itself is untouched. The weights are unsigned by default (``INT8_WEIGHTS``): ONNX Runtime's CPU
+  kernels multiply uint8 activations by int8 weights with 16-bit saturating sums (``vpmaddubsw``) on CPUs
+  without VNNI (AVX2 AMD EPYCs, AVX-512 without VNNI), and the tiny GLA test model's logits went 0.56
+  relative off there against 0.20 on a VNNI CPU; uint8 x uint8 widens to 16 bits before it multiplies
+  and gives the same logits on both kinds (0.15 relative, per channel; benchmarks/RESULTS.md, issue 38).
 - int4: weight-only blockwise quantization with ONNX Runtime's ``MatMulNBitsQuantizer``: every MatMul with
   an initializer weight becomes ``com.microsoft.MatMulNBits`` (the tied lm head included) and the embedding
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
@@ -44,7 +49,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from edgeattn.artifact.manifest import KV_DTYPES
+from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES
 from edgeattn.export.graph import sort_topologically
 
 
@@ -583,7 +588,7 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
         _drop_round_trips(model)
         sort_topologically(model)
     elif precision == "int8":
-        model = quantize_int8(model)
+        model = quantize_int8(model, **options)
     elif precision == "int4":
         model = quantize_int4(model, **{**INT4_DEFAULTS, **options})
     else:
@@ -591,14 +596,25 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     return model
 
 
-def quantize_int8(model):
+# int8 weights (``--int8-weights``, one of INT8_WEIGHTS): "u8", the default, gives the same logits on every
+# x86-64 CPU kind (the module docstring); "s8" is ONNX Runtime's own default, faster on CPUs with VNNI or AMX
+# (benchmarks/RESULTS.md, issue 38) and saturating on the CPU kinds (``edgeattn.bench.machine.cpu_kind``)
+# where MLAS multiplies uint8 by int8 with vpmaddubsw:
+S8_SATURATES = ("avx2", "avx512")
+
+
+def quantize_int8(model, weights: str = "u8"):
     """ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose weights are
-    initializers (int8 weights). Its quantizer reads and writes files: through a scratch directory."""
+    initializers, one scale and zero point per output channel; ``weights`` "u8" (uint8) or "s8" (int8).
+    Its quantizer reads and writes files: through a scratch directory."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    weights = {i.name for i in model.graph.initializer}
-    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights]
+    if weights not in INT8_WEIGHTS:
+        raise ValueError(f"int8 weights must be one of {', '.join(INT8_WEIGHTS)}, got {weights!r}")
+
+    inits = {i.name for i in model.graph.initializer}
+    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & inits]
     with tempfile.TemporaryDirectory(prefix="edgeattn-int8-") as scratch:
         src, dst = os.path.join(scratch, "src.onnx"), os.path.join(scratch, "int8.onnx")
         onnx.save(model, src)
@@ -607,7 +623,13 @@ def quantize_int8(model):
         level = root.level
         root.setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
         try:
-            quantize_dynamic(src, dst, nodes_to_quantize=matmuls, weight_type=QuantType.QInt8)
+            quantize_dynamic(
+                src,
+                dst,
+                nodes_to_quantize=matmuls,
+                weight_type=QuantType.QUInt8 if weights == "u8" else QuantType.QInt8,
+                per_channel=True,
+            )
         finally:
             root.setLevel(level)
         return onnx.load(dst)

@@ -43,6 +43,11 @@ ARTIFACTS = {
     "gla_fused": ("gla", dict(target="onnxruntime")),  # com.microsoft.LinearAttention, one graph
     "hybrid_fused": ("gla,softmax", dict(target="onnxruntime")),  # GroupQueryAttention on a KV buffer
     "gla_int4": ("gla", dict(target="onnxruntime", precision="int4")),  # MatMulNBits, GatherBlockQuantized
+    # a call returns [1, 1, V] whatever its tokens (issue 31: the page took row T-1 of it, an empty slice)
+    "gla_last": ("gla", dict(target="onnxruntime", prefill_logits="last")),
+    # KV buffers of float16 and int8 (issue 31: the page fed them float32 zeros)
+    "hybrid_f16kv": ("gla,softmax", dict(target="onnxruntime", kv_dtype="float16")),
+    "hybrid_i8kv_last": ("gla,softmax", dict(target="onnxruntime", kv_dtype="int8", prefill_logits="last")),
     # refused: GatedRMSNorm with its activation attribute (the trace's fused norm; the optimizer, off here,
     # rewrites it into plain ops since ONNX Runtime's CPU kernel is slow)
     "gated_deltanet_fused": ("gated_deltanet", dict(target="onnxruntime", optimize=False)),
@@ -225,6 +230,9 @@ def assert_shows_text(png: Path, box: list[int]) -> None:
         "hybrid",
         "gla_fused",
         "hybrid_fused",
+        "gla_last",
+        "hybrid_f16kv",
+        "hybrid_i8kv_last",
     ],
 )
 def test_64_greedy_tokens_equal_python_session(name, artifacts, browser, tmp_path):

@@ -436,3 +436,16 @@ def test_portable_fp16_and_int8_run_in_the_page(precision, browser, tmp_path):
     page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
     assert page["error"] is None
     assert page["tokens"] == python_greedy(art, PROMPT, 24)
+
+
+@needs_browser
+def test_the_site_opened_as_a_file_says_to_serve_it_over_http(artifacts, browser, tmp_path):
+    """file:// loads no ES module in Chromium: the page says so, and how to serve it, instead of staying
+    at "loading..." (issue 31)."""
+    site = build_site(artifacts("gla"), tmp_path / "site")
+    browser.goto((site / "index.html").as_uri() + "?autostart=1")
+    browser.wait_for(DONE, timeout=20)
+    status = browser.evaluate("document.getElementById('status').textContent")
+    assert status.startswith("error: this page must be served over HTTP"), status
+    assert f"python -m edgeattn.web.serve {site}" in status, status
+    assert browser.evaluate("edgeattn.error") in status and browser.evaluate("edgeattn.tokens") == []

@@ -338,6 +338,12 @@ function formOptions() {
 }
 
 async function main() {
+  if (location.protocol === "file:") {
+    // index.html has said that the page must be served over HTTP (a browser that runs this module from
+    // file:// still cannot fetch the model): keep its message
+    Object.assign(api, { done: true, error: $("status").textContent.replace(/^error: /, "") });
+    return;
+  }
   for (const name of ["prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]) {
     if (params.has(name)) $(name).value = params.get(name);
   }

@@ -449,3 +449,31 @@ def test_the_site_opened_as_a_file_says_to_serve_it_over_http(artifacts, browser
     assert status.startswith("error: this page must be served over HTTP"), status
     assert f"python -m edgeattn.web.serve {site}" in status, status
     assert browser.evaluate("edgeattn.error") in status and browser.evaluate("edgeattn.tokens") == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(artifacts, tmp_path, monkeypatch):
+    """ENOSPC while the site's files are copied (issue 31): one `error:` line naming --out, exit 2, no site and
+    no temporary left beside it."""
+    import errno
+    import os
+
+    import edgeattn.web as web
+
+    if MISSING is not None and "node_modules" in MISSING:
+        pytest.skip(MISSING)
+    real = shutil.copyfile
+
+    def copyfile(src, dst, **kw):
+        if str(dst).endswith(".wasm"):  # the model is in: the disk fills on onnxruntime-web's files
+            Path(dst).write_bytes(Path(src).read_bytes()[:1000])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(web.shutil, "copyfile", copyfile)
+    (tmp_path / "sites").mkdir()
+    out = tmp_path / "sites" / "site"
+    res = runner.invoke(app, ["web", str(artifacts("gla")), "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: no space left on device"), res.output
+    assert list((tmp_path / "sites").iterdir()) == []

@@ -103,11 +103,12 @@ def _producer(path, name: str) -> str:
     return next(n.op_type for n in graph.node if name in n.output)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
-def test_fp16_with_reduced_kv_buffers_exports_and_runs(ckpts, tmp_path, kv_dtype):
-    """fp16 activations with float16 or int8 KV buffers: the export works (it was a 60-line traceback), the
-    logits stay within fp16's bound of the fp32 artifact's over a prefill and steps, the buffers have the
-    asked type, and every state output is written by its own op, never through a float16 Cast."""
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_fp16_with_every_kv_dtype_exports_and_runs(ckpts, tmp_path, kv_dtype):
+    """fp16 activations with float32, float16 or int8 KV buffers: the export works (float16 and int8 were a
+    60-line traceback), the logits stay within fp16's bound of the fp32 artifact's over a prefill and steps,
+    the buffers have the asked type, and every state output is written by its own op, never through a
+    float16 Cast (the recurrent state, the KV buffers and the position passed through float16 before)."""
     ids = text_ids(40)
     ref = open_session(export_model(ckpts[HYBRID], tmp_path / "fp32", prefill_chunk=PREFILL))
     art = export_model(

@@ -446,5 +446,28 @@ def test_a_full_disk_is_recognised_in_a_chain_and_in_a_library_message():
         "data/0: file write failed, No space left on device"
     )
     assert disk_full(torch_style) is torch_style
+    from safetensors import SafetensorError
+
+    rust_style = SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
+    assert disk_full(rust_style) is rust_style
     assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
     assert disk_full(RuntimeError("shape mismatch")) is None
+
+
+def test_any_command_reports_a_full_disk_in_one_line(capsys):
+    import errno
+
+    from edgeattn.cli._common import cli_errors
+
+    @cli_errors
+    def command():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run.state")
+
+    with pytest.raises(typer.Exit) as info:
+        command()
+    assert info.value.exit_code == 2
+    assert capsys.readouterr().err == (
+        "error: no space left on device writing /data/run.state: free some space or write elsewhere\n"
+    )

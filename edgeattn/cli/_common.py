@@ -47,15 +47,16 @@ def _check_finite(kwargs: dict) -> None:
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-def disk_full(e: BaseException) -> OSError | RuntimeError | None:
+def disk_full(e: BaseException) -> Exception | None:
     """The error in ``e``'s chain that says the disk (or quota) is full, or None: an OSError with ENOSPC or
-    EDQUOT, or a library's RuntimeError that carries only the message (torch's and onnx's C++ writers)."""
+    EDQUOT, or a library's error that carries only the message (torch's C++ writer raises a RuntimeError,
+    safetensors a SafetensorError)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             return e
-        if isinstance(e, (OSError, RuntimeError)) and any(os.strerror(n) in str(e) for n in _DISK_FULL):
+        if isinstance(e, Exception) and any(os.strerror(n) in str(e) for n in _DISK_FULL):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -67,7 +68,7 @@ def writing(out: Path, option: str):
     becomes one line naming ``option``, not a traceback."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except Exception as e:
         full = disk_full(e)
         if full is None:
             raise
@@ -89,7 +90,7 @@ def cli_errors(fn):
             return fn(*args, **kwargs)
         except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, MissingDependency) as e:
             raise fail(str(e)) from None
-        except (OSError, RuntimeError) as e:  # a full disk in any command: one line, not a traceback
+        except Exception as e:  # a full disk in any command: one line, not a traceback
             full = disk_full(e)
             if full is None:
                 raise

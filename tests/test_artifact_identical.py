@@ -17,7 +17,9 @@ nodes, initializers, inputs and outputs in another order, and ONNX Runtime's out
 qwen3_5_hf_int4's step.onnx (and the manifest, which hashes it) was re-recorded with the fix that rotates
 each row of a batch from its own position where the graph runs the rotary itself (rotary dims that
 GroupQueryAttention's tables do not take: this tiny model's 8), not from row 0's; its large-model path
-still writes the same files. Rerecord it (from the code before a change) only when a change of the graphs
+still writes the same files. hybrid_portable_fp16's graphs and manifest were re-recorded with the fp16 pass
+that lets each present state's op write its graph output (issue 31, item 16: the states no longer pass
+through a float16 Cast; its weights.bin is unchanged), from branch websec. Rerecord it (from the code before a change) only when a change of the graphs
 is intended. The hashes hold
 under the torch, onnx and onnxruntime versions recorded beside them; under others the test is skipped.
 """

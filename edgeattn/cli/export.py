@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import Command, check_output_dir, cli_errors
+from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -135,7 +135,8 @@ def export(
         kv_dtype=kv_dtype.value,
         prefill_logits=prefill_logits.value,
     )
-    path = export_model(checkpoint, out, **options, on_plan=_print_notes)
+    with writing(out, "--out"):
+        path = export_model(checkpoint, out, **options, on_plan=_print_notes)
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"

@@ -4,7 +4,8 @@
   every node that reads or writes a state tensor, the fused LinearAttention op, the whole log-space gate
   arithmetic (from the gate through its cumulative sums and their differences to the Exp) and each norm's
   mean square stay float32 too (``FP32_OPS``, ``FP32_REGIONS``), and no value passes through float16
-  between two float32 nodes (the converter's Cast pairs are removed). The fused norms of
+  between two float32 nodes (the converter's Cast pairs are removed; a present state's op writes the
+  graph output itself, so a KV buffer stays one buffer that ``set_kv_dtype`` can retype). The fused norms of
   ``edgeattn.export.optimize`` run in float16 with ``stash_type`` float32: their mean square is float32. Trained gates are far from their
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
@@ -143,6 +144,22 @@ def _drop_round_trips(model) -> None:
             if types.get(origin) == F32 or cast_to(producer.get(origin)) == F32:
                 rename[n.output[0]] = origin
     outputs = {o.name for o in graph.output}
+    # a graph output (a present state) that is such a round trip: its float32 origin's node writes it
+    # directly, so that the state never passes through float16 and a KV buffer stays one buffer (past and
+    # present bound together, GroupQueryAttention writing in place; --kv-dtype retypes it afterwards)
+    inputs = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    for out, origin in [(k, v) for k, v in rename.items() if k in outputs]:
+        if origin in inputs or origin in outputs or origin not in producer:
+            continue
+        graph.node.remove(producer[out])  # the Cast(float32) that wrote it
+        for n in graph.node:
+            n.output[:] = [out if x == origin else x for x in n.output]
+            n.input[:] = [out if x == origin else x for x in n.input]
+        for v in graph.value_info:
+            if v.name == origin:
+                graph.value_info.remove(v)
+                break
+        rename = {k: out if v == origin else v for k, v in rename.items()}
     rename = {k: v for k, v in rename.items() if k not in outputs}
     for n in graph.node:
         for i, name in enumerate(n.input):
@@ -157,6 +174,8 @@ def _drop_round_trips(model) -> None:
             return
         for n in dead:
             graph.node.remove(n)
+            for v in [v for v in graph.value_info if v.name in n.output]:
+                graph.value_info.remove(v)
 
 
 def fp32_nodes(model, entries) -> list[str]:

@@ -150,11 +150,18 @@ async function load() {
   setStatus(`ready: ${manifest.target || "?"} ${manifest.precision || "fp32"}, ${api.ep}, ${threads} thread(s), loaded in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
 }
 
+// The element types a state tensor may have (a KV buffer of an --kv-dtype float16 or int8 export; every
+// other state tensor is float32): onnxruntime-web holds float16 as its bits in a Uint16Array.
+const STATE_ARRAYS = { float32: Float32Array, float16: Uint16Array, int8: Int8Array };
+
 function reset() {
-  // the initial state is all zeros; a dynamic dimension (a growing KV cache) starts at 0
+  // the initial state is all zeros (an int8 KV buffer's zero is 0 too: its scales are in the graph); a
+  // dynamic dimension (a growing KV cache) starts at 0
   state = manifest.state.map((e) => {
     const dims = e.shape.map((d) => (typeof d === "string" ? 0 : d));
-    return new ort.Tensor("float32", new Float32Array(dims.reduce((a, b) => a * b, 1)), dims);
+    const Array_ = STATE_ARRAYS[e.dtype || "float32"];
+    if (!Array_) throw new Error(`state ${e.input} has the element type ${e.dtype}, which this page does not know`);
+    return new ort.Tensor(e.dtype || "float32", new Array_(dims.reduce((a, b) => a * b, 1)), dims);
   });
   api.position = 0;
 }
@@ -173,8 +180,11 @@ async function run(graph, ids) {
   // present -> past; a shared KV buffer comes back whole with the new tokens written into it
   state = manifest.state.map((e) => out[e.output]);
   api.position += ids.length;
-  const logits = out[manifest.outputs?.logits || "logits"].data;
-  return logits.slice((ids.length - 1) * V, ids.length * V);
+  // [1, T, V], or [1, 1, V] from an artifact exported with --prefill-logits last: the last row either way
+  const logits = out[manifest.outputs?.logits || "logits"];
+  const rows = logits.dims[1];
+  if (logits.data.length !== rows * V) throw new Error(`${graph}: logits of shape [${logits.dims}], not [1, T, ${V}]`);
+  return logits.data.slice((rows - 1) * V, rows * V);
 }
 
 async function prefill(ids) {
@@ -328,6 +338,12 @@ function formOptions() {
 }
 
 async function main() {
+  if (location.protocol === "file:") {
+    // index.html has said that the page must be served over HTTP (a browser that runs this module from
+    // file:// still cannot fetch the model): keep its message
+    Object.assign(api, { done: true, error: $("status").textContent.replace(/^error: /, "") });
+    return;
+  }
   for (const name of ["prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]) {
     if (params.has(name)) $(name).value = params.get(name);
   }

@@ -58,8 +58,10 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
 
     train = {(r["model"], r["lib"]): r for r in records(out, "train")}
     assert sorted(train) == sorted((m, lib) for m in models for lib in ("fla", "edgeattn"))
-    for m in models:  # the same shape by construction: fla's model imported
-        assert train[(m, "edgeattn")]["params"] == train[(m, "fla")]["params"]
+    for m in models:  # the same shape by construction: fla's model imported (its output norm, one head wide
+        # and shared by the heads, is tiled over them: a few parameters more)
+        edge, fla = train[(m, "edgeattn")]["params"], train[(m, "fla")]["params"]
+        assert fla <= edge <= fla * 1.01, (edge, fla)
         assert train[(m, "edgeattn")]["tokens_per_s"] > 0 and train[(m, "edgeattn")]["vs_fla"] > 0
 
     decode = records(out, "decode")

@@ -97,6 +97,7 @@ def test_a_section_past_its_budget_is_killed_and_the_next_runs(tmp_path, monkeyp
     out = tmp_path / "out"
     monkeypatch.setattr(gpu_check, "KILL_GRACE", 0.0)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # main sets it for its children; restored after
     # pytest alone takes longer than 4 s to start here: the tests section is killed, pytest with it
     rc = gpu_check.main(["--tiny", "--out", str(out), "--sections", "tests,decode", "--budgets", "tests=4"])
     assert rc == 1

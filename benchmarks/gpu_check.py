@@ -234,15 +234,6 @@ def lift_fla_hopper_guard() -> str | None:
     return None
 
 
-def fla_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fla-core")
-    except PackageNotFoundError:
-        return None
-
-
 # ---- section: the kernel tests, compiled ------------------------------------------------------------------
 
 

@@ -58,6 +58,7 @@ MiB = 2**20
 DEFAULT_PREFILL_TOKENS = 256  # the bound of one prefill piece between two steps (rounded to the chunk)
 PREFILL_ROUND_PIECES = 2  # prompt tokens prefilled between two steps: at most this many full pieces' worth
 FIXED_STATE_MAX_PROMPT = 65536  # --max-prompt-tokens default where the state is fixed-size
+DEFAULT_MAX_TOKENS = 65536  # --max-tokens default: the longest reply (a KV buffer may bound it sooner)
 
 
 class QueueFull(Exception):
@@ -165,7 +166,7 @@ class Engine:
             )
         if (max_tokens is not None and max_tokens < 1) or (max_request_s is not None and max_request_s <= 0):
             raise ValueError(f"max_tokens must be >= 1 and max_request_s > 0, got {max_tokens}, {max_request_s}")
-        self.max_tokens = max_tokens  # the longest reply (a request asking more gets this many: "length")
+        self.max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)  # the longest reply (more asked: "length")
         self.max_request_s = max_request_s  # a request's longest life, queue included (then "length")
         self.threads = threads
         self.streams, self.serial_reason = open_streams(artifact, threads=threads, max_streams=slots)
@@ -260,8 +261,7 @@ class Engine:
         h = Handle(self, request, next(self._ids))
         if self.max_length is not None:  # a KV buffer: prompt and reply must fit in it
             h.max_new = min(h.max_new, self.max_length - int(h.prompt.size))
-        if self.max_tokens is not None:
-            h.max_new = min(h.max_new, self.max_tokens)
+        h.max_new = min(h.max_new, self.max_tokens)
         if self.max_request_s is not None:
             h.deadline = self._loop.time() + self.max_request_s
         self.metrics["requests"] += 1

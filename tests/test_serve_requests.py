@@ -179,17 +179,22 @@ def test_sigterm_with_queued_requests_gives_them_the_503_body(serve_gla):
 
 def test_lone_surrogates_are_refused_naming_the_field(server, serve_gla):
     # issue 31.5: a 500 text/plain (UnicodeEncodeError) for each of these
-    name = json.dumps(serve_gla.name)
-    cases = [
-        ('{"model": %s, "prompt": "a\\ud800b"}' % name, "/v1/completions", "prompt"),
-        ('{"model": %s, "prompt": ["\\udfff"]}' % name, "/v1/completions", "prompt"),
-        ('{"model": %s, "prompt": "a", "stop": "\\ud800"}' % name, "/v1/completions", "stop"),
-        ('{"model": %s, "messages": [{"role": "user", "content": "\\ud800"}]}' % name, "/v1/chat/completions",
-         "messages"),
-        ('{"model": %s, "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'
-         % name, "/v1/chat/completions", "messages"),
+    name = serve_gla.name
+    chat = "/v1/chat/completions"
+    cases = [  # json.dumps writes a lone surrogate as its escape, "\\ud800", as a client would send it
+        ({"model": name, "prompt": "a\ud800b"}, "/v1/completions", "prompt"),
+        ({"model": name, "prompt": ["\udfff"]}, "/v1/completions", "prompt"),
+        ({"model": name, "prompt": "a", "stop": "\ud800"}, "/v1/completions", "stop"),
+        ({"model": name, "messages": [{"role": "user", "content": "\ud800"}]}, chat, "messages"),
+        (
+            {"model": name, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            chat,
+            "messages",
+        ),
     ]
-    for text, path, param in cases:
+    for body, path, param in cases:
+        text = json.dumps(body)
+        assert "\\ud" in text  # the escape, not the character
         r = _raw(server, text, path)
         assert r.status_code == 400, (text, r.text)
         e = _err(r)
@@ -205,6 +210,7 @@ def test_bodies_over_the_bound_get_413_and_the_loop_stays_free(server, serve_gla
     def chunks():  # no Content-Length: the bound holds as the body arrives
         for _ in range(40):
             yield b"[" + b"1," * 32768
+
     r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60)
     assert r.status_code == 413
 
@@ -266,7 +272,9 @@ def test_slow_clients_are_timed_out_and_a_request_life_is_capped(serve_gla):
         r = s.client().completions.create(model=serve_gla.name, prompt="next", max_tokens=3)
         assert r.usage.completion_tokens == 3
         silent.close()
-        assert _metric(s, "edgeattn_write_timeouts_total") + _metric(s, "edgeattn_requests_timed_out_total") >= 1
+        assert (
+            _metric(s, "edgeattn_write_timeouts_total") + _metric(s, "edgeattn_requests_timed_out_total") >= 1
+        )
 
         # a long request ends at --max-request-seconds as "length"
         t0 = time.monotonic()
@@ -303,7 +311,10 @@ def test_api_key_sources_and_the_host_header(serve_gla, tmp_path):
 
     p = subprocess.run(
         [sys.executable, "-m", "edgeattn.cli.main", "serve", str(serve_gla), "--port", "0", "--api-key", ""],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert p.returncode == 2 and p.stderr.startswith("error: --api-key") and len(p.stderr.splitlines()) == 1
@@ -319,7 +330,10 @@ def test_api_key_sources_and_the_host_header(serve_gla, tmp_path):
             assert key not in " ".join(s.proc.args)
             assert _post(s, {"model": serve_gla.name, "prompt": "x"}).status_code == 401
             auth = {"Authorization": f"Bearer {key}"}
-            assert _post(s, {"model": serve_gla.name, "prompt": "x", "max_tokens": 1}, headers=auth).status_code == 200
+            assert (
+                _post(s, {"model": serve_gla.name, "prompt": "x", "max_tokens": 1}, headers=auth).status_code
+                == 200
+            )
             r = httpx.get(s.url + "/v1/models", headers={**auth, "Host": "attacker.example:8000"})
             assert r.status_code == 400 and _err(r)["code"] == "invalid_host"
             assert httpx.get(s.url + "/v1/models", headers={**auth, "Host": "localhost:1"}).status_code == 200
@@ -338,7 +352,7 @@ def test_strict_fields_and_clear_messages(server, serve_gla):
     # issue 31.15 and 37.5
     name = serve_gla.name
     assert httpx.head(server.url + "/health").status_code == 200
-    r = _raw(server, '{"model": %s, "prompt": "x", "temperature": NaN}' % json.dumps(name))
+    r = _raw(server, json.dumps({"model": name, "prompt": "x", "temperature": float("nan")}))
     assert r.status_code == 400 and "finite" in _err(r)["message"] and _err(r)["param"] == "temperature"
     for fields, param in [
         ({"max_tokens": True}, "max_tokens"),
@@ -366,7 +380,13 @@ def test_strict_fields_and_clear_messages(server, serve_gla):
 def test_the_429_message_and_an_off_cache_count(serve_gla):
     s = start_server(serve_gla, "--slots", 1, "--max-queue", 0, "--state-cache-mb", 0)
     try:
-        long = {"model": serve_gla.name, "prompt": "x", "max_tokens": 60000, "ignore_eos": True, "stream": True}
+        long = {
+            "model": serve_gla.name,
+            "prompt": "x",
+            "max_tokens": 60000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as resp:
             lines = resp.iter_lines()  # held: a dropped iterator closes the response
             next(lines)

@@ -25,12 +25,16 @@ def _api_key(key: str | None, key_file: Path | None) -> str | None:
         try:
             lines = key_file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"cannot read --api-key-file {key_file}: {getattr(e, 'strerror', None) or e}") from None
+            raise CLIError(
+                f"cannot read --api-key-file {key_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
         key = lines[0].strip() if lines else ""
         if not key:
             raise CLIError(f"--api-key-file {key_file} holds no key (its first line is empty)")
     elif key is not None and not key.strip():
-        raise CLIError(f"--api-key (or ${API_KEY_ENV}) is empty: nobody could use the server; give a key or none")
+        raise CLIError(
+            f"--api-key (or ${API_KEY_ENV}) is empty: nobody could use the server; give a key or none"
+        )
     return key
 
 

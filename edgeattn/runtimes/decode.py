@@ -28,7 +28,9 @@ class Decoder:
     max_new_tokens: int | None = None
     repetition_penalty: float = 1.0  # over the context's tokens (1: none)
     repetition_window: int = 0  # the last this many tokens of the context (0: all, as transformers)
-    logit_bias: dict | tuple | None = None  # OpenAI's {token id: bias in [-100, 100]} (sampling.apply_logit_bias)
+    logit_bias: dict | tuple | None = (
+        None  # OpenAI's {token id: bias in [-100, 100]} (sampling.apply_logit_bias)
+    )
     vocab_size: int | None = None  # checks logit_bias's ids at once where given
     context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
     generated: list = field(default_factory=list)

@@ -229,8 +229,14 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            body = {"error": {"message": self._message(length.decode()), "type": "invalid_request_error",
-                              "param": None, "code": "request_too_large"}}
+            body = {
+                "error": {
+                    "message": self._message(length.decode()),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
             return await JSONResponse(body, 413, headers={"connection": "close"})(scope, receive, send)
         seen = 0
 
@@ -315,7 +321,10 @@ def create_app(
             return error_response(400, "the request body is not valid JSON", "invalid_request_error")
         msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         if loc[:1] == ["prompt"] and first.get("type") != "value_error" and len(errors) > 1:
-            loc, msg = ["prompt"], "must be a string, a list of token ids (integers), or a list of one of them"
+            loc, msg = (
+                ["prompt"],
+                "must be a string, a list of token ids (integers), or a list of one of them",
+            )
         message = f"{'.'.join(loc) or 'body'}: {msg}"
         return error_response(400, message, "invalid_request_error", loc[0] if loc else None)
 
@@ -632,7 +641,12 @@ def prometheus(engine: Engine) -> str:
             "Requests ended by --max-request-seconds.",
             m["timed_out"],
         ),
-        ("edgeattn_requests_failed_total", "counter", "Requests ended by an error of their own.", m["failed"]),
+        (
+            "edgeattn_requests_failed_total",
+            "counter",
+            "Requests ended by an error of their own.",
+            m["failed"],
+        ),
         (
             "edgeattn_read_timeouts_total",
             "counter",
@@ -654,9 +668,18 @@ def prometheus(engine: Engine) -> str:
         ("edgeattn_active_slots", "gauge", "Requests prefilling or decoding.", engine.active),
         ("edgeattn_slots", "gauge", "Slots (streams in one batch).", engine.slots),
         ("edgeattn_queue_depth", "gauge", "Requests waiting for a slot.", engine.queued),
-        ("edgeattn_cache_enabled", "gauge", "1 while the prefix cache holds states, 0 when it is off.",
-         int(c.enabled)),
-        ("edgeattn_cache_hits_total", "counter", "Prompts that resumed from a cached prefix.", m["cache_hits"]),
+        (
+            "edgeattn_cache_enabled",
+            "gauge",
+            "1 while the prefix cache holds states, 0 when it is off.",
+            int(c.enabled),
+        ),
+        (
+            "edgeattn_cache_hits_total",
+            "counter",
+            "Prompts that resumed from a cached prefix.",
+            m["cache_hits"],
+        ),
         (
             "edgeattn_cache_misses_total",
             "counter",

@@ -165,7 +165,9 @@ class Engine:
                 f"the state cache sizes must be >= 0 MB, got {cache_mb} and {cache_disk_mb} (disk)"
             )
         if (max_tokens is not None and max_tokens < 1) or (max_request_s is not None and max_request_s <= 0):
-            raise ValueError(f"max_tokens must be >= 1 and max_request_s > 0, got {max_tokens}, {max_request_s}")
+            raise ValueError(
+                f"max_tokens must be >= 1 and max_request_s > 0, got {max_tokens}, {max_request_s}"
+            )
         self.max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)  # the longest reply (more asked: "length")
         self.max_request_s = max_request_s  # a request's longest life, queue included (then "length")
         self.threads = threads

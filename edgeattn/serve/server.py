@@ -55,7 +55,12 @@ def timed_protocol(base, metrics, read_timeout: float, write_timeout: float):
         def data_received(self, data):
             super().data_received(data)
             c = self.cycle
-            if self._read_timer is not None and c is not None and c is not self._waiting_for and not c.more_body:
+            if (
+                self._read_timer is not None
+                and c is not None
+                and c is not self._waiting_for
+                and not c.more_body
+            ):
                 self._cancel("_read_timer")  # the whole request is in
 
         def on_response_complete(self):

@@ -7,8 +7,11 @@ Routes: ``GET /health`` (no key), ``GET /v1/models``, ``POST /v1/completions``, 
 usage and no choices), ``GET /metrics`` (Prometheus text), ``GET /`` (the chat page, no key: its requests
 carry it). Request and response bodies mirror OpenAI's schema (pydantic); unknown request fields are
 ignored as OpenAI ignores them. Errors carry OpenAI's body ``{"error": {"message", "type", "param",
-"code"}}``: 400 malformed JSON or bad values, 401 a missing or wrong key, 404 an unknown model or route,
-429 (``Retry-After``) every slot and the queue full, 503 while shutting down.
+"code"}}``: 400 malformed JSON or bad values (types strictly: ``true`` is no integer; a lone surrogate is no
+text), or a Host header the server does not answer to (``allowed_hosts``: DNS rebinding), 401 a missing or
+wrong key, 404 an unknown model or route, 413 a body over ``max_body_bytes``, 429 (``Retry-After``) every
+slot and the queue full, 500 a failure of this request alone (the others go on), 503 while shutting down.
+Bodies are parsed, validated, templated and tokenized in a worker thread (``_parse``), never on the loop.
 
 Chat prompts: the artifact's chat template; a model without one (edgeattn's own byte-level models) gets the
 plain default ``"{role}: {content}\\n"`` per message followed by ``"assistant: "``, so that the next turn's
@@ -16,7 +19,7 @@ prompt extends this turn's prompt and reply (and resumes from the cached state).
 
 Fields that would change the answer and that edgeattn does not implement (``echo``, ``logprobs``,
 ``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
-naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
+naming them, never ignored; ``logit_bias`` is OpenAI's (``edgeattn.runtimes.sampling.apply_logit_bias``). Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
 ``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
 """

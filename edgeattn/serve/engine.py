@@ -21,7 +21,8 @@ and get their text through their own queue. Each iteration of the task:
 3. steps every live stream in ONE step-graph call (``Streams.step``) and hands each its token.
 
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
-run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
+run; nothing else touches the streams. A request whose own sampling fails (its stream cannot start, or a
+step cannot sample it: ``Streams.step(errors)``) ends alone with its error; a failed graph call ends all. A request leaves the batch at an end-of-sequence token, a stop
 string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
 consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
 supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's (unless another

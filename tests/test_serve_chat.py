@@ -73,3 +73,49 @@ def test_imported_hybrid_chat_equals_transformers_generate(qwen):
         assert r2.choices[0].finish_reason == ("stop" if eos in want2 else "length")
     finally:
         assert s.stop() == 0
+
+
+def test_chat_templates_render_off_the_event_loop(qwen):
+    # issue 31.8: 12 concurrent chats rendered and tokenized on the event loop stalled /health for seconds;
+    # here each conversation is refused (longer than the 256-token buffer) only after both
+    import statistics
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    _, _, art, _ = qwen
+    s = start_server(art)
+    try:
+        messages = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "lorem ipsum " * 40}
+            for i in range(150)
+        ]
+        body = {"model": "art", "messages": messages, "max_tokens": 4}
+        stop = threading.Event()
+
+        def flood():
+            while not stop.is_set():
+                r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+
+        took = []
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(flood) for _ in range(12)]
+            time.sleep(1)
+            try:
+                with httpx.Client(timeout=5) as h:
+                    for _ in range(30):
+                        t0 = time.perf_counter()
+                        assert h.get(s.url + "/health").status_code == 200
+                        took.append(time.perf_counter() - t0)
+                        time.sleep(0.02)
+            finally:
+                stop.set()
+            for f in futures:
+                f.result(60)
+        # the median: the 2 shared cores' other load adds its own outliers
+        assert statistics.median(took) < 0.1, [round(t * 1000) for t in sorted(took)]
+    finally:
+        assert s.stop() == 0

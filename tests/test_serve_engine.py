@@ -544,3 +544,36 @@ def test_the_engine_and_the_ray_deployment_get_the_disk_budget(serve_gla, tmp_pa
 
     app = build_deployment(serve_gla, "m", None, replicas=4, cache_dir=tmp_path, cache_disk_mb=100)
     assert app._bound_deployment.init_args[3]["cache_disk_mb"] == 25  # one directory shared by 4
+
+
+@pytest.mark.parametrize("kind", ["batched", "serial"])
+def test_a_request_whose_sampling_fails_ends_alone(serve_root, serve_gla, kind):
+    # issue 31.2: a seed numpy refuses (the stream cannot start) and a logit_bias id outside the vocabulary
+    # (passed converted, so that only the first sample fails, inside a step) slipped past the checks: each
+    # ends with its own error,
+    # the requests beside them complete with Session.generate's text, the engine serves on
+    art = serve_gla if kind == "batched" else export_tiny(serve_root, "gla", dynamic_batch=False)
+    prompts = [text_prompt(n, 90 + i) for i, n in enumerate((20, 33, 9))]
+    want = [greedy_text(art, p, 16) for p in prompts]
+
+    async def body(engine):
+        engine.check = lambda r: None  # as if the HTTP layer's validation had missed them
+        good = [engine.submit(Request(_ids(p), max_tokens=16, temperature=0)) for p in prompts[:2]]
+        bad = [
+            engine.submit(Request(_ids("x"), max_tokens=16, seed=-1)),
+            engine.submit(Request(_ids("y"), max_tokens=16, logit_bias=(np.array([10**6]), np.ones(1)))),
+        ]
+        texts = await asyncio.gather(*(h.text() for h in good))
+        errors = []
+        for h in bad:
+            with pytest.raises(RuntimeError) as info:
+                await h.text()
+            errors.append(str(info.value))
+        after = await engine.submit(Request(_ids(prompts[2]), max_tokens=16, temperature=0)).text()
+        return texts, errors, after, engine.metrics["failed"]
+
+    texts, errors, after, failed = _run(_with_engine(art, body, slots=4, cache_mb=0))
+    assert texts == want[:2] and after == want[2]
+    assert "sampling failed: seed must be an integer in [0, 2**63 - 1], got -1" in errors[0]
+    assert "logit_bias token ids must lie in [0, 256)" in errors[1]
+    assert failed == 2

@@ -255,12 +255,14 @@ class Session(ABC):
         stop_ids=None,
         repetition_penalty: float = 1.0,
         repetition_window: int = 0,
+        logit_bias=None,
     ) -> Iterator[int]:
         """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
         stops before a token of ``stop_ids`` (default: the tokenizer's end-of-sequence ids), which is
         consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
         ``edgeattn.runtimes.sampling.sample_next``. ``repetition_penalty`` applies to the tokens of this
-        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers)."""
+        call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers).
+        ``logit_bias``: OpenAI's ``{token id: bias in [-100, 100]}``, added to the logits before sampling."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         dec = Decoder(  # checks the sampling arguments before any work
@@ -272,6 +274,8 @@ class Session(ABC):
             max_new_tokens=max_new_tokens,
             repetition_penalty=repetition_penalty,
             repetition_window=repetition_window,
+            logit_bias=logit_bias,
+            vocab_size=self.manifest.vocab_size,
         )
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.runtimes.sampling import check_sampling, sample_next
+from edgeattn.runtimes.sampling import check_sampling, check_seed, logit_bias_arrays, sample_next
 
 
 @dataclass
@@ -28,6 +28,10 @@ class Decoder:
     max_new_tokens: int | None = None
     repetition_penalty: float = 1.0  # over the context's tokens (1: none)
     repetition_window: int = 0  # the last this many tokens of the context (0: all, as transformers)
+    logit_bias: dict | tuple | None = (
+        None  # OpenAI's {token id: bias in [-100, 100]} (sampling.apply_logit_bias)
+    )
+    vocab_size: int | None = None  # checks logit_bias's ids at once where given
     context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
     generated: list = field(default_factory=list)
     done: bool = False
@@ -35,6 +39,8 @@ class Decoder:
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        check_seed(self.seed)
+        self.logit_bias = logit_bias_arrays(self.logit_bias, self.vocab_size)
         w = self.repetition_window
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"repetition_window must be an integer >= 0 (0: every token), got {w!r}")
@@ -64,6 +70,7 @@ class Decoder:
             rng=self.rng,
             repetition_penalty=self.repetition_penalty,
             previous=previous,
+            logit_bias=self.logit_bias,
             **self.sampling,
         )
         if self.repetition_penalty != 1:

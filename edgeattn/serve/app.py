@@ -7,8 +7,11 @@ Routes: ``GET /health`` (no key), ``GET /v1/models``, ``POST /v1/completions``, 
 usage and no choices), ``GET /metrics`` (Prometheus text), ``GET /`` (the chat page, no key: its requests
 carry it). Request and response bodies mirror OpenAI's schema (pydantic); unknown request fields are
 ignored as OpenAI ignores them. Errors carry OpenAI's body ``{"error": {"message", "type", "param",
-"code"}}``: 400 malformed JSON or bad values, 401 a missing or wrong key, 404 an unknown model or route,
-429 (``Retry-After``) every slot and the queue full, 503 while shutting down.
+"code"}}``: 400 malformed JSON or bad values (types strictly: ``true`` is no integer; a lone surrogate is no
+text), or a Host header the server does not answer to (``allowed_hosts``: DNS rebinding), 401 a missing or
+wrong key, 404 an unknown model or route, 413 a body over ``max_body_bytes``, 429 (``Retry-After``) every
+slot and the queue full, 500 a failure of this request alone (the others go on), 503 while shutting down.
+Bodies are parsed, validated, templated and tokenized in a worker thread (``_parse``), never on the loop.
 
 Chat prompts: the artifact's chat template; a model without one (edgeattn's own byte-level models) gets the
 plain default ``"{role}: {content}\\n"`` per message followed by ``"assistant: "``, so that the next turn's
@@ -16,7 +19,7 @@ prompt extends this turn's prompt and reply (and resumes from the cached state).
 
 Fields that would change the answer and that edgeattn does not implement (``echo``, ``logprobs``,
 ``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
-naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
+naming them, never ignored; ``logit_bias`` is OpenAI's (``edgeattn.runtimes.sampling.apply_logit_bias``). Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
 ``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
 """
@@ -26,16 +29,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from importlib import resources
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
@@ -44,13 +48,32 @@ from edgeattn.serve.engine import Request as EngineRequest
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 SHUTDOWN_DRAIN_S = 5.0  # in-flight streams may finish this long after SIGTERM, then end
+DEFAULT_MAX_BODY_MB = 8.0  # a request body beyond this is refused (413) before it is read whole
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI takes 4), each at most MAX_STOP_CHARS characters:
+MAX_STOP_CHARS = 128  # each generated token is matched against every one of them on the event loop
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 # ---- OpenAI's request bodies (the fields edgeattn reads; others are accepted and ignored) ----
 
 
+def _unicode(text: str) -> str:
+    """Refuse a lone surrogate (JSON's ``"\\ud800"``): it is no character and has no UTF-8 encoding."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: true, "yes", 1.0 are not coerced into max_tokens, stream or a token id; they are refused
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -58,14 +81,15 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: Text | list[Text] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
@@ -90,7 +114,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -107,12 +131,24 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"part {i} is of type {kind!r}: this server takes text only (no images, audio or files)"
+                    )
+        return content
 
     def text(self) -> str:
         if self.content is None:
@@ -159,11 +195,81 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port (``[::1]:8000`` -> ``::1``), lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def allowed_hosts(host: str, extra=()) -> list[str] | None:
+    """The Host header names a server bound to ``host`` answers to (None: any). A loopback address answers
+    to loopback names only, so that a web page whose name resolves to 127.0.0.1 (DNS rebinding) cannot
+    reach it from the browser; a specific address to itself as well; a wildcard (0.0.0.0, ::) to any name.
+    ``extra`` adds names; ``*`` among them allows any."""
+    extra = [_host_name(h) if h != "*" else h for h in extra]
+    if "*" in extra:
+        return None
+    host = _host_name(host)
+    if host in ("0.0.0.0", "::", ""):
+        return None if not extra else [*LOOPBACK_NAMES, *extra]
+    return sorted({*LOOPBACK_NAMES, host, *extra})
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 (by its Content-Length before any of
+    it is read, or as soon as a chunked body passes the bound), never held whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, int(limit)
+
+    def _message(self, n: str) -> str:
+        return f"the request body is {n} bytes, over this server's {self.limit} (--max-body-mb)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            body = {
+                "error": {
+                    "message": self._message(length.decode()),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+            return await JSONResponse(body, 413, headers={"connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def bounded():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, self._message(f"more than {self.limit}"))
+            return message
+
+        return await self.app(scope, bounded, send)
+
+
 def create_app(
-    engine: Engine, model_name: str, api_key: str | None = None, manage_engine: bool = True
+    engine: Engine,
+    model_name: str,
+    api_key: str | None = None,
+    manage_engine: bool = True,
+    *,
+    hosts: list[str] | None = None,
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20),
 ) -> FastAPI:
-    """The FastAPI app over ``engine``. With ``manage_engine`` the app's lifespan starts and stops it."""
+    """The FastAPI app over ``engine``. With ``manage_engine`` the app's lifespan starts and stops it.
+    ``hosts``: the Host header names it answers to (``allowed_hosts``; None: any); ``max_body_bytes``: the
+    largest request body (413 beyond)."""
     from contextlib import asynccontextmanager
+
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty: nobody could use the server")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -175,11 +281,22 @@ def create_app(
 
     app = FastAPI(title="edgeattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     created = int(time.time())
     open_paths = {"/health", "/", "/chat.js", "/favicon.ico"}
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
+        host = _host_name(request.headers.get("host", ""))
+        if hosts is not None and host not in hosts:
+            engine.metrics["foreign_host"] += 1
+            return error_response(
+                400,
+                f"this server does not answer to the Host {host!r} (it answers to {', '.join(hosts)}: "
+                "see --allowed-host)",
+                "invalid_request_error",
+                code="invalid_host",
+            )
         if api_key is not None and request.url.path not in open_paths:
             header = request.headers.get("authorization", "")
             if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
@@ -199,11 +316,19 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         errors = e.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # a union's members each fail; one of our own checks (a "value_error") says the most
+        first = next((x for x in errors if x.get("type") == "value_error"), errors[0] if errors else {})
+        # a union's member names (str, list[int], function-after[...]) are no part of the field's path
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", "invalid_request_error")
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        if loc[:1] == ["prompt"] and first.get("type") != "value_error" and len(errors) > 1:
+            loc, msg = (
+                ["prompt"],
+                "must be a string, a list of token ids (integers), or a list of one of them",
+            )
+        message = f"{'.'.join(loc) or 'body'}: {msg}"
         return error_response(400, message, "invalid_request_error", loc[0] if loc else None)
 
     @app.exception_handler(HTTPException)
@@ -214,7 +339,7 @@ def create_app(
         )
         return error_response(e.status_code, message, kind)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.stopping:
             return error_response(503, "the server is shutting down", "server_error")
@@ -241,14 +366,11 @@ def create_app(
     async def page_js():
         return Response(_static("chat.js"), media_type="text/javascript")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    def completion_ids(body: CompletionRequest) -> list[int]:
         _check_model(body.model, model_name)
-        ids = _completion_ids(engine, body.prompt)
-        return await _run(engine, request, body, ids, model_name, chat=False)
+        return _completion_ids(engine, body.prompt)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    def chat_ids(body: ChatRequest) -> list[int]:
         _check_model(body.model, model_name)
         try:
             text = chat_prompt(engine.tokenizer, body.messages)
@@ -256,9 +378,76 @@ def create_app(
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return await _run(engine, request, body, engine.tokenizer.encode(text), model_name, chat=True)
+        return engine.tokenizer.encode(text)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body, req = await _parse(engine, request, CompletionRequest, completion_ids)
+        return await _run(engine, request, body, req, model_name, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body, req = await _parse(engine, request, ChatRequest, chat_ids)
+        return await _run(engine, request, body, req, model_name, chat=True)
 
     return app
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|function-\w+)(\[.*\])?$")
+
+
+async def _parse(engine: Engine, request: Request, model, prompt_ids):
+    """The request body as ``model`` and the engine request it makes, parsed, validated, templated,
+    tokenized and checked in a worker thread: the event loop stays free for other clients (/health) however
+    large the body (within --max-body-mb) or slow the chat template."""
+    raw = await request.body()
+
+    def work():
+        try:
+            data = json.loads(raw)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            raise APIError(400, "the request body is not valid JSON", "invalid_request_error") from None
+        if not isinstance(data, dict):
+            raise _bad("the request body must be a JSON object")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        field = body.unsupported()
+        if field is not None:
+            raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
+        req = _engine_request(body, prompt_ids(body))
+        try:
+            engine.check(req)
+        except ValueError as e:
+            raise _bad(str(e), _param_of(str(e))) from None
+        return body, req
+
+    return await anyio.to_thread.run_sync(work, limiter=_parsers())
+
+
+_PARSERS: dict = {}
+
+
+def _parsers() -> anyio.CapacityLimiter:
+    """One parser thread per event loop: parsing holds the GIL in long C calls (json, pydantic), so more
+    threads would only queue the loop behind them; a body waits for the one before it instead."""
+    loop = asyncio.get_running_loop()
+    if loop not in _PARSERS:
+        _PARSERS.clear()
+        _PARSERS[loop] = anyio.CapacityLimiter(1)
+    return _PARSERS[loop]
+
+
+_PARAMS = ("logit_bias", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine's ValueError is about (its messages begin with the field's name)."""
+    for name in _PARAMS:
+        if message.startswith(name):
+            return name
+    return "prompt" if "prompt" in message or "token ids" in message else None
 
 
 def _static(name: str) -> str:
@@ -292,6 +481,13 @@ def _completion_ids(engine: Engine, prompt) -> list[int]:
 
 def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(not s for s in stop):
+        raise _bad("stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        longest = max(len(s) for s in stop)
+        raise _bad(f"stop strings take at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return EngineRequest(
         prompt_ids=ids,
         max_tokens=body.max_tokens or 16,
@@ -301,6 +497,7 @@ def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        logit_bias=body.logit_bias,
     )
 
 
@@ -314,8 +511,7 @@ def _submit(engine: Engine, req: EngineRequest):
     except ShuttingDown as e:
         raise APIError(503, str(e), "server_error", code="shutting_down") from None
     except ValueError as e:
-        param = "prompt" if "prompt" in str(e) or "token ids" in str(e) else None
-        raise _bad(str(e), param) from None
+        raise _bad(str(e), _param_of(str(e))) from None
 
 
 def _usage(h) -> dict:
@@ -328,11 +524,8 @@ def _usage(h) -> dict:
     }
 
 
-async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool):
-    field = body.unsupported()
-    if field is not None:
-        raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
-    h = _submit(engine, _engine_request(body, ids))
+async def _run(engine: Engine, request: Request, body: _Sampling, req, model_name: str, chat: bool):
+    h = _submit(engine, req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:
@@ -343,9 +536,15 @@ async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_nam
             shutdown_event=anyio.Event(),
             shutdown_grace_period=SHUTDOWN_DRAIN_S + 2,
         )
-    text = await _collect(h, request)
+    try:
+        text = await _collect(h, request)
+    except Exception:  # the engine ended it with an error (ShuttingDown while queued): answered below
+        if h.error is None:
+            raise
     if h.error is not None:
-        raise APIError(503 if isinstance(h.error, ShuttingDown) else 500, str(h.error), "server_error")
+        if isinstance(h.error, ShuttingDown):
+            raise APIError(503, str(h.error), "server_error", code="shutting_down")
+        raise APIError(500, str(h.error), "server_error")
     if chat:
         choice = {
             "index": 0,
@@ -439,11 +638,57 @@ def prometheus(engine: Engine) -> str:
             m["cached_tokens"],
         ),
         ("edgeattn_steps_total", "counter", "Batched step-graph calls.", m["steps"]),
+        (
+            "edgeattn_requests_timed_out_total",
+            "counter",
+            "Requests ended by --max-request-seconds.",
+            m["timed_out"],
+        ),
+        (
+            "edgeattn_requests_failed_total",
+            "counter",
+            "Requests ended by an error of their own.",
+            m["failed"],
+        ),
+        (
+            "edgeattn_read_timeouts_total",
+            "counter",
+            "Connections closed because a request did not arrive in --read-timeout.",
+            m["read_timeouts"],
+        ),
+        (
+            "edgeattn_write_timeouts_total",
+            "counter",
+            "Connections closed because the client read nothing for --write-timeout.",
+            m["write_timeouts"],
+        ),
+        (
+            "edgeattn_foreign_host_total",
+            "counter",
+            "Requests refused for a Host header the server does not answer to.",
+            m["foreign_host"],
+        ),
         ("edgeattn_active_slots", "gauge", "Requests prefilling or decoding.", engine.active),
         ("edgeattn_slots", "gauge", "Slots (streams in one batch).", engine.slots),
         ("edgeattn_queue_depth", "gauge", "Requests waiting for a slot.", engine.queued),
-        ("edgeattn_cache_hits_total", "counter", "Prompts that resumed from a cached prefix.", c.hits),
-        ("edgeattn_cache_misses_total", "counter", "Prompts with no cached prefix.", c.misses),
+        (
+            "edgeattn_cache_enabled",
+            "gauge",
+            "1 while the prefix cache holds states, 0 when it is off.",
+            int(c.enabled),
+        ),
+        (
+            "edgeattn_cache_hits_total",
+            "counter",
+            "Prompts that resumed from a cached prefix.",
+            m["cache_hits"],
+        ),
+        (
+            "edgeattn_cache_misses_total",
+            "counter",
+            "Prompts with no cached prefix (every prompt when the cache is off).",
+            m["cache_misses"],
+        ),
         ("edgeattn_cache_bytes", "gauge", "Bytes of state held in memory by the prefix cache.", c.bytes),
         (
             "edgeattn_cache_disk_bytes",

@@ -525,3 +525,71 @@ def test_the_engine_and_the_ray_deployment_get_the_disk_budget(serve_gla, tmp_pa
 
     app = build_deployment(serve_gla, "m", None, replicas=4, cache_dir=tmp_path, cache_disk_mb=100)
     assert app._bound_deployment.init_args[3]["cache_disk_mb"] == 25  # one directory shared by 4
+
+
+def test_a_state_file_swapped_with_another_is_refused(tmp_path, caplog):
+    # issue 31.6: two entries of the same length with their files swapped: each is refused, never used as
+    # the other's state
+    d = tmp_path / "c"
+    first = PrefixCache("f" * 64, SHAPES, 0, d)
+    first.put([1, 2], *_entry(1))
+    first.put([3, 4], *_entry(3))
+    a, b = (_sub(d) / f"2-{first.key(t)}.state" for t in ([1, 2], [3, 4]))
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    again = PrefixCache("f" * 64, SHAPES, 0, d)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        assert again.lookup([1, 2, 9]) is None and again.lookup([3, 4, 9]) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("other tokens" in line for line in lines), lines
+    assert _files(_sub(d)) == {}
+
+
+def test_oversized_state_files_and_links_out_of_the_directory_are_never_read(tmp_path, caplog):
+    # issue 31.11: a file's size is checked against what an entry of its length can be before it is read
+    # or counted; a link that leaves the directory is skipped (not counted, not read, not removed)
+    d = tmp_path / "c"
+    cache = PrefixCache("f" * 64, SHAPES, 0, d, vocab_size=8)
+    cache.put([1, 2], *_entry(1))
+    cache.put([3, 4], *_entry(3))
+    bound = cache.max_file_bytes(2)
+    assert max(_files(_sub(d)).values()) <= bound < 64 * 2**20
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(64 * 2**20)  # sparse: nothing written
+    (_sub(d) / f"5-{cache.key([5] * 5)}.state").symlink_to(big)
+    with open(_sub(d) / f"6-{cache.key([6] * 6)}.state", "wb") as f:
+        f.truncate(64 * 2**20)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        again = PrefixCache("f" * 64, SHAPES, 0, d, vocab_size=8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and any("leaves" in line for line in lines), lines
+    assert any("more than an entry of 6 tokens" in line for line in lines), lines
+    assert len(again) == 2 and again.disk_bytes == sum(f.stat().st_size for f in _sub(d).glob("2-*"))
+    assert big.exists() and (_sub(d) / f"5-{cache.key([5] * 5)}.state").is_symlink()
+    # a file that grew after the index: refused from its size, before it is read
+    grown = _sub(d) / f"2-{cache.key([3, 4])}.state"
+    with open(grown, "r+b") as f:
+        f.truncate(64 * 2**20)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        assert again.lookup([3, 4, 0]) is None
+    assert len(caplog.records) == 1 and "more than a state of this size" in caplog.records[0].getMessage()
+
+
+def test_servers_of_two_models_sharing_a_directory_keep_to_their_own_files(tmp_path):
+    # issue 31.12: one subdirectory per model; each cache counts and trims its own files only
+    d = tmp_path / "c"
+    a = PrefixCache("a" * 64, SHAPES, 0, d)
+    for t in range(3):
+        a.put([t], *_entry(t))
+    size = max(_files(_sub(d, "a" * 64)).values())
+    b = PrefixCache("b" * 64, SHAPES, 0, d, disk_capacity_bytes=size)
+    assert b.disk_bytes == 0 and len(_files(_sub(d, "a" * 64))) == 3
+    for t in range(3):
+        b.put([t], *_entry(10 + t))
+    assert len(_files(_sub(d, "b" * 64))) == 1 and len(_files(_sub(d, "a" * 64))) == 3
+    again = PrefixCache("a" * 64, SHAPES, 0, d)
+    assert again.disk_bytes == 3 * size and again.lookup([2, 0]).n == 1
+    np.testing.assert_array_equal(again.lookup([2, 0]).state["s"], _entry(2)[0]["s"])

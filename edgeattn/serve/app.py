@@ -18,7 +18,13 @@ Fields that would change the answer and that edgeattn does not implement (``echo
 ``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
 naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
-``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
+``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks) and
+``cache_salt`` (requests share cached prefix states only with requests of the same salt: without one, any
+client's ``cached_tokens`` can tell whether another sent a prompt).
+
+Chat requests also cache the state at the end of the system prompt and at the end of the message before the
+last one (``chat_boundaries``), so that another user with the same system prompt, or the same conversation
+with its last message edited, resumes from there.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from importlib import resources
 from typing import Literal
 
 import anyio
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -64,6 +71,7 @@ class _Sampling(_Body):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -159,6 +167,21 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
 
+def chat_boundaries(tokenizer, messages: list[Message], ids: list[int]) -> list[int]:
+    """Token counts in ``ids`` (the prompt of ``messages``) where the system prompt and the message before
+    the last one end: how much of ``ids`` the prompt of those first messages shares (the common prefix of
+    their token ids: a template or a tokenizer that joins across the boundary gives a shorter one)."""
+    first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    out = []
+    for k in sorted({first, len(messages) - 1}):
+        if 0 < k < len(messages):
+            prefix = tokenizer.encode(chat_prompt(tokenizer, messages[:k]))
+            n = min(len(prefix), len(ids))
+            same = np.flatnonzero(np.asarray(prefix[:n]) != np.asarray(ids[:n]))
+            out.append(int(same[0]) if same.size else n)
+    return out
+
+
 def create_app(
     engine: Engine, model_name: str, api_key: str | None = None, manage_engine: bool = True
 ) -> FastAPI:
@@ -251,12 +274,13 @@ def create_app(
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model, model_name)
         try:
-            text = chat_prompt(engine.tokenizer, body.messages)
+            ids = engine.tokenizer.encode(chat_prompt(engine.tokenizer, body.messages))
+            ends = chat_boundaries(engine.tokenizer, body.messages, ids) if engine.cache.enabled else []
         except ValueError as e:
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return await _run(engine, request, body, engine.tokenizer.encode(text), model_name, chat=True)
+        return await _run(engine, request, body, ids, model_name, chat=True, boundaries=ends)
 
     return app
 
@@ -290,7 +314,7 @@ def _completion_ids(engine: Engine, prompt) -> list[int]:
     raise _bad("give one prompt per request (a string or a list of token ids)", "prompt")
 
 
-def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
+def _engine_request(body: _Sampling, ids: list[int], boundaries: list[int]) -> EngineRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return EngineRequest(
         prompt_ids=ids,
@@ -301,6 +325,8 @@ def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        cache_salt=body.cache_salt,
+        boundaries=boundaries,
     )
 
 
@@ -328,11 +354,13 @@ def _usage(h) -> dict:
     }
 
 
-async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool):
+async def _run(
+    engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool, boundaries=()
+):
     field = body.unsupported()
     if field is not None:
         raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
-    h = _submit(engine, _engine_request(body, ids))
+    h = _submit(engine, _engine_request(body, ids, list(boundaries)))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:

@@ -593,3 +593,72 @@ def test_servers_of_two_models_sharing_a_directory_keep_to_their_own_files(tmp_p
     again = PrefixCache("a" * 64, SHAPES, 0, d)
     assert again.disk_bytes == 3 * size and again.lookup([2, 0]).n == 1
     np.testing.assert_array_equal(again.lookup([2, 0]).state["s"], _entry(2)[0]["s"])
+
+
+def test_int8_kv_states_are_cached_as_their_filled_int8_slots(serve_root, tmp_path):
+    # issue 37.1: an int8 KV buffer's entry holds its filled slots in int8 (in memory and on disk), not the
+    # whole buffer in float32; a turn resumed from it (after a restart too) gives the text without a cache;
+    # the start-up lines say how many conversations the cache holds, and warn below the slots
+    import json
+    import struct
+
+    from edgeattn.export import export_model
+    from edgeattn.serve.server import startup_lines
+    from tests.export_helpers import make_checkpoint
+
+    ckpt = serve_root / "ckpt_gated_deltanet_softmax_max_seq_len96"  # export_tiny's, shared
+    if not ckpt.exists():
+        make_checkpoint(ckpt, "gated_deltanet,softmax", max_seq_len=96)
+    art = serve_root / "int8kv"
+    if not art.exists():
+        export_model(
+            ckpt,
+            art,
+            prefill_chunk=SERVE_PREFILL,
+            dynamic_batch=True,
+            kv_dtype="int8",
+        )
+    prompt = _ids(text_prompt(21, 90))
+    reply = greedy_ids(art, prompt, 8)
+    second = prompt + reply + _ids("next")
+
+    def entry_bytes(m, n):  # from the manifest: the int8 buffers' n slots, the rest float32, the logits
+        total = 4 * m.vocab_size
+        for e in m.state:
+            shape = list(e.shape)
+            if e.dtype == "int8":
+                shape[2] = n
+            total += np.dtype(e.dtype).itemsize * int(np.prod(shape))
+        return total
+
+    async def body(engine):
+        h = engine.submit(Request(prompt, max_tokens=8, temperature=0, ignore_eos=True))
+        return await h.text(), engine.cache.bytes, engine
+
+    text, held, engine = _run(_with_engine(art, body, slots=2, cache_dir=tmp_path / "c"))
+    m = engine.manifest
+    assert any(e.dtype == "int8" for e in m.state) and text == greedy_text(art, prompt, 8)
+    assert held == entry_bytes(m, len(prompt)) + entry_bytes(m, len(prompt) + 8)
+    for f in engine.cache.directory.iterdir():
+        n = int(f.name.split("-")[0])
+        raw = f.read_bytes()
+        header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+        kv = [v for k, v in header.items() if k != "__metadata__" and v["dtype"] == "I8"]
+        assert kv and all(v["shape"][2] == n for v in kv)
+        assert len(raw) < entry_bytes(m, n) + 4096
+
+    async def resume(engine):
+        h = engine.submit(Request(second, max_tokens=8, temperature=0))
+        return await h.text(), h.cached_tokens
+
+    got, cached = _run(_with_engine(art, resume, slots=2, cache_dir=tmp_path / "c"))  # a restart
+    assert cached == len(prompt) + 8 and got == greedy_text(art, second, 8)
+
+    full = entry_bytes(m, m.max_length)
+    lines = startup_lines(Engine(art, slots=4, cache_mb=2 * full * 3 / 2**20), "m")
+    assert any("holds 3 conversation(s)" in line for line in lines), lines
+    assert any(
+        "warning" in line and "fewer conversations (3) than there are slots (4)" in line for line in lines
+    )
+    lines = startup_lines(Engine(art, slots=2, cache_mb=2 * full * 3 / 2**20), "m")
+    assert not any("warning" in line for line in lines)

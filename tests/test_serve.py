@@ -426,12 +426,12 @@ def test_503_while_shutting_down(serve_gla):
 
 
 def test_a_second_user_with_the_same_system_prompt_resumes_from_it(server, serve_gla):
-    # issue 31.7: the state at the end of the system prompt (rounded down to the prefill chunk) and at the
-    # end of the message before the last one are cached; the text stays the one without a cache
+    # issue 31.7: the states where the first message after the system prompt and where the last message
+    # begin (rounded down to the prefill chunk) are cached; the text stays the one without a cache
     c = server.client()
     system = {"role": "system", "content": text_prompt(70, 40)}
     chunk = 16  # SERVE_PREFILL
-    head = len(f"system: {system['content']}\n") // chunk * chunk
+    head = len(f"system: {system['content']}\nuser: ") // chunk * chunk
     users = [[system, {"role": "user", "content": text_prompt(12 + i, 41 + i)}] for i in range(2)]
     got = []
     for messages in users:
@@ -441,13 +441,13 @@ def test_a_second_user_with_the_same_system_prompt_resumes_from_it(server, serve
     assert got[1].usage.prompt_tokens_details.cached_tokens == head
     text = "".join(f"{m['role']}: {m['content']}\n" for m in users[1]) + "assistant: "
     assert got[1].choices[0].message.content == greedy_text(serve_gla, text, N)
-    # the last message edited: the conversation resumes from the end of the message before it
+    # the last message edited: the conversation resumes from where it begins
     turn = users[0] + [{"role": "assistant", "content": "ok then"}, {"role": "user", "content": "first"}]
     c.chat.completions.create(model=serve_gla.name, messages=turn, max_tokens=4, temperature=0)
     edited = turn[:-1] + [{"role": "user", "content": "second"}]
     r = c.chat.completions.create(model=serve_gla.name, messages=edited, max_tokens=N, temperature=0)
     before = "".join(f"{m['role']}: {m['content']}\n" for m in turn[:-1])
-    assert r.usage.prompt_tokens_details.cached_tokens == len(before) // chunk * chunk
+    assert r.usage.prompt_tokens_details.cached_tokens == len(before + "user: ") // chunk * chunk
     text = before + "user: second\nassistant: "
     assert r.choices[0].message.content == greedy_text(serve_gla, text, N)
 

@@ -22,9 +22,9 @@ without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``ext
 ``cache_salt`` (requests share cached prefix states only with requests of the same salt: without one, any
 client's ``cached_tokens`` can tell whether another sent a prompt).
 
-Chat requests also cache the state at the end of the system prompt and at the end of the message before the
-last one (``chat_boundaries``), so that another user with the same system prompt, or the same conversation
-with its last message edited, resumes from there.
+Chat requests also cache the state where the first message after the system prompt and where the last
+message begin (``chat_boundaries``), so that another user with the same system prompt, or the same
+conversation with its last message edited, resumes from there.
 """
 
 from __future__ import annotations
@@ -167,18 +167,29 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
 
-def chat_boundaries(tokenizer, messages: list[Message], ids: list[int]) -> list[int]:
-    """Token counts in ``ids`` (the prompt of ``messages``) where the system prompt and the message before
-    the last one end: how much of ``ids`` the prompt of those first messages shares (the common prefix of
-    their token ids: a template or a tokenizer that joins across the boundary gives a shorter one)."""
+def chat_boundaries(tokenizer, messages: list[Message], text: str, ids: list[int]) -> list[int]:
+    """Token counts in ``ids`` (``text`` encoded: the prompt of ``messages``) where the content of the first
+    message after the system prompt and the content of the last message begin: what another user with the
+    same system prompt, or this conversation with its last message edited, shares with this prompt. Found
+    as the contents' places in ``text`` (no second render of the template: a content that the template
+    changed is not found and gives no boundary), as many tokens as ``text`` up to there encodes to in
+    common with ``ids``. Any prefix of ``ids`` is a right place to cache a state: a wrong guess costs
+    memory, never text."""
     first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    places = []
+    if 0 < first < len(messages) and messages[first].text():
+        system = messages[first - 1].text()
+        at = text.find(system)
+        if at >= 0:
+            places.append(text.find(messages[first].text(), at + len(system)))
+    if len(messages) > 1 and messages[-1].text():
+        places.append(text.rfind(messages[-1].text()))
     out = []
-    for k in sorted({first, len(messages) - 1}):
-        if 0 < k < len(messages):
-            prefix = tokenizer.encode(chat_prompt(tokenizer, messages[:k]))
-            n = min(len(prefix), len(ids))
-            same = np.flatnonzero(np.asarray(prefix[:n]) != np.asarray(ids[:n]))
-            out.append(int(same[0]) if same.size else n)
+    for at in sorted({p for p in places if p > 0}):
+        prefix = tokenizer.encode(text[:at])
+        n = min(len(prefix), len(ids))
+        differ = np.flatnonzero(np.asarray(prefix[:n]) != np.asarray(ids[:n]))
+        out.append(int(differ[0]) if differ.size else n)
     return out
 
 
@@ -274,8 +285,9 @@ def create_app(
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model, model_name)
         try:
-            ids = engine.tokenizer.encode(chat_prompt(engine.tokenizer, body.messages))
-            ends = chat_boundaries(engine.tokenizer, body.messages, ids) if engine.cache.enabled else []
+            text = chat_prompt(engine.tokenizer, body.messages)
+            ids = engine.tokenizer.encode(text)
+            ends = chat_boundaries(engine.tokenizer, body.messages, text, ids) if engine.cache.enabled else []
         except ValueError as e:
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:

@@ -25,7 +25,7 @@ The graph calls and the cache run in one worker thread, so the loop stays free t
 run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
 string, ``max_tokens`` or ``cancel``; the state after its prompt, after its reply (every token consumed,
 an end-of-sequence token included) and at each of its ``boundaries`` (token counts where a chat message
-ends, rounded down to a multiple of the prefill tokens) is cached under those token ids (see
+begins, rounded down to a multiple of the prefill tokens) is cached under those token ids (see
 ``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
@@ -81,7 +81,7 @@ class Request:
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
     ignore_eos: bool = False  # go on past end-of-sequence tokens (as vLLM's extension; for benchmarks)
     cache_salt: str | None = None  # only requests with the same salt share cached states (as vLLM's)
-    boundaries: list[int] = field(default_factory=list)  # prompt tokens where a chat message ends
+    boundaries: list[int] = field(default_factory=list)  # prompt tokens where a chat message begins
 
 
 _DONE = object()

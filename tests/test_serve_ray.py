@@ -73,3 +73,29 @@ def test_ray_replicas_give_the_greedy_text(serve_gla):
     finally:
         rc = s.stop(timeout=60)
     assert rc == 0, s.log()
+
+
+@pytest.mark.slow
+def test_sigterm_under_ray_ends_the_streams_cleanly_and_exits_0(serve_gla):
+    # issue 37.3: as without Ray, SIGTERM lets a stream finish within the drain and then ends it with its
+    # finish_reason and [DONE], instead of the stream being cut when Serve kills the replica
+    s = start_server(serve_gla, "--ray", "--replicas", 1, "--slots", 2, timeout=240)
+    try:
+        c = s.client()
+        stream = c.completions.create(
+            model=serve_gla.name,
+            prompt="a long one",
+            max_tokens=1_000_000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        s.terminate()
+        rest = list(chunks)  # the openai client raises if the stream is cut
+        assert rest and rest[-1].choices[0].finish_reason == "length"
+    finally:
+        rc = s.stop(timeout=90)
+    assert rc == 0, s.log()

@@ -18,8 +18,8 @@ and on disk: an entry after ``n`` tokens costs ``entry_bytes(n)``, the fixed-siz
 
 Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes). The
 engine stores the state after a prompt, after the reply to it (prompt, reply and end-of-sequence token) and
-at the chat-message boundaries inside a prompt (``boundary``: the end of the system prompt, of the message
-before the last one), so that a regenerated reply, an edited last message, a prompt that continues an
+at the chat-message boundaries inside a prompt (``boundary``: where the first message after the system
+prompt and where the last message begin), so that a regenerated reply, an edited last message, a prompt that continues an
 earlier one differently or a second user with the same system prompt resumes from the longest prefix they
 share. When a prompt is stored, the entries of the same conversation that it leaves behind (prefixes of it
 shorter than the state it resumed from: earlier turns' prompts and replies, not message boundaries) become

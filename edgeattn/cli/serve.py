@@ -138,16 +138,16 @@ def serve(
     state_cache_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Also keep the prefix-state cache here as state files (kept across restarts); one directory "
-            "per model (another model's files are removed)."
+            help="Also keep the prefix-state cache here as state files (kept across restarts), in a "
+            "subdirectory per model: servers of several models may share it."
         ),
     ] = None,
     state_cache_disk_mb: Annotated[
         float,
         typer.Option(
             min=0.0,
-            help="Disk for --state-cache-dir, MiB: the least recently used state files are deleted beyond it "
-            "(0: none on disk; the --ray replicas share it).",
+            help="Disk for --state-cache-dir (this model's files), MiB: the least recently used are deleted "
+            "beyond it (0: none on disk; the --ray replicas share it).",
         ),
     ] = float(DEFAULT_DISK_MB),
     ray: Annotated[

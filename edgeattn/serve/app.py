@@ -21,7 +21,13 @@ Fields that would change the answer and that edgeattn does not implement (``echo
 ``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
 naming them, never ignored; ``logit_bias`` is OpenAI's (``edgeattn.runtimes.sampling.apply_logit_bias``). Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
-``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
+``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks) and
+``cache_salt`` (requests share cached prefix states only with requests of the same salt: without one, any
+client's ``cached_tokens`` can tell whether another sent a prompt).
+
+Chat requests also cache the state where the first message after the system prompt and where the last
+message begin (``chat_boundaries``), so that another user with the same system prompt, or the same
+conversation with its last message edited, resumes from there.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from importlib import resources
 from typing import Annotated, Literal
 
 import anyio
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -87,6 +94,7 @@ class _Sampling(_Body):
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: Text | list[Text] | None = None
     logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> [-100, 100]
@@ -254,6 +262,32 @@ class BodyLimit:
         return await self.app(scope, bounded, send)
 
 
+def chat_boundaries(tokenizer, messages: list[Message], text: str, ids: list[int]) -> list[int]:
+    """Token counts in ``ids`` (``text`` encoded: the prompt of ``messages``) where the content of the first
+    message after the system prompt and the content of the last message begin: what another user with the
+    same system prompt, or this conversation with its last message edited, shares with this prompt. Found
+    as the contents' places in ``text`` (no second render of the template: a content that the template
+    changed is not found and gives no boundary), as many tokens as ``text`` up to there encodes to in
+    common with ``ids``. Any prefix of ``ids`` is a right place to cache a state: a wrong guess costs
+    memory, never text."""
+    first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    places = []
+    if 0 < first < len(messages) and messages[first].text():
+        system = messages[first - 1].text()
+        at = text.find(system)
+        if at >= 0:
+            places.append(text.find(messages[first].text(), at + len(system)))
+    if len(messages) > 1 and messages[-1].text():
+        places.append(text.rfind(messages[-1].text()))
+    out = []
+    for at in sorted({p for p in places if p > 0}):
+        prefix = tokenizer.encode(text[:at])
+        n = min(len(prefix), len(ids))
+        differ = np.flatnonzero(np.asarray(prefix[:n]) != np.asarray(ids[:n]))
+        out.append(int(differ[0]) if differ.size else n)
+    return out
+
+
 def create_app(
     engine: Engine,
     model_name: str,
@@ -366,19 +400,21 @@ def create_app(
     async def page_js():
         return Response(_static("chat.js"), media_type="text/javascript")
 
-    def completion_ids(body: CompletionRequest) -> list[int]:
+    def completion_ids(body: CompletionRequest) -> tuple[list[int], list[int]]:
         _check_model(body.model, model_name)
-        return _completion_ids(engine, body.prompt)
+        return _completion_ids(engine, body.prompt), []
 
-    def chat_ids(body: ChatRequest) -> list[int]:
+    def chat_ids(body: ChatRequest) -> tuple[list[int], list[int]]:
         _check_model(body.model, model_name)
         try:
             text = chat_prompt(engine.tokenizer, body.messages)
+            ids = engine.tokenizer.encode(text)
+            ends = chat_boundaries(engine.tokenizer, body.messages, text, ids) if engine.cache.enabled else []
         except ValueError as e:
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return engine.tokenizer.encode(text)
+        return ids, ends
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -416,7 +452,7 @@ async def _parse(engine: Engine, request: Request, model, prompt_ids):
         field = body.unsupported()
         if field is not None:
             raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
-        req = _engine_request(body, prompt_ids(body))
+        req = _engine_request(body, *prompt_ids(body))
         try:
             engine.check(req)
         except ValueError as e:
@@ -479,7 +515,7 @@ def _completion_ids(engine: Engine, prompt) -> list[int]:
     raise _bad("give one prompt per request (a string or a list of token ids)", "prompt")
 
 
-def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
+def _engine_request(body: _Sampling, ids: list[int], boundaries: list[int] = ()) -> EngineRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
@@ -498,6 +534,8 @@ def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
         stop=stop,
         ignore_eos=body.ignore_eos,
         logit_bias=body.logit_bias,
+        cache_salt=body.cache_salt,
+        boundaries=list(boundaries),
     )
 
 

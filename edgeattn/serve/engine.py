@@ -13,8 +13,9 @@ One asyncio task owns the ``Streams`` instance; requests reach it through its in
 and get their text through their own queue. Each iteration of the task:
 
 1. admits waiting requests while fewer than ``slots`` are active (prefilling or decoding);
-2. prefills ONE bounded piece (``prefill_piece`` tokens, a multiple of the artifact's prefill tokens) of the
-   oldest admitted prompt, starting from the longest prefix the cache holds, together with the piece of
+2. prefills ONE bounded piece (``prefill_piece`` tokens, a multiple of the artifact's prefill tokens, cut
+   short at a chat-message boundary) of the oldest admitted prompt, starting from the longest prefix the
+   cache holds (under the request's ``cache_salt``), together with the piece of
    every other admitted prompt whose piece has the same length (one batched call: ``Streams.prefill_many``),
    ``PREFILL_ROUND_PIECES`` pieces' worth of tokens at most; a prompt that is done has its state cached
    and joins the batch;
@@ -22,16 +23,17 @@ and get their text through their own queue. Each iteration of the task:
 
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
 run; nothing else touches the streams. A request whose own sampling fails (its stream cannot start, or a
-step cannot sample it: ``Streams.step(errors)``) ends alone with its error; a failed graph call ends all. A request leaves the batch at an end-of-sequence token, a stop
-string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
-consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
-supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's (unless another
-request resumed from it, or the reply's text does not encode back to its tokens): one state per
-conversation (see ``edgeattn.serve.cache``).
+step cannot sample it: ``Streams.step(errors)``) ends alone with its error; a failed graph call ends all.
+A request leaves the batch at an end-of-sequence token, a stop string, ``max_tokens`` or ``cancel``; the
+state after its prompt, after its reply (every token consumed, an end-of-sequence token included) and at each of its ``boundaries`` (token counts where a chat message
+begins, rounded down to a multiple of the prefill tokens) is cached under those token ids (see
+``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
 or resumed from the cache. Without a cache hit the prompt is consumed in the same prefill-graph chunks as
-``Session.prefill`` (pieces are multiples of the chunk), so the numbers are the same; a hit resumes from a
+``Session.prefill`` (pieces, boundaries included, are multiples of the chunk), so the numbers are the same,
+and so they are after a hit on a boundary's state (a multiple of the chunk too); a hit on a prompt's or a
+reply's state resumes from a
 state that was computed with other chunk boundaries (the reply's tokens one step each), equal up to float
 rounding (tests/test_serve_engine.py measures it and checks the greedy tokens).
 
@@ -52,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgeattn.runtimes.sampling import check_sampling, check_seed, logit_bias_arrays
-from edgeattn.runtimes.streams import open_streams
+from edgeattn.runtimes.streams import _is_kv, open_streams
 from edgeattn.serve.cache import DEFAULT_DISK_MB, PrefixCache
 
 MiB = 2**20
@@ -81,6 +83,8 @@ class Request:
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
     ignore_eos: bool = False  # go on past end-of-sequence tokens (as vLLM's extension; for benchmarks)
     logit_bias: dict | tuple | None = None  # OpenAI's {token id: bias in [-100, 100]}
+    cache_salt: str | None = None  # only requests with the same salt share cached states (as vLLM's)
+    boundaries: list[int] = field(default_factory=list)  # prompt tokens where a chat message begins
 
 
 _DONE = object()
@@ -103,6 +107,7 @@ class Handle:
         # the engine's side
         self.sid: int | None = None  # the stream, once prefilled
         self.state = None  # the prefill's (state, logits, position) between pieces
+        self.cuts: list[int] = []  # positions where a piece ends and the state is cached (message boundaries)
         self.max_new = request.max_tokens
         self.deadline: float | None = None  # loop time after which the engine ends it (--max-request-seconds)
         self.eos = frozenset() if request.ignore_eos else engine.eos
@@ -191,6 +196,8 @@ class Engine:
             int(cache_mb * MiB),
             cache_dir,
             int(cache_disk_mb * MiB),
+            kv={e.input: e for e in m.state if _is_kv(e, m.max_length)},
+            vocab_size=m.vocab_size,
         )
         self.metrics = collections.Counter()  # requests, tokens, ... (see app's /metrics)
         self._ids = itertools.count()
@@ -366,17 +373,22 @@ class Engine:
         streams, and ``(handle, error)`` for those whose stream could not start (their sampling)."""
         for h in handles:
             if h.state is None:
-                hit = self.cache.lookup(h.prompt) if self.cache.enabled else None
+                hit = self.cache.lookup(h.prompt, h.request.cache_salt) if self.cache.enabled else None
                 if hit is not None:
                     h.cached_tokens = hit.n
-                    h.state = (hit.state, hit.logits, hit.n)
+                    h.state = (self.cache.state(hit), hit.logits, hit.n)
                 else:
                     h.state = (None, None, 0)
                 self.metrics["cache_hits" if hit is not None else "cache_misses"] += 1
+                if self.cache.enabled:  # a multiple of the chunk: the pieces stay on Session.prefill's grid
+                    C = self.manifest.prefill_tokens
+                    cuts = {int(b) // C * C for b in h.request.boundaries}
+                    h.cuts = sorted(b for b in cuts if h.cached_tokens < b < h.prompt.size)
 
         def piece(h):
             pos = h.state[2]
-            return h.prompt[pos : pos + self.prefill_piece]
+            end = min([pos + self.prefill_piece, *(b for b in h.cuts if b > pos)])
+            return h.prompt[pos:end]
 
         todo = [h for h in handles if h.state[2] < h.prompt.size]
         if todo:
@@ -389,8 +401,12 @@ class Engine:
             self.metrics["prefill_rows"] += len(group)
             for h, (state, logits, pos) in zip(group, out):
                 h.state = (state, logits, pos)
+                if pos in h.cuts:
+                    self.cache.put(h.prompt[:pos], state, logits, salt=h.request.cache_salt, boundary=True)
                 if pos == h.prompt.size:
-                    self.cache.put(h.prompt, state, logits, supersede=True)
+                    self.cache.put(
+                        h.prompt, state, logits, salt=h.request.cache_salt, demote_below=h.cached_tokens
+                    )
         live, failed = [], []
         for h in handles:
             state, logits, pos = h.state
@@ -447,11 +463,7 @@ class Engine:
             if gen and h.error is None:
                 tokens = np.concatenate([h.prompt, np.asarray(gen, np.int64)])
                 self.cache.put(
-                    tokens,
-                    self.streams.get_state(sid),
-                    self.streams.logits(sid),
-                    reply_to=h.prompt,
-                    round_trips=self.tokenizer.round_trips(gen),
+                    tokens, self.streams.get_state(sid), self.streams.logits(sid), salt=h.request.cache_salt
                 )
             self.streams.drop(sid)
 

@@ -131,6 +131,20 @@ def startup_lines(engine, name: str) -> list[str]:
             f"{c.disk_capacity / MiB:g} MiB)"
         )
     lines.append(f"  prefix-state cache: {c.capacity / MiB:.0f} MiB in memory{where}")
+    if c.capacity > 0:
+        # a conversation keeps its last prompt's state and its last reply's; the longest: a full KV buffer
+        full = 2 * c.entry_bytes(m.max_length or engine.max_prompt_tokens)
+        held = c.capacity // full
+        lines.append(
+            f"  the cache holds {held} conversation(s) at this artifact's full length "
+            f"(2 states x {full / 2 / MiB:.2f} MiB: a prompt's and its reply's)"
+        )
+        if held < engine.slots:
+            lines.append(
+                f"  warning: the prefix-state cache holds fewer conversations ({held}) than there are slots "
+                f"({engine.slots}): conversations are evicted before their next turn; give --state-cache-mb "
+                f"{-(-engine.slots * full // MiB)} or more"
+            )
     return lines
 
 

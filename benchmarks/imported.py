@@ -34,9 +34,11 @@ head/embedding), run by llama-cpp-python's low-level bindings (``peers.LlamaRunn
 last-token logits) in the interpreter ``--llama-python`` of a separate environment, where llama-cpp-python
 was built from the PyPI source package with AMX off (its AMX kernels crash on this CPU)::
 
-    python -m venv /tmp/llama && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
-        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
-        /tmp/llama/bin/pip install llama-cpp-python==0.3.36 psutil
+    python -m venv /tmp/llama && CMAKE_ARGS="$(python -c 'from edgeattn.bench.machine import \
+        ggml_cmake_args; print(ggml_cmake_args())')" /tmp/llama/bin/pip install llama-cpp-python==0.3.36 psutil
+
+(``ggml_cmake_args``: each x86 instruction set on only where this CPU has it, AMX off; a build for
+AVX-512 dies with "Illegal instruction" on an AVX2-only CPU.)
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist: --llama-src its vendor/llama.cpp
 
 Tokenizer: the model carries the 256-token byte-level tokenizer above, whose pre-tokenizer hash the

@@ -235,3 +235,13 @@ def test_cli_check_names_the_cpu_and_export_takes_int8_weights(tmp_path):
     assert f"({machine.cpu_kind()})" in " ".join(r.output.split())
     r = CliRunner().invoke(app, ["export", str(ckpt), "--out", str(tmp_path / "b"), "--int8-weights", "s4"])
     assert r.exit_code == 2 and "s4" in r.output and not (tmp_path / "b").exists()
+
+
+def test_llama_cpp_is_built_for_the_instruction_sets_the_cpu_has():
+    avx2 = machine.ggml_cmake_args(["fpu", "avx", "avx2", "fma", "f16c"])
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX512_VNNI=OFF" in avx2
+    assert "-DGGML_NATIVE=OFF" in avx2 and "-DGGML_AMX_INT8=OFF" in avx2
+    zen4 = machine.ggml_cmake_args(["avx", "avx2", "fma", "f16c", "avx512f", "avx512vbmi", "avx512_vnni"])
+    assert "-DGGML_AVX512=ON" in zen4 and "-DGGML_AVX512_VNNI=ON" in zen4 and "-DGGML_AVX512_BF16=OFF" in zen4
+    here = machine.ggml_cmake_args()
+    assert ("-DGGML_AVX512=ON" in here) == ("avx512f" in machine.cpu_flags())

@@ -29,6 +29,9 @@ class Decoder:
     repetition_penalty: float = 1.0  # over the context's tokens (1: none)
     repetition_window: int = 0  # the last this many tokens of the context (0: all, as transformers)
     context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
+    # logits processors of the serving layer (a grammar's mask, a logprobs recorder): each has
+    # ``process(logits) -> logits`` (before sampling) and ``accept(token, raw_logits)`` (after, a stop token too)
+    processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)
     done: bool = False
     last: int | None = None  # the last sampled token, a stop token included (the graph consumes it)
@@ -59,6 +62,9 @@ class Decoder:
         if self.done:
             return None
         previous = self.context[-self.repetition_window :] if self.repetition_window else self.context
+        raw = logits
+        for p in self.processors:
+            logits = p.process(logits)
         self.last = tok = sample_next(
             logits,
             rng=self.rng,
@@ -68,6 +74,8 @@ class Decoder:
         )
         if self.repetition_penalty != 1:
             self.context.append(tok)
+        for p in self.processors:
+            p.accept(tok, raw)
         if tok in self.stop_ids:
             self.done = True
             return None

@@ -273,13 +273,15 @@ class Streams:
         seed: int | None = None,
         stop_ids=None,
         max_new_tokens: int | None = None,
+        processors=(),
     ) -> int:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
         state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
-        slots below the state's position count: those past it are never read)."""
+        slots below the state's position count: those past it are never read). ``processors``: the
+        ``Decoder``'s logits processors (a grammar's mask, a logprobs recorder)."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -288,6 +290,7 @@ class Streams:
                 seed=seed,
                 stop_ids=self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
                 max_new_tokens=max_new_tokens,
+                processors=list(processors),
             )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")

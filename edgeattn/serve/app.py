@@ -14,9 +14,12 @@ Chat prompts: the artifact's chat template; a model without one (edgeattn's own 
 plain default ``"{role}: {content}\\n"`` per message followed by ``"assistant: "``, so that the next turn's
 prompt extends this turn's prompt and reply (and resumes from the cached state).
 
-Fields that would change the answer and that edgeattn does not implement (``echo``, ``logprobs``,
-``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
-naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
+``response_format`` (``json_object``, ``json_schema``) is enforced while decoding by a grammar
+(edgeattn.serve.grammar); ``tools`` / ``tool_choice`` are rendered into the prompt and the reply's calls parsed
+into ``tool_calls`` (edgeattn.serve.tools); ``logprobs`` / ``top_logprobs`` and ``echo`` report the artifact's
+own log-probabilities (edgeattn.serve.logprobs). A schema, tool or grammar that cannot be enforced is a 400
+naming the field, never an unconstrained answer. Fields that would change the answer and that edgeattn does
+not implement (``best_of``, ``suffix``, penalties) are refused with 400 naming them, never ignored. Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
 ``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks).
 """
@@ -39,8 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from edgeattn.serve import logprobs as lp
+from edgeattn.serve import tools as fc
 from edgeattn.serve.engine import Engine, QueueFull, ShuttingDown
 from edgeattn.serve.engine import Request as EngineRequest
+from edgeattn.serve.grammar import GrammarError, Grammars
+from edgeattn.serve.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 SHUTDOWN_DRAIN_S = 5.0  # in-flight streams may finish this long after SIGTERM, then end
@@ -70,22 +77,18 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     # accepted only at the values that change nothing, refused otherwise (never silently ignored)
-    logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    tools: list | None = None
     response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do (None: all fine)."""
-        if self.logprobs not in (None, False, 0):
-            return "logprobs"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty" if self.presence_penalty else "frequency_penalty"
-        if self.tools:
-            return "tools"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
+        return None
+
+    def top_logprobs_count(self) -> int | None:
+        """How many top logprobs per token to report (None: no logprobs)."""
         return None
 
 
@@ -94,10 +97,13 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, score the prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.best_of not in (None, 1):
             return "best_of"
         if self.suffix:
@@ -113,6 +119,9 @@ class TextPart(_Body):
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to a call
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -123,6 +132,17 @@ class Message(_Body):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 # ---- errors ----
@@ -151,10 +171,33 @@ def _bad(message: str, param: str | None = None) -> APIError:
 # ---- prompts ----
 
 
-def chat_prompt(tokenizer, messages: list[Message]) -> str:
-    """The prompt text of a conversation (see the module docstring)."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt(tokenizer, messages: list[Message], tools: list[dict] | None = None) -> str:
+    """The prompt text of a conversation (see the module docstring), with ``tools`` as
+    ``edgeattn.serve.tools.render_messages`` renders them."""
+    plain = []
+    for m in messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.role == "tool" and (m.tool_call_id or m.name):
+            d.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        plain.append(d)
+    native = fc.template_reads_tools(tokenizer.chat_template)
+    plain, tools = fc.render_messages(plain, tools or [], native)
     if tokenizer.chat_template:
+        if tools:
+            from edgeattn.artifact.chat_template import render_chat_template
+
+            return render_chat_template(
+                tokenizer.chat_template,
+                messages=plain,
+                tools=tools,
+                add_generation_prompt=True,
+                bos_token=tokenizer.token_text(tokenizer.bos_token_id),
+                eos_token=tokenizer.token_text(
+                    tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+                ),
+            )
         return tokenizer.apply_chat_template(plain)
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
@@ -175,6 +218,7 @@ def create_app(
 
     app = FastAPI(title="edgeattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    grammars = Grammars(engine.tokenizer, engine.manifest.vocab_size)
     created = int(time.time())
     open_paths = {"/health", "/", "/chat.js", "/favicon.ico"}
 
@@ -195,6 +239,10 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(GrammarError)
+    async def _grammar_error(request, e: GrammarError):
+        return error_response(400, str(e), "invalid_request_error", e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -245,18 +293,40 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, model_name)
         ids = _completion_ids(engine, body.prompt)
-        return await _run(engine, request, body, ids, model_name, chat=False)
+        if body.max_tokens == 0 and not body.echo:
+            raise _bad("max_tokens must be >= 1 (0 only with echo: the prompt scored)", "max_tokens")
+        job = _Job(grammars, constraint=_constraint(grammars, grammars.response_format(body.response_format)))
+        if body.echo:
+            job.echo_ids = ids
+            top = body.top_logprobs_count()
+            if top is not None:
+                engine.check(EngineRequest(prompt_ids=ids))
+                job.echo_logprobs = await engine.prompt_logprobs(ids, top)
+        return await _run(engine, request, body, ids, model_name, chat=False, job=job)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model, model_name)
+        tools, choice = fc.check_tools(body.tools, body.tool_choice)
+        grammar = grammars.response_format(body.response_format)
+        if choice == "required" or isinstance(choice, dict):
+            if grammar is not None:
+                raise _bad("give response_format or a required tool call, not both", "response_format")
+            grammar = fc.call_grammar(grammars, tools, choice)
+        job = _Job(
+            grammars, constraint=_constraint(grammars, grammar, "tools" if tools else "response_format")
+        )
+        job.tools = choice != "none"
         try:
-            text = chat_prompt(engine.tokenizer, body.messages)
+            text = chat_prompt(engine.tokenizer, body.messages, tools if job.tools else None)
+        except GrammarError:
+            raise
         except ValueError as e:
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return await _run(engine, request, body, engine.tokenizer.encode(text), model_name, chat=True)
+        ids = engine.tokenizer.encode(text)
+        return await _run(engine, request, body, ids, model_name, chat=True, job=job)
 
     return app
 
@@ -290,9 +360,26 @@ def _completion_ids(engine: Engine, prompt) -> list[int]:
     raise _bad("give one prompt per request (a string or a list of token ids)", "prompt")
 
 
-def _engine_request(body: _Sampling, ids: list[int]) -> EngineRequest:
+class _Job:
+    """What the new features add to one request: its grammar, tools, echo and logprobs."""
+
+    def __init__(self, grammars: Grammars, constraint=None):
+        self.grammars = grammars
+        self.constraint = constraint
+        self.tools = False  # parse the reply's tool-call markup
+        self.echo_ids: list[int] | None = None
+        self.echo_logprobs: list | None = None
+
+
+def _constraint(grammars: Grammars, grammar: str | None, param: str = "response_format"):
+    return None if grammar is None else grammars.constraint(grammar, param)
+
+
+def _engine_request(body: _Sampling, ids: list[int], job: _Job | None = None) -> EngineRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return EngineRequest(
+        constraint=job.constraint if job else None,
+        logprobs=body.top_logprobs_count(),
         prompt_ids=ids,
         max_tokens=body.max_tokens or 16,
         temperature=body.temperature,
@@ -328,17 +415,22 @@ def _usage(h) -> dict:
     }
 
 
-async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool):
+async def _run(
+    engine: Engine, request: Request, body: _Sampling, ids, model_name: str, chat: bool, job: _Job
+):
     field = body.unsupported()
     if field is not None:
         raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
-    h = _submit(engine, _engine_request(body, ids))
+    top = body.top_logprobs_count()
+    if job.echo_ids is not None and body.max_tokens == 0:  # the prompt scored, nothing generated
+        return _echo_only(engine, job, ids, model_name, top)
+    h = _submit(engine, _engine_request(body, ids, job))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(
-            _events(h, rid, created, model_name, chat, usage),
+            _events(h, rid, created, model_name, chat, usage, job),
             sep="\n",
             shutdown_event=anyio.Event(),
             shutdown_grace_period=SHUTDOWN_DRAIN_S + 2,
@@ -346,15 +438,33 @@ async def _run(engine: Engine, request: Request, body: _Sampling, ids, model_nam
     text = await _collect(h, request)
     if h.error is not None:
         raise APIError(503 if isinstance(h.error, ShuttingDown) else 500, str(h.error), "server_error")
+    entries = h.recorder.entries[: h.completion_tokens] if h.recorder is not None else None
     if chat:
+        message: dict = {"role": "assistant", "content": text}
+        finish = h.finish_reason
+        if job.tools:
+            content, calls = fc.parse_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": h.finish_reason,
+            "message": message,
+            "logprobs": None
+            if entries is None
+            else {"content": lp.chat_content(entries, job.grammars.token_bytes)},
+            "finish_reason": finish,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": h.finish_reason}
+        logprobs = None
+        if job.echo_ids is not None:
+            prefix = engine.tokenizer.decode(job.echo_ids)
+            text = prefix + text
+            if entries is not None:
+                entries = job.echo_logprobs + entries
+        if entries is not None:
+            logprobs = lp.completion_logprobs(entries, job.grammars.token_bytes)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": h.finish_reason}
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -380,20 +490,66 @@ async def _collect(h, request: Request) -> str:
             h.cancel()
 
 
-async def _events(h, rid: str, created: int, model_name: str, chat: bool, include_usage: bool):
-    """OpenAI's chunks as SSE ``data:`` events, ending with ``[DONE]``; a vanished client cancels ``h``."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
+def _echo_only(engine: Engine, job: _Job, ids, model_name: str, top: int | None) -> dict:
+    """A completion with ``echo`` and ``max_tokens`` 0: the prompt (and its logprobs), nothing generated."""
+    logprobs = None
+    if job.echo_logprobs is not None:
+        logprobs = lp.completion_logprobs(job.echo_logprobs, job.grammars.token_bytes)
+    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    return {
+        "id": "cmpl-" + uuid.uuid4().hex[:24],
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "text": engine.tokenizer.decode(ids),
+                "logprobs": logprobs,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
 
-    def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> dict:
+
+async def _events(
+    h, rid: str, created: int, model_name: str, chat: bool, include_usage: bool, job: _Job | None = None
+):
+    """OpenAI's chunks as SSE ``data:`` events, ending with ``[DONE]``; a vanished client cancels ``h``.
+    With tools, content is held back from where a call's markup may begin and the calls go out as
+    ``tool_calls`` deltas at the end; with logprobs each chunk carries those of the tokens delivered since
+    the last one."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    job = job or _Job(None)
+    sent = 0  # logprob entries handed out
+
+    def logprobs(final: bool = False):
+        nonlocal sent
+        if h.recorder is None:
+            return None
+        entries = h.recorder.entries[sent : h.completion_tokens]
+        sent += len(entries)
         if chat:
-            delta = (
-                {"role": "assistant", "content": ""}
-                if first
-                else ({} if piece is None else {"content": piece})
-            )
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"content": lp.chat_content(entries, job.grammars.token_bytes)}
+        return lp.completion_logprobs(entries, job.grammars.token_bytes)
+
+    def chunk(piece: str | None, finish: str | None = None, first: bool = False, delta=None) -> dict:
+        if chat:
+            if delta is None:
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if first
+                    else ({} if piece is None else {"content": piece})
+                )
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None if first else logprobs(),
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs(), "finish_reason": finish}
         out = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
         if include_usage:
             out["usage"] = None
@@ -402,14 +558,55 @@ async def _events(h, rid: str, created: int, model_name: str, chat: bool, includ
     try:
         if chat:
             yield chunk(None, first=True)
+        elif job.echo_ids is not None:
+            if job.echo_logprobs is not None:
+                entries = job.echo_logprobs
+                choice = {
+                    "index": 0,
+                    "text": engine_text(h, job.echo_ids),
+                    "logprobs": lp.completion_logprobs(entries, job.grammars.token_bytes),
+                    "finish_reason": None,
+                }
+                yield {
+                    "data": json.dumps(
+                        {
+                            "id": rid,
+                            "object": kind,
+                            "created": created,
+                            "model": model_name,
+                            "choices": [choice],
+                        }
+                    )
+                }
+            else:
+                yield chunk(engine_text(h, job.echo_ids))
+        text, held = "", 0  # with tools: the reply so far, and how much of it went out as content
         try:
             async for piece in h:
-                yield chunk(piece)
+                if not job.tools:
+                    yield chunk(piece)
+                    continue
+                text += piece
+                cut = fc.could_begin_call(text)
+                upto = len(text) if cut < 0 else cut
+                if upto > held:
+                    yield chunk(text[held:upto])
+                    held = upto
         except Exception as e:  # the engine failed or shut down before this request ran
             err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
             yield {"data": json.dumps(err)}
             return
-        yield chunk(None, finish=h.finish_reason)
+        finish = h.finish_reason
+        if job.tools:
+            content, calls = fc.parse_calls(text)
+            if calls:
+                for i, c in enumerate(calls):
+                    delta = {"tool_calls": [{"index": i, **c}]}
+                    yield chunk(None, delta=delta)
+                finish = "tool_calls"
+            elif len(text) > held:
+                yield chunk(text[held:])
+        yield chunk(None, finish=finish)
         if include_usage:
             last = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": []}
             last["usage"] = _usage(h)
@@ -417,6 +614,10 @@ async def _events(h, rid: str, created: int, model_name: str, chat: bool, includ
         yield {"data": "[DONE]"}
     finally:
         h.cancel()  # a no-op once finished; frees the slot when the client went away
+
+
+def engine_text(h, ids) -> str:
+    return h.engine.tokenizer.decode(ids)
 
 
 def prometheus(engine: Engine) -> str:

@@ -12,7 +12,9 @@ Why llguidance (benchmarks/grammar_mask.py measures it beside xgrammar and outli
 in about a millisecond (outlines-core builds an index over the whole vocabulary per schema, seconds), and it
 needs only numpy (xgrammar imports torch, which the serve install does not have).
 
-JSON is generated with ``", "`` and ``": "`` between items and no other whitespace: what models trained on
+With ``"strict": true`` an object schema without ``additionalProperties`` allows no other properties, as
+OpenAI's strict mode (which requires ``"additionalProperties": false``); without it the schema's own meaning
+holds (JSON Schema allows any other property). JSON is generated with ``", "`` and ``": "`` between items and no other whitespace: what models trained on
 ``json.dumps`` output write, and a small model cannot wander off into endless newlines inside an object.
 Masked tokens get ``MASKED`` (finite: the sampler refuses non-finite logits); once the grammar is complete
 (``stopped``) only the end-of-sequence tokens stay open, and the engine ends the request there (a byte-level
@@ -130,7 +132,10 @@ class Grammars:
             )
         if "schema" not in spec:
             raise GrammarError("response_format.json_schema.schema is missing", "response_format.json_schema")
-        return self.json_schema(spec["schema"], "response_format.json_schema.schema")
+        schema = spec["schema"]
+        if spec.get("strict") is True:
+            schema = strict_schema(schema)
+        return self.json_schema(schema, "response_format.json_schema.schema")
 
     # ---- matchers ----
 
@@ -197,6 +202,19 @@ class Constraint:
     def accept(self, token: int, raw_logits) -> None:
         if self.failed is None and not self.matcher.consume_token(int(token)):
             self.failed = _line(self.matcher.get_error() or f"the grammar refused token {token}")
+
+
+def strict_schema(schema):
+    """OpenAI's strict mode: an object schema that says nothing of ``additionalProperties`` allows none (a
+    copy; what the schema states is kept)."""
+    if isinstance(schema, list):
+        return [strict_schema(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _line(e) -> str:

@@ -64,9 +64,8 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
                 f"tools[{i}].function.parameters must be a JSON schema object",
                 f"tools[{i}].function.parameters",
             )
-        fn = {"name": name, "parameters": params}
-        if isinstance(f.get("description"), str):
-            fn["description"] = f["description"]
+        fn = {k: v for k, v in f.items() if k in ("name", "description", "parameters", "strict")}  # its order
+        fn["parameters"] = params
         out.append({"type": "function", "function": fn})
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, str):
@@ -95,9 +94,8 @@ def call_grammar(grammars, tools: list[dict], choice) -> str:
     alts = []
     for i, t in enumerate(tools):
         f = t["function"]
-        grammars.json_schema(
-            f["parameters"], f"tools[{i}].function.parameters"
-        )  # a bad schema names its tool
+        param = f"tools[{i}].function.parameters"  # a bad schema names its tool
+        grammars.constraint(grammars.json_schema(f["parameters"], param), param)
         alts.append(
             {
                 "type": "object",

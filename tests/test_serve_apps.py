@@ -120,14 +120,17 @@ def test_parse_returns_a_validated_object_sampled_batched_and_streamed(server, a
             max_tokens=80,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "pet", "schema": Pet.model_json_schema(), "strict": True},
             },
         )
+        chunks = list(chunks)
         texts.append("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices))
         Pet.model_validate_json(texts[-1])
     assert texts[0] == texts[1]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens  # the cache
     # json_object on a prompt whose free reply is not JSON
     r = c.chat.completions.create(
         model=name, messages=_msgs(), max_tokens=80, temperature=0, response_format={"type": "json_object"}
@@ -365,3 +368,22 @@ def test_byte_level_model_json_object(serve_gla):
         s.stop()
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+
+
+def test_tool_call_markup_parsing_and_streamed_hold_back():
+    from edgeattn.serve.tools import could_begin_call, parse_calls
+
+    text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}'
+    content, calls = parse_calls(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1}),
+        ("g", {}),
+    ]
+    assert parse_calls("no call here") == ("no call here", [])
+    assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert (
+        could_begin_call("hello <tool") == 6
+        and could_begin_call("hello") == -1
+        and could_begin_call("a<tool_call>") == 1
+    )

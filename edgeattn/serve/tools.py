@@ -89,11 +89,11 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
 def call_grammar(grammars, tools: list[dict], choice) -> str:
     """The grammar of one call (``required``: any of the tools; a named choice: that one), its arguments
     following the function's schema."""
-    if isinstance(choice, dict):
-        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     alts = []
     for i, t in enumerate(tools):
         f = t["function"]
+        if isinstance(choice, dict) and f["name"] != choice["function"]["name"]:
+            continue
         param = f"tools[{i}].function.parameters"  # a bad schema names its tool
         grammars.constraint(grammars.json_schema(f["parameters"], param), param)
         alts.append(

@@ -114,9 +114,16 @@ def widen(tokens: list[bytes], n: int, seed: int = 0) -> list[bytes]:
     return out[:n]
 
 
+_INDEX: dict = {}
+
+
 def greedy_ids(tokens: list[bytes], text: bytes) -> list[int]:
-    index = {t: i for i, t in enumerate(tokens) if not t.startswith(b"\xff")}
-    longest = max(len(t) for t in index)
+    """Longest-match tokenization (llguidance calls it back for short strings while masking: the index is
+    built once per vocabulary)."""
+    if id(tokens) not in _INDEX:
+        index = {t: i for i, t in enumerate(tokens) if not t.startswith(b"\xff")}
+        _INDEX[id(tokens)] = (index, max(len(t) for t in index), tokens)
+    index, longest, _ = _INDEX[id(tokens)]
     ids, i = [], 0
     while i < len(text):
         for k in range(min(longest, len(text) - i), 0, -1):

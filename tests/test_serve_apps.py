@@ -387,3 +387,54 @@ def test_tool_call_markup_parsing_and_streamed_hold_back():
         and could_begin_call("hello") == -1
         and could_begin_call("a<tool_call>") == 1
     )
+
+
+def test_streamed_auto_reply_splits_content_and_tool_call_deltas():
+    """``tool_choice`` auto, streamed: the text before the markup goes out as content as it comes, the
+    markup never does, and the call goes out as a tool_calls delta (the HTTP layer's event generator over
+    a stand-in handle: a random model does not write the markup by itself)."""
+    import asyncio
+
+    from edgeattn.serve.app import _events, _Job
+
+    pieces = [
+        "Sure",
+        ", checking.",
+        "\n<tool",
+        "_call>\n",
+        '{"name": "get_weather", ',
+        '"arguments": {"city": "Rome"}}',
+        "\n</tool_call>",
+    ]
+
+    class Handle:
+        finish_reason = "stop"
+        recorder = None
+        completion_tokens = len(pieces)
+
+        def __aiter__(self):
+            async def gen():
+                for p in pieces:
+                    yield p
+
+            return gen()
+
+        def cancel(self):
+            pass
+
+    job = _Job(None)
+    job.tools = True
+
+    async def collect():
+        return [e["data"] async for e in _events(Handle(), "id", 0, "m", True, False, job)]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
+    assert content == "Sure, checking.\n"
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+        ("get_weather", {"city": "Rome"})
+    ]
+    assert chunks[-1]["finish_reason"] == "tool_calls"

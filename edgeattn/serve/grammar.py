@@ -184,11 +184,7 @@ class Constraint:
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self._mask)
-        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little").astype(bool)
-        out = np.zeros(self.vocab_size, bool)
-        n = min(self.vocab_size, bits.size)
-        out[:n] = bits[:n]
-        return out
+        return allowed_tokens(self._mask[0], self.vocab_size)
 
     def process(self, logits: np.ndarray) -> np.ndarray:
         if self.matcher.is_error():
@@ -196,12 +192,26 @@ class Constraint:
         ok = self.allowed() if self.failed is None else np.zeros(self.vocab_size, bool)
         if not ok.any():  # the grammar broke or ended where no token of the vocabulary fits: end the request
             self.failed = self.failed or "the grammar allows no token of the vocabulary here"
+            ok = ok.copy()
             ok[int(np.argmax(logits))] = True  # sample something; the engine drops it
-        return np.where(ok, np.asarray(logits, dtype=np.float64), MASKED)
+        return masked_logits(logits, ok)
 
     def accept(self, token: int, raw_logits) -> None:
         if self.failed is None and not self.matcher.consume_token(int(token)):
             self.failed = _line(self.matcher.get_error() or f"the grammar refused token {token}")
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A row of llguidance's bitmask (int32 words, bit i of the row = token i) as ``[vocab_size]`` booleans
+    (a view of the unpacked bits; the mask may hold more tokens than the model: a byte model's end token)."""
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little", count=vocab_size).view(bool)
+
+
+def masked_logits(logits, ok: np.ndarray) -> np.ndarray:
+    """``logits`` with every token not ``ok`` set to ``MASKED`` (a new float32 array)."""
+    out = np.full(ok.shape, MASKED, np.float32)
+    np.copyto(out, np.asarray(logits, dtype=np.float32).reshape(-1), where=ok)
+    return out
 
 
 def strict_schema(schema):

@@ -68,7 +68,7 @@ def server(smol):
 
 
 def test_fifty_extraction_prompts_all_parse_and_validate(server, smol):
-    c = server.client()
+    c = server.client().with_options(timeout=900)  # a loaded 2-core machine: replies queue behind 8 slots
 
     def one(p):
         r = c.chat.completions.parse(
@@ -96,7 +96,7 @@ def test_fifty_extraction_prompts_all_parse_and_validate(server, smol):
 
 
 def test_two_step_tool_conversation(server, smol):
-    c = server.client()
+    c = server.client().with_options(timeout=900)  # a loaded 2-core machine: replies queue behind 8 slots
     messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     r = c.chat.completions.create(
         model=smol.name,
@@ -142,7 +142,7 @@ def test_logprobs_equal_sessions(server, smol):
     for t in gen[:-1]:
         logits.append(sess.step(np.array([[t]], np.int64))[0])
     ref = [np.asarray(x, np.float64) - np.logaddexp.reduce(np.asarray(x, np.float64)) for x in logits]
-    c = server.client()
+    c = server.client().with_options(timeout=900)  # a loaded 2-core machine: replies queue behind 8 slots
     r = c.completions.create(model=smol.name, prompt=prompt, max_tokens=8, temperature=0, logprobs=5)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == tok.decode(gen)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from importlib import resources
@@ -212,6 +213,9 @@ def create_app(
     async def lifespan(app):
         if manage_engine:
             await engine.start()
+        # llguidance's view of the tokenizer (~1 s at 49,152 tokens, more for larger ones), built off the
+        # event loop before the first structured request or logprobs need it
+        threading.Thread(target=grammars.warm, daemon=True, name="edgeattn-grammar").start()
         yield
         if manage_engine:
             await engine.stop(SHUTDOWN_DRAIN_S)
@@ -295,7 +299,7 @@ def create_app(
         ids = _completion_ids(engine, body.prompt)
         if body.max_tokens == 0 and not body.echo:
             raise _bad("max_tokens must be >= 1 (0 only with echo: the prompt scored)", "max_tokens")
-        job = _Job(grammars, constraint=_constraint(grammars, grammars.response_format(body.response_format)))
+        job = _Job(grammars, await _constraint(grammars, grammars.response_format(body.response_format)))
         if body.echo:
             job.echo_ids = ids
             top = body.top_logprobs_count()
@@ -312,10 +316,8 @@ def create_app(
         if choice == "required" or isinstance(choice, dict):
             if grammar is not None:
                 raise _bad("give response_format or a required tool call, not both", "response_format")
-            grammar = fc.call_grammar(grammars, tools, choice)
-        job = _Job(
-            grammars, constraint=_constraint(grammars, grammar, "tools" if tools else "response_format")
-        )
+            grammar = await anyio.to_thread.run_sync(fc.call_grammar, grammars, tools, choice)
+        job = _Job(grammars, await _constraint(grammars, grammar, "tools" if tools else "response_format"))
         job.tools = choice != "none"
         try:
             text = chat_prompt(engine.tokenizer, body.messages, tools if job.tools else None)
@@ -371,8 +373,9 @@ class _Job:
         self.echo_logprobs: list | None = None
 
 
-def _constraint(grammars: Grammars, grammar: str | None, param: str = "response_format"):
-    return None if grammar is None else grammars.constraint(grammar, param)
+async def _constraint(grammars: Grammars, grammar: str | None, param: str = "response_format"):
+    """The request's grammar matcher, compiled off the event loop (a large schema takes a while)."""
+    return None if grammar is None else await anyio.to_thread.run_sync(grammars.constraint, grammar, param)
 
 
 def _engine_request(body: _Sampling, ids: list[int], job: _Job | None = None) -> EngineRequest:

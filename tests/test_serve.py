@@ -170,8 +170,8 @@ def test_bad_requests_get_openai_error_bodies(server, serve_gla):
         (dict(model=name, prompt=[1, 256]), 400),  # a token id outside the vocabulary
         (dict(model=name, prompt=["a", "b"]), 400),  # several prompts
         (dict(model="another-model", prompt="x"), 404),
-        (dict(model=name, prompt="x", echo=True), 400),  # changes the answer: refused, never ignored
-        (dict(model=name, prompt="x", logprobs=2), 400),
+        (dict(model=name, prompt="x", logprobs=21), 400),  # over the 20 top logprobs
+        (dict(model=name, prompt="x", best_of=2), 400),  # changes the answer: refused, never ignored
         (dict(model=name, prompt="x", frequency_penalty=0.5), 400),
     ]
     for kwargs, status in cases:

@@ -30,7 +30,7 @@ def export(
         Path,
         typer.Argument(
             help="Checkpoint directory written by `edgeattn train` or `edgeattn import`, or a Hugging Face "
-            "model directory (config.json with a model_type), imported on the way."
+            "model directory (config.json with a model_type) or a GGUF file, imported on the way."
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],

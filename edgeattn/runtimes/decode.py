@@ -33,6 +33,9 @@ class Decoder:
     )
     vocab_size: int | None = None  # checks logit_bias's ids at once where given
     context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
+    # logits processors of the serving layer (a grammar's mask, a logprobs recorder): each has
+    # ``process(logits) -> logits`` (before sampling) and ``accept(token, raw_logits)`` (after, a stop token too)
+    processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)
     done: bool = False
     last: int | None = None  # the last sampled token, a stop token included (the graph consumes it)
@@ -65,6 +68,9 @@ class Decoder:
         if self.done:
             return None
         previous = self.context[-self.repetition_window :] if self.repetition_window else self.context
+        raw = logits
+        for p in self.processors:
+            logits = p.process(logits)
         self.last = tok = sample_next(
             logits,
             rng=self.rng,
@@ -75,6 +81,8 @@ class Decoder:
         )
         if self.repetition_penalty != 1:
             self.context.append(tok)
+        for p in self.processors:
+            p.accept(tok, raw)
         if tok in self.stop_ids:
             self.done = True
             return None

@@ -274,6 +274,7 @@ class Streams:
         stop_ids=None,
         max_new_tokens: int | None = None,
         logit_bias=None,
+        processors=(),
     ) -> int:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
@@ -281,7 +282,8 @@ class Streams:
         logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``
         (``logit_bias``: OpenAI's ``{token id: bias}``, the ids checked against the vocabulary here). A
         state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
-        slots below the state's position count: those past it are never read)."""
+        slots below the state's position count: those past it are never read). ``processors``: the
+        ``Decoder``'s logits processors (a grammar's mask, a logprobs recorder)."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -292,6 +294,7 @@ class Streams:
                 max_new_tokens=max_new_tokens,
                 logit_bias=logit_bias,
                 vocab_size=self.manifest.vocab_size,
+                processors=list(processors),
             )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")

@@ -17,9 +17,13 @@ Chat prompts: the artifact's chat template; a model without one (edgeattn's own 
 plain default ``"{role}: {content}\\n"`` per message followed by ``"assistant: "``, so that the next turn's
 prompt extends this turn's prompt and reply (and resumes from the cached state).
 
-Fields that would change the answer and that edgeattn does not implement (``echo``, ``logprobs``,
-``best_of``, ``suffix``, penalties, ``tools``, a ``response_format`` other than text) are refused with 400
-naming them, never ignored; ``logit_bias`` is OpenAI's (``edgeattn.runtimes.sampling.apply_logit_bias``). Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
+``response_format`` (``json_object``, ``json_schema``) is enforced while decoding by a grammar
+(edgeattn.serve.grammar); ``tools`` / ``tool_choice`` are rendered into the prompt and the reply's calls parsed
+into ``tool_calls`` (edgeattn.serve.tools); ``logprobs`` / ``top_logprobs`` and ``echo`` report the artifact's
+own log-probabilities (edgeattn.serve.logprobs). A schema, tool or grammar that cannot be enforced is a 400
+naming the field, never an unconstrained answer. Fields that would change the answer and that edgeattn does
+not implement (``best_of``, ``suffix``, penalties) are refused with 400 naming them, never ignored;
+``logit_bias`` is OpenAI's (``edgeattn.runtimes.sampling.apply_logit_bias``). Defaults as OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1, ``top_p`` 1; chat completions
 without ``max_tokens`` stop after ``DEFAULT_CHAT_MAX_TOKENS``. Extensions (``extra_body`` in the
 ``openai`` client): ``top_k`` (0: off) and, as vLLM's server has it, ``ignore_eos`` (for benchmarks) and
 ``cache_salt`` (requests share cached prefix states only with requests of the same salt: without one, any
@@ -36,6 +40,7 @@ import asyncio
 import hmac
 import json
 import re
+import threading
 import time
 import uuid
 from importlib import resources
@@ -50,8 +55,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from edgeattn.serve import logprobs as lp
+from edgeattn.serve import tools as fc
 from edgeattn.serve.engine import Engine, QueueFull, ShuttingDown
 from edgeattn.serve.engine import Request as EngineRequest
+from edgeattn.serve.grammar import GrammarError, Grammars
+from edgeattn.serve.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 SHUTDOWN_DRAIN_S = 5.0  # in-flight streams may finish this long after SIGTERM, then end
@@ -102,22 +111,18 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     # accepted only at the values that change nothing, refused otherwise (never silently ignored)
-    logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    tools: list | None = None
     response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do (None: all fine)."""
-        if self.logprobs not in (None, False, 0):
-            return "logprobs"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty" if self.presence_penalty else "frequency_penalty"
-        if self.tools:
-            return "tools"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
+        return None
+
+    def top_logprobs_count(self) -> int | None:
+        """How many top logprobs per token to report (None: no logprobs)."""
         return None
 
 
@@ -126,10 +131,13 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, score the prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.best_of not in (None, 1):
             return "best_of"
         if self.suffix:
@@ -158,6 +166,10 @@ class Message(_Body):
                     )
         return content
 
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to a call
+    name: str | None = None
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -167,6 +179,17 @@ class Message(_Body):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 # ---- errors ----
@@ -195,10 +218,33 @@ def _bad(message: str, param: str | None = None) -> APIError:
 # ---- prompts ----
 
 
-def chat_prompt(tokenizer, messages: list[Message]) -> str:
-    """The prompt text of a conversation (see the module docstring)."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt(tokenizer, messages: list[Message], tools: list[dict] | None = None) -> str:
+    """The prompt text of a conversation (see the module docstring), with ``tools`` as
+    ``edgeattn.serve.tools.render_messages`` renders them."""
+    plain = []
+    for m in messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.role == "tool" and (m.tool_call_id or m.name):
+            d.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        plain.append(d)
+    native = fc.template_reads_tools(tokenizer.chat_template)
+    plain, tools = fc.render_messages(plain, tools or [], native)
     if tokenizer.chat_template:
+        if tools:
+            from edgeattn.artifact.chat_template import render_chat_template
+
+            return render_chat_template(
+                tokenizer.chat_template,
+                messages=plain,
+                tools=tools,
+                add_generation_prompt=True,
+                bos_token=tokenizer.token_text(tokenizer.bos_token_id),
+                eos_token=tokenizer.token_text(
+                    tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+                ),
+            )
         return tokenizer.apply_chat_template(plain)
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
@@ -309,6 +355,9 @@ def create_app(
     async def lifespan(app):
         if manage_engine:
             await engine.start()
+        # llguidance's view of the tokenizer (~1 s at 49,152 tokens, more for larger ones), built off the
+        # event loop before the first structured request or logprobs need it
+        threading.Thread(target=grammars.warm, daemon=True, name="edgeattn-grammar").start()
         yield
         if manage_engine:
             await engine.stop(SHUTDOWN_DRAIN_S)
@@ -316,6 +365,7 @@ def create_app(
     app = FastAPI(title="edgeattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    grammars = Grammars(engine.tokenizer, engine.manifest.vocab_size)
     created = int(time.time())
     open_paths = {"/health", "/", "/chat.js", "/favicon.ico"}
 
@@ -346,6 +396,10 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(GrammarError)
+    async def _grammar_error(request, e: GrammarError):
+        return error_response(400, str(e), "invalid_request_error", e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -400,31 +454,51 @@ def create_app(
     async def page_js():
         return Response(_static("chat.js"), media_type="text/javascript")
 
-    def completion_ids(body: CompletionRequest) -> tuple[list[int], list[int]]:
+    # in _parse's worker thread: the prompt's ids, its chat boundaries and what the new fields add (_Job)
+    def completion_ids(body: CompletionRequest) -> tuple[list[int], list[int], _Job]:
         _check_model(body.model, model_name)
-        return _completion_ids(engine, body.prompt), []
+        ids = _completion_ids(engine, body.prompt)
+        if body.max_tokens == 0 and not body.echo:
+            raise _bad("max_tokens must be >= 1 (0 only with echo: the prompt scored)", "max_tokens")
+        job = _Job(grammars, _constraint(grammars, grammars.response_format(body.response_format)))
+        if body.echo:
+            job.echo_ids = ids
+        return ids, [], job
 
-    def chat_ids(body: ChatRequest) -> tuple[list[int], list[int]]:
+    def chat_ids(body: ChatRequest) -> tuple[list[int], list[int], _Job]:
         _check_model(body.model, model_name)
+        tools, choice = fc.check_tools(body.tools, body.tool_choice)
+        grammar = grammars.response_format(body.response_format)
+        if choice == "required" or isinstance(choice, dict):
+            if grammar is not None:
+                raise _bad("give response_format or a required tool call, not both", "response_format")
+            grammar = fc.call_grammar(grammars, tools, choice)
+        job = _Job(grammars, _constraint(grammars, grammar, "tools" if tools else "response_format"))
+        job.tools = choice != "none"
         try:
-            text = chat_prompt(engine.tokenizer, body.messages)
+            text = chat_prompt(engine.tokenizer, body.messages, tools if job.tools else None)
             ids = engine.tokenizer.encode(text)
             ends = chat_boundaries(engine.tokenizer, body.messages, text, ids) if engine.cache.enabled else []
+        except GrammarError:
+            raise
         except ValueError as e:
             raise _bad(str(e), "messages") from None
         if body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return ids, ends
+        return ids, ends, job
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body, req = await _parse(engine, request, CompletionRequest, completion_ids)
-        return await _run(engine, request, body, req, model_name, chat=False)
+        body, req, job = await _parse(engine, request, CompletionRequest, completion_ids)
+        top = body.top_logprobs_count()
+        if job.echo_ids is not None and top is not None:
+            job.echo_logprobs = await engine.prompt_logprobs(job.echo_ids, top)
+        return await _run(engine, request, body, req, model_name, chat=False, job=job)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body, req = await _parse(engine, request, ChatRequest, chat_ids)
-        return await _run(engine, request, body, req, model_name, chat=True)
+        body, req, job = await _parse(engine, request, ChatRequest, chat_ids)
+        return await _run(engine, request, body, req, model_name, chat=True, job=job)
 
     return app
 
@@ -433,8 +507,8 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|function-\w+)(\[.*
 
 
 async def _parse(engine: Engine, request: Request, model, prompt_ids):
-    """The request body as ``model`` and the engine request it makes, parsed, validated, templated,
-    tokenized and checked in a worker thread: the event loop stays free for other clients (/health) however
+    """The request body as ``model``, the engine request it makes and its ``_Job``, parsed, validated,
+    templated, tokenized, its grammar compiled and checked in a worker thread: the event loop stays free for other clients (/health) however
     large the body (within --max-body-mb) or slow the chat template."""
     raw = await request.body()
 
@@ -452,12 +526,13 @@ async def _parse(engine: Engine, request: Request, model, prompt_ids):
         field = body.unsupported()
         if field is not None:
             raise _bad(f"{field} is not supported by this server (edgeattn serve)", field)
-        req = _engine_request(body, *prompt_ids(body))
+        ids, boundaries, job = prompt_ids(body)
+        req = _engine_request(body, ids, boundaries, job)
         try:
             engine.check(req)
         except ValueError as e:
             raise _bad(str(e), _param_of(str(e))) from None
-        return body, req
+        return body, req, job
 
     return await anyio.to_thread.run_sync(work, limiter=_parsers())
 
@@ -515,7 +590,26 @@ def _completion_ids(engine: Engine, prompt) -> list[int]:
     raise _bad("give one prompt per request (a string or a list of token ids)", "prompt")
 
 
-def _engine_request(body: _Sampling, ids: list[int], boundaries: list[int] = ()) -> EngineRequest:
+class _Job:
+    """What the new features add to one request: its grammar, tools, echo and logprobs."""
+
+    def __init__(self, grammars: Grammars, constraint=None):
+        self.grammars = grammars
+        self.constraint = constraint
+        self.tools = False  # parse the reply's tool-call markup
+        self.echo_ids: list[int] | None = None
+        self.echo_logprobs: list | None = None
+
+
+def _constraint(grammars: Grammars, grammar: str | None, param: str = "response_format"):
+    """The request's grammar matcher (compiled in the request parser's worker thread, off the event loop:
+    a large schema takes a while)."""
+    return None if grammar is None else grammars.constraint(grammar, param)
+
+
+def _engine_request(
+    body: _Sampling, ids: list[int], boundaries: list[int] = (), job: _Job | None = None
+) -> EngineRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
@@ -525,6 +619,8 @@ def _engine_request(body: _Sampling, ids: list[int], boundaries: list[int] = ())
         longest = max(len(s) for s in stop)
         raise _bad(f"stop strings take at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return EngineRequest(
+        constraint=job.constraint if job else None,
+        logprobs=body.top_logprobs_count(),
         prompt_ids=ids,
         max_tokens=body.max_tokens or 16,
         temperature=body.temperature,
@@ -562,14 +658,19 @@ def _usage(h) -> dict:
     }
 
 
-async def _run(engine: Engine, request: Request, body: _Sampling, req, model_name: str, chat: bool):
+async def _run(
+    engine: Engine, request: Request, body: _Sampling, req, model_name: str, chat: bool, job: _Job
+):
+    top = body.top_logprobs_count()
+    if job.echo_ids is not None and body.max_tokens == 0:  # the prompt scored, nothing generated
+        return _echo_only(engine, job, req.prompt_ids, model_name, top)
     h = _submit(engine, req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(
-            _events(h, rid, created, model_name, chat, usage),
+            _events(h, rid, created, model_name, chat, usage, job),
             sep="\n",
             shutdown_event=anyio.Event(),
             shutdown_grace_period=SHUTDOWN_DRAIN_S + 2,
@@ -583,15 +684,33 @@ async def _run(engine: Engine, request: Request, body: _Sampling, req, model_nam
         if isinstance(h.error, ShuttingDown):
             raise APIError(503, str(h.error), "server_error", code="shutting_down")
         raise APIError(500, str(h.error), "server_error")
+    entries = h.recorder.entries[: h.completion_tokens] if h.recorder is not None else None
     if chat:
+        message: dict = {"role": "assistant", "content": text}
+        finish = h.finish_reason
+        if job.tools:
+            content, calls = fc.parse_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": h.finish_reason,
+            "message": message,
+            "logprobs": None
+            if entries is None
+            else {"content": lp.chat_content(entries, job.grammars.token_bytes)},
+            "finish_reason": finish,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": h.finish_reason}
+        logprobs = None
+        if job.echo_ids is not None:
+            prefix = engine.tokenizer.decode(job.echo_ids)
+            text = prefix + text
+            if entries is not None:
+                entries = job.echo_logprobs + entries
+        if entries is not None:
+            logprobs = lp.completion_logprobs(entries, job.grammars.token_bytes)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": h.finish_reason}
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -617,20 +736,66 @@ async def _collect(h, request: Request) -> str:
             h.cancel()
 
 
-async def _events(h, rid: str, created: int, model_name: str, chat: bool, include_usage: bool):
-    """OpenAI's chunks as SSE ``data:`` events, ending with ``[DONE]``; a vanished client cancels ``h``."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
+def _echo_only(engine: Engine, job: _Job, ids, model_name: str, top: int | None) -> dict:
+    """A completion with ``echo`` and ``max_tokens`` 0: the prompt (and its logprobs), nothing generated."""
+    logprobs = None
+    if job.echo_logprobs is not None:
+        logprobs = lp.completion_logprobs(job.echo_logprobs, job.grammars.token_bytes)
+    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    return {
+        "id": "cmpl-" + uuid.uuid4().hex[:24],
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "text": engine.tokenizer.decode(ids),
+                "logprobs": logprobs,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
 
-    def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> dict:
+
+async def _events(
+    h, rid: str, created: int, model_name: str, chat: bool, include_usage: bool, job: _Job | None = None
+):
+    """OpenAI's chunks as SSE ``data:`` events, ending with ``[DONE]``; a vanished client cancels ``h``.
+    With tools, content is held back from where a call's markup may begin and the calls go out as
+    ``tool_calls`` deltas at the end; with logprobs each chunk carries those of the tokens delivered since
+    the last one."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    job = job or _Job(None)
+    sent = 0  # logprob entries handed out
+
+    def logprobs(final: bool = False):
+        nonlocal sent
+        if h.recorder is None:
+            return None
+        entries = h.recorder.entries[sent : h.completion_tokens]
+        sent += len(entries)
         if chat:
-            delta = (
-                {"role": "assistant", "content": ""}
-                if first
-                else ({} if piece is None else {"content": piece})
-            )
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"content": lp.chat_content(entries, job.grammars.token_bytes)}
+        return lp.completion_logprobs(entries, job.grammars.token_bytes)
+
+    def chunk(piece: str | None, finish: str | None = None, first: bool = False, delta=None) -> dict:
+        if chat:
+            if delta is None:
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if first
+                    else ({} if piece is None else {"content": piece})
+                )
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None if first else logprobs(),
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs(), "finish_reason": finish}
         out = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
         if include_usage:
             out["usage"] = None
@@ -639,14 +804,55 @@ async def _events(h, rid: str, created: int, model_name: str, chat: bool, includ
     try:
         if chat:
             yield chunk(None, first=True)
+        elif job.echo_ids is not None:
+            if job.echo_logprobs is not None:
+                entries = job.echo_logprobs
+                choice = {
+                    "index": 0,
+                    "text": engine_text(h, job.echo_ids),
+                    "logprobs": lp.completion_logprobs(entries, job.grammars.token_bytes),
+                    "finish_reason": None,
+                }
+                yield {
+                    "data": json.dumps(
+                        {
+                            "id": rid,
+                            "object": kind,
+                            "created": created,
+                            "model": model_name,
+                            "choices": [choice],
+                        }
+                    )
+                }
+            else:
+                yield chunk(engine_text(h, job.echo_ids))
+        text, held = "", 0  # with tools: the reply so far, and how much of it went out as content
         try:
             async for piece in h:
-                yield chunk(piece)
+                if not job.tools:
+                    yield chunk(piece)
+                    continue
+                text += piece
+                cut = fc.could_begin_call(text)
+                upto = len(text) if cut < 0 else cut
+                if upto > held:
+                    yield chunk(text[held:upto])
+                    held = upto
         except Exception as e:  # the engine failed or shut down before this request ran
             err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
             yield {"data": json.dumps(err)}
             return
-        yield chunk(None, finish=h.finish_reason)
+        finish = h.finish_reason
+        if job.tools:
+            content, calls = fc.parse_calls(text)
+            if calls:
+                for i, c in enumerate(calls):
+                    delta = {"tool_calls": [{"index": i, **c}]}
+                    yield chunk(None, delta=delta)
+                finish = "tool_calls"
+            elif len(text) > held:
+                yield chunk(text[held:])
+        yield chunk(None, finish=finish)
         if include_usage:
             last = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": []}
             last["usage"] = _usage(h)
@@ -654,6 +860,10 @@ async def _events(h, rid: str, created: int, model_name: str, chat: bool, includ
         yield {"data": "[DONE]"}
     finally:
         h.cancel()  # a no-op once finished; frees the slot when the client went away
+
+
+def engine_text(h, ids) -> str:
+    return h.engine.tokenizer.decode(ids)
 
 
 def prometheus(engine: Engine) -> str:

@@ -56,6 +56,7 @@ import numpy as np
 from edgeattn.runtimes.sampling import check_sampling, check_seed, logit_bias_arrays
 from edgeattn.runtimes.streams import _is_kv, open_streams
 from edgeattn.serve.cache import DEFAULT_DISK_MB, PrefixCache
+from edgeattn.serve.logprobs import Recorder, prompt_logprobs
 
 MiB = 2**20
 DEFAULT_PREFILL_TOKENS = 256  # the bound of one prefill piece between two steps (rounded to the chunk)
@@ -85,6 +86,8 @@ class Request:
     logit_bias: dict | tuple | None = None  # OpenAI's {token id: bias in [-100, 100]}
     cache_salt: str | None = None  # only requests with the same salt share cached states (as vLLM's)
     boundaries: list[int] = field(default_factory=list)  # prompt tokens where a chat message begins
+    constraint: object = None  # a grammar's Constraint (edgeattn.serve.grammar): masks every token
+    logprobs: int | None = None  # record each token's logprob and this many top ones (None: off)
 
 
 _DONE = object()
@@ -114,6 +117,8 @@ class Handle:
         self._decoder = engine.tokenizer.decoder()
         self._pending = ""  # decoded text not yet handed out (it may begin a stop string)
         self._seen = 0  # tokens of the stream already decoded
+        self.recorder = None if request.logprobs is None else Recorder(request.logprobs)
+        self.processors = [p for p in (request.constraint, self.recorder) if p is not None]
 
     @property
     def usage(self) -> dict:
@@ -301,6 +306,11 @@ class Engine:
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise ValueError("stop must be a non-empty string or a list of them")
 
+    async def prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """Each prompt token's logprob entry (``edgeattn.serve.logprobs.prompt_logprobs``), computed in the
+        worker thread between two iterations of the loop."""
+        return await self._call(prompt_logprobs, self.streams._single, list(ids), top)
+
     # ---- the loop ----
 
     async def _call(self, fn, *args):
@@ -425,6 +435,7 @@ class Engine:
                     stop_ids=[],  # the engine ends a stream at an end-of-sequence token itself (after consuming it)
                     max_new_tokens=h.max_new,
                     logit_bias=r.logit_bias,
+                    processors=h.processors,
                 )
             except Exception as e:  # its sampling parameters: the others go on
                 failed.append((h, e))
@@ -445,9 +456,18 @@ class Engine:
             gen = self.streams.generated(sid)
             new = gen[h._seen :]
             h._seen = len(gen)
+            c = h.request.constraint
+            if c is not None and c.failed is not None:  # the token sampled where the grammar broke is dropped
+                h.error = RuntimeError(f"the output grammar failed: {c.failed}")
+                new = []
             if new:
                 out[sid] = new
-            if h.error is not None or self.streams.done(sid) or (new and new[-1] in h.eos):
+            if (
+                h.error is not None
+                or self.streams.done(sid)
+                or (new and new[-1] in h.eos)
+                or (c is not None and c.stopped)
+            ):
                 finished.append(sid)
         self.metrics["steps"] += 1
         self.metrics["step_rows"] += len(self._live)
@@ -526,7 +546,7 @@ class Engine:
     def _end(self, h: Handle, reason: str = "length", error: BaseException | None = None) -> None:
         if h.finish_reason is None:
             h.finish_reason = reason
-        h.error = error
+        h.error = error or h.error
         self.metrics["completion_tokens"] += h.completion_tokens
         self.metrics["cached_tokens"] += h.cached_tokens
         h._queue.put_nowait(_DONE)

@@ -5,7 +5,7 @@ chat prompt built by the model's template, the reply equal to transformers' own 
 
 import pytest
 
-from tests.serve_helpers import start_server
+from tests.serve_helpers import health_times_while, start_server
 
 pytest.importorskip("transformers")
 
@@ -79,9 +79,6 @@ def test_chat_templates_render_off_the_event_loop(qwen):
     # issue 31.8: 12 concurrent chats rendered and tokenized on the event loop stalled /health for seconds;
     # here each conversation is refused (longer than the 256-token buffer) only after both
     import statistics
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
@@ -93,28 +90,12 @@ def test_chat_templates_render_off_the_event_loop(qwen):
             for i in range(150)
         ]
         body = {"model": "art", "messages": messages, "max_tokens": 4}
-        stop = threading.Event()
 
-        def flood():
-            while not stop.is_set():
-                r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
-                assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+        def send():
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
 
-        took = []
-        with ThreadPoolExecutor(12) as pool:
-            futures = [pool.submit(flood) for _ in range(12)]
-            time.sleep(1)
-            try:
-                with httpx.Client(timeout=5) as h:
-                    for _ in range(30):
-                        t0 = time.perf_counter()
-                        assert h.get(s.url + "/health").status_code == 200
-                        took.append(time.perf_counter() - t0)
-                        time.sleep(0.02)
-            finally:
-                stop.set()
-            for f in futures:
-                f.result(60)
+        took = health_times_while(s.url, send, workers=12, probes=30, warmup=1)
         # the median: the 2 shared cores' other load adds its own outliers
         assert statistics.median(took) < 0.1, [round(t * 1000) for t in sorted(took)]
     finally:

@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpp_vs_python import build  # noqa: E402  (the same CMake build)
 
+from edgeattn.bench.machine import with_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -116,14 +118,16 @@ def main() -> None:
         )
     print(
         json.dumps(
-            {
-                "model": {k: model[k] for k in ("d_model", "n_layers", "n_heads")},
-                "threads": args.threads,
-                "tokens": args.tokens,
-                "repeats": args.repeats,
-                "state_bytes_per_stream": state_bytes,
-                "rows": rows,
-            }
+            with_cpu(
+                {
+                    "model": {k: model[k] for k in ("d_model", "n_layers", "n_heads")},
+                    "threads": args.threads,
+                    "tokens": args.tokens,
+                    "repeats": args.repeats,
+                    "state_bytes_per_stream": state_bytes,
+                    "rows": rows,
+                }
+            )
         )
     )
 

@@ -44,6 +44,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a"
 MODELS = {  # name -> (EdgeConfig kwargs, decode tokens per timed run)
@@ -259,7 +261,9 @@ def main() -> None:
         met = results["small"]["speedup"] >= TARGET_SPEEDUP
         print(f"target: C++ >= {TARGET_SPEEDUP}x faster on the small model: {'met' if met else 'NOT met'}")
     print(
-        json.dumps({"threads": args.threads, "repeats": args.repeats, "models": results, "target_met": met})
+        json.dumps(
+            with_cpu({"threads": args.threads, "repeats": args.repeats, "models": results, "target_met": met})
+        )
     )
 
 

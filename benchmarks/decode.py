@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 FAMILIES = ("gla", "retnet", "linear", "aft", "flash", "swa", "softmax")
 LINEAR = ("gla", "retnet", "linear", "aft", "flash", "swa")  # fixed-size state
 SHORT, LONG = 128, 16384
@@ -137,12 +139,14 @@ def main() -> None:
         print(f"\nno figures: {n}")
     print(
         json.dumps(
-            {
-                "rows": rows,
-                "verdicts": verdicts,
-                "missing": [m["mixer"] for m in doc["missing"]] + [n.split(":")[0] for n in notes],
-                "results": str(path),
-            }
+            with_cpu(
+                {
+                    "rows": rows,
+                    "verdicts": verdicts,
+                    "missing": [m["mixer"] for m in doc["missing"]] + [n.split(":")[0] for n in notes],
+                    "results": str(path),
+                }
+            )
         )
     )
 

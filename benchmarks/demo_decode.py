@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 WARMUP = 128  # untimed steps before the timed run (at most the largest mark)
 WINDOW = 32  # timed steps ending at each mark
 
@@ -142,7 +144,7 @@ def main() -> None:
         }
         for key, r in results.items()
     }
-    print(json.dumps(summary))
+    print(json.dumps(with_cpu(summary)))
 
 
 if __name__ == "__main__":

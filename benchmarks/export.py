@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.machine import with_cpu
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -214,7 +216,7 @@ def main() -> None:
         "bpb": bpb,
         "int8_bpb_increase": (bpb["int8"] / bpb["fp32"] - 1) if bpb else None,
     }
-    print(json.dumps(result))
+    print(json.dumps(with_cpu(result)))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Stage functions wrapped in the child (module, attribute path); absent ones are skipped, so the script
@@ -189,16 +191,18 @@ def main() -> None:
     )
     print(
         json.dumps(
-            {
-                "precision": a.precision,
-                "shape": label,
-                "peak_rss_mib": round(peak, 1),
-                "ru_maxrss_mib": round(maxrss / 1024, 1),
-                "weights_fp32_mib": round(weights_mib, 1),
-                "wall_s": round(wall, 1),
-                "loadavg": os.getloadavg()[0],
-                "stages": stages,
-            }
+            with_cpu(
+                {
+                    "precision": a.precision,
+                    "shape": label,
+                    "peak_rss_mib": round(peak, 1),
+                    "ru_maxrss_mib": round(maxrss / 1024, 1),
+                    "weights_fp32_mib": round(weights_mib, 1),
+                    "wall_s": round(wall, 1),
+                    "loadavg": os.getloadavg()[0],
+                    "stages": stages,
+                }
+            )
         )
     )
 

@@ -21,6 +21,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 SIZE = dict(d_model=256, n_layers=4, n_heads=4)
@@ -87,7 +89,9 @@ def main() -> None:
         print(f"| {op} | " + " | ".join(str(v) for v in row) + " |")
     print(
         json.dumps(
-            {"benchmark": "graph_ops", "size": SIZE, "counts": {k: dict(v) for k, v in counts.items()}}
+            with_cpu(
+                {"benchmark": "graph_ops", "size": SIZE, "counts": {k: dict(v) for k, v in counts.items()}}
+            )
         )
     )
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.machine import with_cpu
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {
@@ -146,7 +148,7 @@ def main() -> None:
         "margin_p10": float(np.percentile(margins, 10)),
         "rows": [{k: v for k, v in r.items() if k != "flipped_margin_err"} for r in rows],
     }
-    print(json.dumps(summary))
+    print(json.dumps(with_cpu(summary)))
 
 
 if __name__ == "__main__":

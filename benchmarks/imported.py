@@ -34,9 +34,11 @@ head/embedding), run by llama-cpp-python's low-level bindings (``peers.LlamaRunn
 last-token logits) in the interpreter ``--llama-python`` of a separate environment, where llama-cpp-python
 was built from the PyPI source package with AMX off (its AMX kernels crash on this CPU)::
 
-    python -m venv /tmp/llama && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
-        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
-        /tmp/llama/bin/pip install llama-cpp-python==0.3.36 psutil
+    python -m venv /tmp/llama && CMAKE_ARGS="$(python -c 'from edgeattn.bench.machine import \
+        ggml_cmake_args; print(ggml_cmake_args())')" /tmp/llama/bin/pip install llama-cpp-python==0.3.36 psutil
+
+(``ggml_cmake_args``: each x86 instruction set on only where this CPU has it, AMX off; a build for
+AVX-512 dies with "Illegal instruction" on an AVX2-only CPU.)
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist: --llama-src its vendor/llama.cpp
 
 Tokenizer: the model carries the 256-token byte-level tokenizer above, whose pre-tokenizer hash the
@@ -92,6 +94,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (the workers, the run loop and the table of benchmarks/peers.py)
+
+from edgeattn.bench.machine import with_cpu
 
 ROPE = peers.qwen35_rope(256, theta=10_000_000)  # [11, 11, 10], as published
 FULL = dict(
@@ -363,7 +367,9 @@ def run_paired(
             key = f"{names[1]}@{th}"
             with open(log, "a") as f:
                 f.write(
-                    json.dumps({"key": key, "models": names, "threads": th, "opts": opts, "result": res})
+                    json.dumps(
+                        with_cpu({"key": key, "models": names, "threads": th, "opts": opts, "result": res})
+                    )
                     + "\n"
                 )
             status = res.get("error") or " ".join(
@@ -632,28 +638,30 @@ def main() -> None:
     params = next((m["params"] for m in models.values() if m.get("params")), 0)
     print(
         json.dumps(
-            {
-                "shape": shape,
-                "params": params,
-                "contexts": contexts,
-                "threads": threads,
-                "precisions": precisions,
-                "repeats": repeats,
-                "steps": steps,
-                "prefill": prefill,
-                **(
-                    {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
-                    if args.paired
-                    else {}
-                ),
-                "errors": {k: v["error"] for k, v in models.items() if "error" in v},
-                "disk": disk,
-                "results": {
-                    k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
-                    for k, v in results.items()
-                },
-                "ratios": ratios,
-            }
+            with_cpu(
+                {
+                    "shape": shape,
+                    "params": params,
+                    "contexts": contexts,
+                    "threads": threads,
+                    "precisions": precisions,
+                    "repeats": repeats,
+                    "steps": steps,
+                    "prefill": prefill,
+                    **(
+                        {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
+                        if args.paired
+                        else {}
+                    ),
+                    "errors": {k: v["error"] for k, v in models.items() if "error" in v},
+                    "disk": disk,
+                    "results": {
+                        k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
+                        for k, v in results.items()
+                    },
+                    "ratios": ratios,
+                }
+            )
         )
     )
 

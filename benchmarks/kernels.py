@@ -52,9 +52,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
+
+from edgeattn.bench.machine import with_cpu
 
 CHUNK = 64
 # Datasheet dense bf16 tensor TFLOP/s and memory GB/s, matched on torch.cuda.get_device_name().
@@ -88,6 +91,23 @@ def flops_sdpa(B, T, H, K, V) -> float:
     return 3.5 * fwd
 
 
+def flops_delta(B, T, H, HV, K, V) -> float:
+    """Forward + backward FLOPs of the chunkwise delta rule (C = 64), per value head: the WY/UT transform
+    (beta K K^T, then w = A beta K and u = A beta V: 2 C (2 K + V) per token), the state pass (v - w S,
+    S += K^T v, q S: 6 K V) and the intra-chunk part (q K^T and its product with v: 2 C (K + V)); the
+    triangular solve (C^2 / 3 per token) is left out. fwd = B HV T (6 C K + 4 C V + 6 K V), bwd = 2 fwd."""
+    return 3.0 * B * HV * T * (6 * CHUNK * K + 4 * CHUNK * V + 6 * K * V)
+
+
+def bytes_delta(B, T, H, HV, K, V, gate: str, elt: int = 2) -> float:
+    """Compulsory traffic of the delta rule's forward + backward: q, k [H heads], v, beta and the gate
+    [HV heads] read and o written forward; all of them and do read, their gradients written backward."""
+    g = {"key": B * T * HV * K, "head": B * T * HV, "none": 0}[gate] * 4  # float32 gates
+    ins = B * T * (2 * H * K + HV * V + HV) * elt + g  # q, k, v, beta, g
+    o = B * T * HV * V * elt
+    return 3 * ins + 2 * o  # fwd: ins, o; bwd: ins and do in, their gradients out
+
+
 def bytes_moved(B, T, H, K, V, gate: str, elt: int = 2) -> float:
     g = {"key": B * T * H * K, "head": B * T * H, "none": 0}[gate] * 4  # float32 gates
     qkv = B * T * H * (2 * K + V) * elt
@@ -95,11 +115,11 @@ def bytes_moved(B, T, H, K, V, gate: str, elt: int = 2) -> float:
     return 2 * (qkv + g) + 2 * o + qkv + g  # fwd: qkv, g, o; bwd: qkv, g, do in and dq, dk, dv, dg out
 
 
-def make_inputs(B, T, H, K, V, gate: str, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(B, T, H, K, V, gate: str, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
     q, k, v = rnd(B, T, H, K), rnd(B, T, H, K) * K**-0.5, rnd(B, T, H, V)
     shape = {"key": (B, T, H, K), "head": (B, T, H)}[gate]
@@ -197,16 +217,22 @@ def other_ops(B: int, D: int, S: int, E: int, C: int):
 
 
 def time_fwd_bwd_any(fn, inputs) -> float:
-    """Forward + backward of fn over ``inputs`` (every floating tensor a leaf)."""
-    from triton.testing import do_bench
-
+    """Forward + backward of fn over ``inputs`` (every floating tensor a leaf), ms: the median of CUDA-event
+    timings on CUDA; off CUDA (benchmarks/gpu_check.py --tiny, Triton's interpreter) one wall-clock run,
+    which says only that it runs."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     do = torch.randn_like(fn(*leaves))
 
     def step():
         fn(*leaves).backward(do)
 
-    return do_bench(step, warmup=5, rep=50, grad_to_none=leaves, return_mode="median")
+    if leaves[0].is_cuda:
+        from triton.testing import do_bench
+
+        return do_bench(step, warmup=5, rep=50, grad_to_none=leaves, return_mode="median")
+    t0 = time.perf_counter()
+    step()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def other_rows(args, lengths) -> tuple[list[dict], dict[str, float]]:
@@ -276,11 +302,11 @@ def delta_impls(gate: str):
     return impls
 
 
-def delta_inputs(B, T, H, HV, K, V, gate: str, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def delta_inputs(B, T, H, HV, K, V, gate: str, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
+        return torch.randn(*shape, generator=gen, device=device)
 
     q = rnd(B, T, H, K).to(torch.bfloat16)
     k = F.normalize(rnd(B, T, H, K), dim=-1).to(torch.bfloat16)
@@ -351,13 +377,13 @@ def main() -> int:
         print(
             "benchmarks/kernels.py: no CUDA device here; the Triton training kernels are timed on a GPU only."
         )
-        print(json.dumps({"skipped": "no CUDA device"}))
+        print(json.dumps(with_cpu({"skipped": "no CUDA device"})))
         return 0
     try:
         import triton  # noqa: F401
     except ImportError:
         print("benchmarks/kernels.py: triton is not installed (pip install 'edgeattn[train]').")
-        print(json.dumps({"skipped": "triton not installed"}))
+        print(json.dumps(with_cpu({"skipped": "triton not installed"})))
         return 0
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -456,7 +482,7 @@ def main() -> int:
         },
         "notes": notes,
     }
-    print(json.dumps(result))
+    print(json.dumps(with_cpu(result)))
     return 0
 
 

@@ -43,6 +43,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ort_ops import _session  # noqa: E402  (a one-graph CPU session, the custom-op library registered)
 
+from edgeattn.bench.machine import with_cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).with_suffix(".cc")
 # (B, S, H, Hkv, D, L, R, past per row)
@@ -359,15 +361,17 @@ def main() -> None:
             print(f"| {c} | " + " | ".join(cells) + " |")
     print(
         json.dumps(
-            {
-                "benchmark": "kv_int8_kernel",
-                "layers": args.layers,
-                "threads": args.threads,
-                "checks": checks,
-                "ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in results.items()},
-                "read_floor_ms": {str(c): v[0] for c, v in floors.items()},
-                "decode_ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in decoded.items()},
-            }
+            with_cpu(
+                {
+                    "benchmark": "kv_int8_kernel",
+                    "layers": args.layers,
+                    "threads": args.threads,
+                    "checks": checks,
+                    "ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in results.items()},
+                    "read_floor_ms": {str(c): v[0] for c, v in floors.items()},
+                    "decode_ms": {str(c): {k: v[0] for k, v in r.items()} for c, r in decoded.items()},
+                }
+            )
         )
     )
 

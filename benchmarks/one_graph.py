@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 SIZES = {
     "small": dict(d_model=256, n_layers=4, n_heads=4),
     "full": dict(d_model=768, n_layers=12, n_heads=12),
@@ -114,7 +116,11 @@ def main() -> None:
     for k, v in res["prefill_tps"].items():
         print(f"| {k} | {v:,.0f} |")
     print(
-        json.dumps({"benchmark": "one_graph", "size": args.size, "threads": th, "rounds": args.rounds, **res})
+        json.dumps(
+            with_cpu(
+                {"benchmark": "one_graph", "size": args.size, "threads": th, "rounds": args.rounds, **res}
+            )
+        )
     )
     if tmp is not None:
         tmp.cleanup()

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from edgeattn.bench.machine import with_cpu
+
 B, H, K = 1, 4, 64
 D = H * K
 NAIVE_MAX_T = 2048  # per-token loops beyond this take minutes; they are reported as skipped
@@ -166,7 +168,7 @@ def main() -> None:
         if (fam, lo, "chunk") in med and (fam, hi, "chunk") in med:
             result[f"{fam}_growth_{lo}_to_{hi}"] = med[(fam, hi, "chunk")] / med[(fam, lo, "chunk")]
     result["length_ratio"] = hi / lo
-    print(json.dumps(result))
+    print(json.dumps(with_cpu(result)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from edgeattn.bench.machine import with_cpu
+
 
 def _session(nodes, inputs, outputs, inits, threads: int, library=None):
     """A CPU session of a graph of ``nodes``; ``library``: a custom-op library (domain ``edgeattn``) to register."""
@@ -428,7 +430,9 @@ def main() -> None:
             )
     print(
         json.dumps(
-            {"benchmark": "ort_ops", "threads": args.threads, "rounds": args.rounds, "results": results}
+            with_cpu(
+                {"benchmark": "ort_ops", "threads": args.threads, "rounds": args.rounds, "results": results}
+            )
         )
     )
 

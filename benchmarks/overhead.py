@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 SIZES = {
     "small": dict(d_model=256, n_layers=4, n_heads=4),
     "full": dict(d_model=768, n_layers=12, n_heads=12),
@@ -124,7 +126,9 @@ def main() -> None:
         )
     print(
         json.dumps(
-            {"benchmark": "overhead", "tokens": args.tokens, "rounds": args.rounds, "results": results}
+            with_cpu(
+                {"benchmark": "overhead", "tokens": args.tokens, "rounds": args.rounds, "results": results}
+            )
         )
     )
 

@@ -687,13 +687,16 @@ def run_worker(cfg: dict, timeout: float | None) -> dict:
 def run_interleaved(configs: list[dict], repeats: int, timeout: float, log: Path, runs: dict) -> dict:
     """Every configuration once per repeat, the order rotated by the repeat; each result appended to
     ``log`` (JSON lines) as it comes, so a cut-short run can still be reported; ``runs[key]`` collects them."""
+    # imported here: the workers may run in an interpreter without edgeattn
+    from edgeattn.bench.machine import with_cpu
+
     for r in range(repeats):
         for cfg in configs[r % len(configs) :] + configs[: r % len(configs)]:
             key = f"{cfg['model']}@{cfg['threads']}"
             res = run_worker(cfg, timeout)
             runs.setdefault(key, []).append(res)
             with open(log, "a") as f:
-                f.write(json.dumps({"key": key, "cfg": cfg, "result": res}) + "\n")
+                f.write(json.dumps(with_cpu({"key": key, "cfg": cfg, "result": res})) + "\n")
             status = res.get("error") or " ".join(
                 f"@{c} {v['ms']:.2f} ms" for c, v in res["contexts"].items()
             )
@@ -906,27 +909,31 @@ def main() -> None:
     import onnxruntime
     import onnxruntime_genai
 
+    from edgeattn.bench.machine import with_cpu
+
     print(
         json.dumps(
-            {
-                "size": size,
-                "contexts": contexts,
-                "threads": threads,
-                "repeats": repeats,
-                "steps": steps,
-                "params": {k: v.get("params") for k, v in built.items()},
-                "errors": {k: v["error"] for k, v in built.items() if "error" in v},
-                "results": {
-                    k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
-                    for k, v in results.items()
-                },
-                "ratios": ratios,
-                "skipped": skipped,
-                "versions": {
-                    "onnxruntime": onnxruntime.__version__,
-                    "onnxruntime_genai": onnxruntime_genai.__version__,
-                },
-            }
+            with_cpu(
+                {
+                    "size": size,
+                    "contexts": contexts,
+                    "threads": threads,
+                    "repeats": repeats,
+                    "steps": steps,
+                    "params": {k: v.get("params") for k, v in built.items()},
+                    "errors": {k: v["error"] for k, v in built.items() if "error" in v},
+                    "results": {
+                        k: {**v, "contexts": {str(c): x for c, x in v.get("contexts", {}).items()}}
+                        for k, v in results.items()
+                    },
+                    "ratios": ratios,
+                    "skipped": skipped,
+                    "versions": {
+                        "onnxruntime": onnxruntime.__version__,
+                        "onnxruntime_genai": onnxruntime_genai.__version__,
+                    },
+                }
+            )
         )
     )
 

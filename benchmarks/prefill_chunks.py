@@ -27,6 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import _cpu_ticks, disturbance  # noqa: E402
 
+from edgeattn.bench.machine import with_cpu
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,13 +99,15 @@ def main() -> None:
         )
     print(
         json.dumps(
-            {
-                "benchmark": "prefill_chunks",
-                "tokens": args.tokens,
-                "threads": args.threads,
-                "rounds": args.rounds,
-                "results": rows,
-            }
+            with_cpu(
+                {
+                    "benchmark": "prefill_chunks",
+                    "tokens": args.tokens,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                    "results": rows,
+                }
+            )
         )
     )
 

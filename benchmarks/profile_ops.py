@@ -32,6 +32,8 @@ import re
 import tempfile
 import time
 
+from edgeattn.bench.machine import with_cpu
+
 LAYER = re.compile(r"(?:blocks|layers)\.(\d+)[./]")
 
 
@@ -196,13 +198,15 @@ def main() -> None:
                 print(f"| {x['kind']} | {x['op']} | {x['ms']:.3f} | {100 * x['ms'] / r['kernel_ms']:.1f}% |")
     print(
         json.dumps(
-            {
-                "benchmark": "profile_ops",
-                "threads": args.threads,
-                "context": args.context,
-                "tokens": args.tokens,
-                "results": results,
-            }
+            with_cpu(
+                {
+                    "benchmark": "profile_ops",
+                    "threads": args.threads,
+                    "context": args.context,
+                    "tokens": args.tokens,
+                    "results": results,
+                }
+            )
         )
     )
 

@@ -21,6 +21,8 @@ import argparse
 import json
 import time
 
+from edgeattn.bench.machine import with_cpu
+
 PROMPTS = ["def ", "import ", "class ", "    return ", "# "]
 # (temperature, top_k, repetition_penalty, repetition_window)
 SETTINGS = [
@@ -129,14 +131,16 @@ def main() -> None:
     )
     print(
         json.dumps(
-            {
-                "reference": ref,
-                "artifact": args.artifact,
-                "tokens": args.tokens,
-                "prompts": PROMPTS,
-                "seconds": round(time.perf_counter() - start, 1),
-                "results": results,
-            }
+            with_cpu(
+                {
+                    "reference": ref,
+                    "artifact": args.artifact,
+                    "tokens": args.tokens,
+                    "prompts": PROMPTS,
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "results": results,
+                }
+            )
         )
     )
 

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 MiB = 2**20
 
 
@@ -66,17 +68,19 @@ def worker(args) -> None:
     dt = time.perf_counter() - t0
     print(
         json.dumps(
-            {
-                "n": args.n,
-                "seconds": dt,
-                "steps": args.steps,
-                "tokens_per_s": args.n * args.steps / dt,
-                "ms_per_step": 1e3 * dt / args.steps,
-                "state_bytes_per_stream": streams.state_bytes_per_stream,
-                "rss_open": rss_open,
-                "rss_after": rss(),
-                "rss_growth_per_stream": (rss() - rss_open) / args.n,
-            }
+            with_cpu(
+                {
+                    "n": args.n,
+                    "seconds": dt,
+                    "steps": args.steps,
+                    "tokens_per_s": args.n * args.steps / dt,
+                    "ms_per_step": 1e3 * dt / args.steps,
+                    "state_bytes_per_stream": streams.state_bytes_per_stream,
+                    "rss_open": rss_open,
+                    "rss_after": rss(),
+                    "rss_growth_per_stream": (rss() - rss_open) / args.n,
+                }
+            )
         )
     )
 
@@ -180,17 +184,19 @@ def main(argv=None) -> int:
     print(f"\nRSS with the weights resident and no stream: {rows[0]['rss_open'] / MiB:.0f} MiB")
     print(
         json.dumps(
-            {
-                "benchmark": "streams",
-                "model": {
-                    "mixer": "gla",
-                    **{k: params[k] for k in ("d_model", "n_layers", "n_heads", "vocab_size")},
-                },
-                "threads": args.threads,
-                "steps": args.steps,
-                "repeats": args.repeats,
-                "rows": rows,
-            }
+            with_cpu(
+                {
+                    "benchmark": "streams",
+                    "model": {
+                        "mixer": "gla",
+                        **{k: params[k] for k in ("d_model", "n_layers", "n_heads", "vocab_size")},
+                    },
+                    "threads": args.threads,
+                    "steps": args.steps,
+                    "repeats": args.repeats,
+                    "rows": rows,
+                }
+            )
         )
     )
     return 0

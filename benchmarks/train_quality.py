@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 # On a machine shared with other jobs, OpenMP threads that spin while waiting for a descheduled peer make
 # every step many times slower (measured here: 2 spinning threads ran 10x slower than 1). Sleeping
 # waiters keep a busy machine usable; it must be set before torch loads OpenMP.
@@ -84,7 +86,7 @@ def main() -> None:
     for mixer in args.mixers:
         row = run_one(mixer, args)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
+        print(json.dumps(with_cpu({k: v for k, v in row.items() if k != "history"})), flush=True)
 
     print(f"\n{'mixer':<10}{'steps':>7}{'tok/s':>9}{'val bpb':>9}{'cpu s':>8}{'load':>6}  status")
     for r in rows:
@@ -98,7 +100,11 @@ def main() -> None:
     for r in rows:
         if r["status"] == "ok":
             print(f"\n--- {r['mixer']} sample ---\n{r['sample']}")
-    print(json.dumps({"benchmark": "train_quality", "time_budget_s": args.time_budget, "results": rows}))
+    print(
+        json.dumps(
+            with_cpu({"benchmark": "train_quality", "time_budget_s": args.time_budget, "results": rows})
+        )
+    )
 
 
 if __name__ == "__main__":

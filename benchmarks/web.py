@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.machine import with_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -206,7 +208,7 @@ def main() -> None:
             f"{b['wasm_mib']:.1f} MiB, JS heap {a['js_mib']:.2f} -> {b['js_mib']:.2f} MiB, renderer RSS "
             f"{a['rss_mib']:.0f} -> {b['rss_mib']:.0f} MiB"
         )
-    print(json.dumps({"benchmark": "web", "threads": threads, "rows": rows, "memory": memory}))
+    print(json.dumps(with_cpu({"benchmark": "web", "threads": threads, "rows": rows, "memory": memory})))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ _EXTRA = {
     "uvicorn": "serve",
     "sse_starlette": "serve",
     "starlette": "serve",
+    "llguidance": "serve",
     "ray": "ray",
 }
 

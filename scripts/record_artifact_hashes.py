@@ -44,7 +44,7 @@ def export_case(root: Path, name: str, mixer: str, options: dict) -> dict[str, s
     import hashlib
 
     from edgeattn.export.exporter import export_model
-    from tests.export_helpers import make_checkpoint
+    from tests.export_helpers import grid_weights, make_checkpoint
 
     out = root / name
     if mixer.startswith("hf:"):
@@ -54,14 +54,16 @@ def export_case(root: Path, name: str, mixer: str, options: dict) -> dict[str, s
         from tests.hf_helpers import qwen3_5_text, train_tokenizer
 
         src = root / f"{name}-hf"
-        qwen3_5_text(seed=0).save_pretrained(src)
+        model = qwen3_5_text(seed=0)
+        grid_weights(model, seed=0)
+        model.save_pretrained(src)
         train_tokenizer(src)
         args = ["export", str(src), "--out", str(out), "--prefill-chunk", "16"]
         args += [a for k, v in options.items() for a in (f"--{k}", v)]
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 0, r.output
     else:
-        ckpt = make_checkpoint(root / f"{name}-ckpt", mixer, seed=0)
+        ckpt = make_checkpoint(root / f"{name}-ckpt", mixer, seed=0, grid=True)
         export_model(ckpt, out, prefill_chunk=16, **options)
     return {
         p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()

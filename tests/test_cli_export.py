@@ -398,3 +398,76 @@ app(["check", {str(artifact)!r}])
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("error: ") and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "pip install 'edgeattn[train]'" in res.stderr
+
+
+@pytest.mark.parametrize("writer", ["graph", "weights"])
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(ckpt, tmp_path, monkeypatch, writer):
+    """ENOSPC from the packager half-way through a file (issue 31): one `error:` line naming --out, exit 2,
+    no artifact and no temporary left beside it."""
+    import errno
+
+    from edgeattn.export import package, weights
+
+    def full(f, data):
+        f.write(data[: len(data) // 2])  # part of it fits, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
+
+    if writer == "graph":
+
+        def write(self, name, data):
+            with open(self.root / name, "wb") as f:
+                full(f, data)
+
+        monkeypatch.setattr(package.Package, "write", write)
+    else:
+        monkeypatch.setattr(weights.WeightsWriter, "_write", lambda self, data: full(self.file, data))
+    out = tmp_path / "out" / "art"
+    (tmp_path / "out").mkdir()
+    res = invoke("export", ckpt, "--out", out, "--prefill-chunk", PREFILL)
+    assert_bad_input(res, f"--out {out}: no space left on device, nothing written")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_full_disk_is_recognised_in_a_chain_and_in_a_library_message():
+    import errno
+
+    from edgeattn.cli._common import disk_full
+
+    inner = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "x")
+    try:
+        try:
+            raise inner
+        except OSError as e:
+            raise RuntimeError("the writer failed") from e
+    except RuntimeError as outer:
+        assert disk_full(outer) is inner
+    torch_style = RuntimeError(
+        "[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file "
+        "data/0: file write failed, No space left on device"
+    )
+    assert disk_full(torch_style) is torch_style
+    from safetensors import SafetensorError
+
+    rust_style = SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
+    assert disk_full(rust_style) is rust_style
+    assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert disk_full(RuntimeError("shape mismatch")) is None
+
+
+def test_any_command_reports_a_full_disk_in_one_line(capsys):
+    import errno
+
+    from edgeattn.cli._common import cli_errors
+
+    @cli_errors
+    def command():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run.state")
+
+    with pytest.raises(typer.Exit) as info:
+        command()
+    assert info.value.exit_code == 2
+    assert capsys.readouterr().err == (
+        "error: no space left on device writing /data/run.state: free some space or write elsewhere\n"
+    )

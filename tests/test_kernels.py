@@ -170,6 +170,15 @@ def test_chunk_bfloat16(gate):
     check_kernel(chunk_gated_recurrence_kernel, 65, 16, 20, gate, dtype=torch.bfloat16)
 
 
+@pytest.mark.slow  # the interpreter is slow at these widths; benchmarks/gpu_check.py runs it compiled
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("gate", ["head_token", "key"])
+def test_chunk_bfloat16_at_training_widths(K, gate):
+    # Triton 3.4 to 3.7.0 on Hopper miscompiles dot(trans(x), y) where x is a dot's result at some tile
+    # widths (fla #640: 64 failed, 32 and 128 passed); the kernels have that pattern in the backward
+    check_kernel(chunk_gated_recurrence_kernel, 130, K, K, gate, dtype=torch.bfloat16, B=1)
+
+
 @pytest.mark.parametrize("gate", ["head_token", "key"])
 def test_chunk_gates_down_to_minus_1e4(gate):
     # float32 cumulative sums would lose the small gates after a -1e4 one; see kernels/utils.py

@@ -153,6 +153,13 @@ def test_flash_head_sizes(S, E):
     check_flash(1, 40, S, E, 16)
 
 
+@pytest.mark.slow  # the interpreter is slow at these widths; benchmarks/gpu_check.py runs it compiled
+@pytest.mark.parametrize("S, E", [(64, 64), (128, 128)])
+def test_flash_bfloat16_at_training_widths(S, E):
+    # see test_kernels.py::test_chunk_bfloat16_at_training_widths (Triton's Hopper miscompile, fla #640)
+    check_flash(1, 130, S, E, 64, dtype=torch.bfloat16)
+
+
 def test_flash_no_bias():
     check_flash(2, 40, 16, 20, 16, bias=False)
 

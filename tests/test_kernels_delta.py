@@ -158,6 +158,14 @@ def test_bfloat16(gate):
     check(1, T, 1, 2, 16, 16, gate, torch.bfloat16, chunk_size=chunk)
 
 
+@pytest.mark.slow  # the interpreter is slow at these widths; benchmarks/gpu_check.py runs it compiled
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("gate", GATES)
+def test_bfloat16_at_training_widths(K, gate):
+    # see test_kernels.py::test_chunk_bfloat16_at_training_widths (Triton's Hopper miscompile, fla #640)
+    check(1, 130, 1, 2, K, K, gate, torch.bfloat16)
+
+
 @pytest.mark.parametrize("gate", ["head", "key"])
 def test_gates_down_to_minus_1e4(gate):
     check(1, 40 if gate != "key" else 20, 1, 1, 16, 16, gate, strong=True, chunk_size=16)

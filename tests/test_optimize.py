@@ -87,7 +87,10 @@ def test_precisions_on_optimized_graphs(tmp_path, precision):
     those of the unoptimized graphs in the same precision."""
     ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
     ids = text_ids(PREFILL + 3)
-    ref, _ = run(export_model(ckpt, tmp_path / "fp32", prefill_chunk=PREFILL), ids, 2)
+    # 16 steps, not 2: fp16's largest error over 3 positions moved by 20% with where its rounding fell (the
+    # fp16 state's round trip through float16 removed, issue 31), more than the bound's margin
+    steps = 16
+    ref, _ = run(export_model(ckpt, tmp_path / "fp32", prefill_chunk=PREFILL), ids, steps)
     err = {}
     for opt in (False, True):
         with warnings.catch_warnings():
@@ -95,7 +98,7 @@ def test_precisions_on_optimized_graphs(tmp_path, precision):
             art = export_model(
                 ckpt, tmp_path / f"{opt}", precision=precision, prefill_chunk=PREFILL, optimize=opt
             )
-        logits, _ = run(art, ids, 2)
+        logits, _ = run(art, ids, steps)
         err[opt] = np.abs(logits - ref).max()
     c = ops(art / "step.onnx")
     assert c["SkipSimplifiedLayerNormalization"] == 4

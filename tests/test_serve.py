@@ -170,8 +170,8 @@ def test_bad_requests_get_openai_error_bodies(server, serve_gla):
         (dict(model=name, prompt=[1, 256]), 400),  # a token id outside the vocabulary
         (dict(model=name, prompt=["a", "b"]), 400),  # several prompts
         (dict(model="another-model", prompt="x"), 404),
-        (dict(model=name, prompt="x", echo=True), 400),  # changes the answer: refused, never ignored
-        (dict(model=name, prompt="x", logprobs=2), 400),
+        (dict(model=name, prompt="x", logprobs=21), 400),  # over the 20 top logprobs
+        (dict(model=name, prompt="x", best_of=2), 400),  # changes the answer: refused, never ignored
         (dict(model=name, prompt="x", frequency_penalty=0.5), 400),
     ]
     for kwargs, status in cases:
@@ -239,8 +239,17 @@ def test_queue_full_gives_429_with_retry_after_and_api_key_is_enforced(serve_gla
         assert s.stop() == 0
 
 
+def _model_dir(cache, artifact):
+    """Where the server keeps ``artifact``'s state files under ``--state-cache-dir cache``."""
+    from edgeattn.artifact.manifest import Manifest
+    from edgeattn.serve.cache import model_directory
+
+    return model_directory(cache, Manifest.load(artifact).fingerprint)
+
+
 def test_disk_cache_is_found_after_a_restart_and_a_flipped_file_never_used(serve_gla, tmp_path):
     cache = tmp_path / "cache"
+    files_dir = _model_dir(cache, serve_gla)
     first = [int(t) for t in text_prompt(80, 30).encode()]
     longer = first + list(b" then more")
     want = greedy_text(serve_gla, longer, N)
@@ -249,7 +258,7 @@ def test_disk_cache_is_found_after_a_restart_and_a_flipped_file_never_used(serve
         s.client().completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
     finally:
         assert s.stop() == 0
-    files = sorted(cache.glob("*.state"))
+    files = sorted(files_dir.glob("*.state"))
     assert [f.name.split("-")[0] for f in files] == [str(len(first) + N), str(len(first))]
 
     s = start_server(serve_gla, "--state-cache-dir", cache)
@@ -261,8 +270,8 @@ def test_disk_cache_is_found_after_a_restart_and_a_flipped_file_never_used(serve
     finally:
         s.stop()
 
-    assert len(list(cache.glob("*.state"))) == 4  # + the longer prompt and its reply
-    for f in cache.glob("*.state"):  # every entry damaged: nothing may be used
+    assert len(list(files_dir.glob("*.state"))) == 4  # + the longer prompt and its reply
+    for f in files_dir.glob("*.state"):  # every entry damaged: nothing may be used
         raw = bytearray(f.read_bytes())
         raw[-7] ^= 0x01
         f.write_bytes(bytes(raw))
@@ -291,21 +300,24 @@ def _disk_bytes(s) -> int:
 
 def test_state_cache_disk_mb_bounds_the_disk_cache(serve_gla, tmp_path):
     cache = tmp_path / "cache"
+    files_dir = _model_dir(cache, serve_gla)
     first = [int(t) for t in text_prompt(40, 70).encode()]
     s = start_server(serve_gla, "--state-cache-dir", cache)
     try:
         s.client().completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
-        assert _disk_bytes(s) == sum(f.stat().st_size for f in cache.iterdir())
+        assert _disk_bytes(s) == sum(f.stat().st_size for f in files_dir.iterdir())
     finally:
         assert s.stop() == 0
-    older, newer = sorted(cache.glob("*.state"), key=lambda f: -int(f.name.split("-")[0]))  # reply, prompt
+    older, newer = sorted(
+        files_dir.glob("*.state"), key=lambda f: -int(f.name.split("-")[0])
+    )  # reply, prompt
     os.utime(older, (1_000_000, 1_000_000))
-    size = max(f.stat().st_size for f in cache.iterdir())
+    size = max(f.stat().st_size for f in files_dir.iterdir())
     budget = 1.5 * size  # one file: the older goes at start
 
     s = start_server(serve_gla, "--state-cache-dir", cache, "--state-cache-disk-mb", budget / 2**20)
     try:
-        assert "1 entries found" in s.log() and list(cache.iterdir()) == [newer]
+        assert "1 entries found" in s.log() and list(files_dir.iterdir()) == [newer]
         c = s.client()
         again = first + list(b" again")
         r = c.completions.create(model=serve_gla.name, prompt=again, max_tokens=N, temperature=0)
@@ -315,23 +327,23 @@ def test_state_cache_disk_mb_bounds_the_disk_cache(serve_gla, tmp_path):
             prompt = text_prompt(30 + i, 80 + i)
             r = c.completions.create(model=serve_gla.name, prompt=prompt, max_tokens=N, temperature=0)
             assert r.choices[0].text == greedy_text(serve_gla, prompt, N)
-            held = sum(f.stat().st_size for f in cache.iterdir())
+            held = sum(f.stat().st_size for f in files_dir.iterdir())
             assert held <= budget and _disk_bytes(s) == held
-        assert len(list(cache.iterdir())) == 1
+        assert len(list(files_dir.iterdir())) == 1
     finally:
         assert s.stop() == 0
 
     # a budget smaller than one entry: the files found are removed, none is written, the server works
     s = start_server(serve_gla, "--state-cache-dir", cache, "--state-cache-disk-mb", size / 2 / 2**20)
     try:
-        assert "0 entries found" in s.log() and list(cache.iterdir()) == []
+        assert "0 entries found" in s.log() and list(files_dir.iterdir()) == []
         c = s.client()
         r = c.completions.create(model=serve_gla.name, prompt=first, max_tokens=N, temperature=0)
         longer = first + greedy_ids(serve_gla, first, N) + list(b"!")
         r = c.completions.create(model=serve_gla.name, prompt=longer, max_tokens=N, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens == len(longer) - 1  # from memory
         assert r.choices[0].text == greedy_text(serve_gla, longer, N)
-        assert list(cache.iterdir()) == [] and _disk_bytes(s) == 0
+        assert list(files_dir.iterdir()) == [] and _disk_bytes(s) == 0
         too_big = [line for line in s.log().splitlines() if "larger than the disk budget" in line]
         assert len(too_big) == 1, s.log()
     finally:
@@ -411,3 +423,50 @@ def test_503_while_shutting_down(serve_gla):
     r, h = asyncio.run(body())
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert h.status_code == 503
+
+
+def test_a_second_user_with_the_same_system_prompt_resumes_from_it(server, serve_gla):
+    # issue 31.7: the states where the first message after the system prompt and where the last message
+    # begin (rounded down to the prefill chunk) are cached; the text stays the one without a cache
+    c = server.client()
+    system = {"role": "system", "content": text_prompt(70, 40)}
+    chunk = 16  # SERVE_PREFILL
+    head = len(f"system: {system['content']}\nuser: ") // chunk * chunk
+    users = [[system, {"role": "user", "content": text_prompt(12 + i, 41 + i)}] for i in range(2)]
+    got = []
+    for messages in users:
+        r = c.chat.completions.create(model=serve_gla.name, messages=messages, max_tokens=N, temperature=0)
+        got.append(r)
+    assert got[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert got[1].usage.prompt_tokens_details.cached_tokens == head
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in users[1]) + "assistant: "
+    assert got[1].choices[0].message.content == greedy_text(serve_gla, text, N)
+    # the last message edited: the conversation resumes from where it begins
+    turn = users[0] + [{"role": "assistant", "content": "ok then"}, {"role": "user", "content": "first"}]
+    c.chat.completions.create(model=serve_gla.name, messages=turn, max_tokens=4, temperature=0)
+    edited = turn[:-1] + [{"role": "user", "content": "second"}]
+    r = c.chat.completions.create(model=serve_gla.name, messages=edited, max_tokens=N, temperature=0)
+    before = "".join(f"{m['role']}: {m['content']}\n" for m in turn[:-1])
+    assert r.usage.prompt_tokens_details.cached_tokens == len(before + "user: ") // chunk * chunk
+    text = before + "user: second\nassistant: "
+    assert r.choices[0].message.content == greedy_text(serve_gla, text, N)
+
+
+def test_cache_salt_keeps_the_cached_states_of_clients_apart(server, serve_gla):
+    # issue 31.13: a request resumes only from states cached under its own cache_salt (as vLLM's)
+    c = server.client()
+    first = [int(t) for t in text_prompt(50, 60).encode()]
+    longer = first + list(b" and more")
+
+    def cached(prompt, salt=None) -> int:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        r = c.completions.create(model=serve_gla.name, prompt=prompt, max_tokens=4, temperature=0, **extra)
+        assert r.choices[0].text == greedy_text(serve_gla, prompt, 4)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(first, "alice") == 0
+    assert cached(longer, "bob") == 0 and cached(longer) == 0
+    assert cached(longer, "alice") == len(first)
+    with pytest.raises(openai.BadRequestError) as e:
+        cached(first, "")
+    assert _error(e.value)["param"] == "cache_salt"

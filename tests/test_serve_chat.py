@@ -5,7 +5,7 @@ chat prompt built by the model's template, the reply equal to transformers' own 
 
 import pytest
 
-from tests.serve_helpers import start_server
+from tests.serve_helpers import health_times_while, start_server
 
 pytest.importorskip("transformers")
 
@@ -71,5 +71,57 @@ def test_imported_hybrid_chat_equals_transformers_generate(qwen):
         cut = want2[: want2.index(eos)] if eos in want2 else want2
         assert r2.choices[0].message.content == tok.decode(cut)
         assert r2.choices[0].finish_reason == ("stop" if eos in want2 else "length")
+    finally:
+        assert s.stop() == 0
+
+
+def test_chat_templates_render_off_the_event_loop(qwen):
+    # issue 31.8: 12 concurrent chats rendered and tokenized on the event loop stalled /health for seconds;
+    # here each conversation is refused (longer than the 256-token buffer) only after both
+    import statistics
+
+    import httpx
+
+    _, _, art, _ = qwen
+    s = start_server(art)
+    try:
+        messages = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "lorem ipsum " * 40}
+            for i in range(150)
+        ]
+        body = {"model": "art", "messages": messages, "max_tokens": 4}
+
+        def send():
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+
+        took = health_times_while(s.url, send, workers=12, probes=30, warmup=1)
+        # the median: the 2 shared cores' other load adds its own outliers
+        assert statistics.median(took) < 0.1, [round(t * 1000) for t in sorted(took)]
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_second_user_with_the_same_system_prompt_resumes_with_transformers_text(qwen):
+    # issue 31.7 on the model's own chat template and BPE tokenizer: the second user's prompt resumes from
+    # the state cached where the first user's message began, and the reply is still transformers' greedy one
+    from tests.hf_helpers import hf_greedy
+
+    model, tok, art, eos = qwen
+    system = {"role": "system", "content": "You answer in Python. " * 6}
+    users = [[system, {"role": "user", "content": q}] for q in (QUESTION, "class Point:\n    ")]
+    ids = []
+    for messages in users:
+        got = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids.append(list(got["input_ids"] if hasattr(got, "keys") else got))
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    s = start_server(art)
+    try:
+        c = s.client()
+        c.chat.completions.create(model="art", messages=users[0], max_tokens=4, temperature=0)
+        r = c.chat.completions.create(model="art", messages=users[1], max_tokens=8, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == shared // 16 * 16 > 0  # the prefill chunk: 16
+        want = hf_greedy(model, ids[1], 8)
+        assert r.choices[0].message.content == tok.decode(want[: want.index(eos)] if eos in want else want)
     finally:
         assert s.stop() == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgeattn.runtimes import open_session
-from edgeattn.serve.cache import PrefixCache
+from edgeattn.serve.cache import PrefixCache, model_directory
 from edgeattn.serve.engine import Engine, QueueFull, Request, ShuttingDown
 from tests.serve_helpers import SERVE_PREFILL, export_tiny, greedy_ids, greedy_text, text_prompt
 
@@ -64,11 +64,9 @@ def test_cached_prefix_resumes_and_the_text_stays_exact(serve_gla):
         t2 = await h2.text()
         h3 = engine.submit(Request(second, max_tokens=20, temperature=0))  # the same prompt again
         t3 = await h3.text()
-        # the conversation holds two states in memory: its last prompt's and its last reply's, whose text
-        # (invalid UTF-8 from random weights) cannot come back as its tokens (the first turn's were
-        # superseded by the second prompt, which extends them)
+        # every prompt's state and every reply's: the first prompt, its reply, the second prompt, its reply
         entry = engine.state_bytes + 4 * engine.manifest.vocab_size
-        assert engine.cache.bytes == 2 * entry
+        assert engine.cache.bytes == 4 * entry
         return t1, h1, t2, h2, t3, h3
 
     t1, h1, t2, h2, t3, h3 = _run(_with_engine(serve_gla, body, slots=2))
@@ -226,7 +224,7 @@ def test_prefix_cache_lru_and_disk(serve_gla, tmp_path, caplog):
     disk = PrefixCache(m.fingerprint, shapes, 0, tmp_path / "c")  # disk only
     for toks, st, lg in states:
         disk.put(toks, st, lg)
-    files = sorted((tmp_path / "c").iterdir())
+    files = sorted(disk.directory.iterdir())
     assert len(files) == 3
     again = PrefixCache(m.fingerprint, shapes, size, tmp_path / "c")  # "after a restart"
     hit = again.lookup(list(range(9)) + [3])
@@ -318,74 +316,52 @@ def test_ignore_eos_goes_on_past_end_of_sequence(serve_gla):
     assert tb == bytes(free).decode("utf-8", errors="replace")
 
 
-def test_a_conversation_holds_one_state_whatever_its_length(serve_gla):
-    # turns that extend the reply's tokens resume from the reply and hold one state; when the reply's text
-    # cannot come back as its tokens (invalid UTF-8 from random weights), the client sends it rewritten,
-    # the turn resumes from the last prompt, and the conversation holds two
+def test_branches_resume_from_the_longest_shared_prefix(serve_gla):
+    # issue 31.7: a regenerated reply, a prompt continued differently and a second user with the same system
+    # prompt (a message boundary) resume from the cache, and their greedy text is the one without a cache
+    C = SERVE_PREFILL
+    system = _ids(text_prompt(3 * C + 5, 31))  # its boundary is cached at 3 C (a multiple of the chunk)
+    first = system + _ids(text_prompt(20, 32))
+    second = system + _ids(text_prompt(27, 33))
+    longer = first + _ids("y = ")
+    # the texts depend on the prompts: a state resumed from the wrong prefix would show
+    assert len({greedy_text(serve_gla, p, 12) for p in (first, second, longer)}) == 3
+
     async def body(engine):
-        sizes = []
-        for exact in (True, False):
-            # as if the replies were text that encodes back to them (the client sends back their ids)
-            engine.tokenizer.round_trips = (
-                (lambda ids: True) if exact else type(engine.tokenizer)().round_trips
-            )
-            history, previous = _ids(text_prompt(40, 9 + exact)), 0
-            for _ in range(4):
-                h = engine.submit(Request(history, max_tokens=8, temperature=0))
-                reply = await h.text()
-                assert h.cached_tokens == previous
-                if exact:
-                    history = history + greedy_ids(serve_gla, history, 8) + _ids(" next")
-                    previous = len(history) - len(" next")
-                else:
-                    previous = len(history)
-                    history = history + _ids(f"[{reply.encode('ascii', 'replace').decode()}] next")
-                sizes.append(engine.cache.bytes)
-        return sizes, engine.state_bytes + 4 * engine.manifest.vocab_size
+        # as if the replies were text that encodes back to their ids: the client could extend them
+        engine.tokenizer.round_trips = lambda ids: True
+        got = []
+        for prompt in (first, first, longer, second):
+            h = engine.submit(Request(prompt, max_tokens=12, temperature=0, boundaries=[len(system)]))
+            got.append((await h.text(), h.cached_tokens))
+        return got
 
-    sizes, entry = _run(_with_engine(serve_gla, body, slots=1))
-    assert sizes == [entry] * 4 + [3 * entry] * 4  # the first conversation's last reply stays
+    got = _run(_with_engine(serve_gla, body, slots=1))
+    assert [n for _, n in got] == [0, len(first), len(first), 3 * C]
+    assert [t for t, _ in got] == [greedy_text(serve_gla, p, 12) for p in (first, first, longer, second)]
 
 
-def test_prefix_cache_keeps_one_state_per_conversation_and_shared_prompts():
+def test_entries_a_conversation_left_behind_are_evicted_first():
     def state(v):
         return {"s": np.full((1, 4), v, np.float32)}
 
     logits = np.zeros(8, np.float32)
     entry = 4 * 4 + 8 * 4
-    cache = PrefixCache("f" * 64, {"s": (1, 4)}, 100 * entry)
-    prompt, reply = [1, 2, 3], [4, 5]
-    cache.put(prompt, state(1), logits, supersede=True)
-    assert (len(cache), cache.bytes) == (1, entry)
-    cache.put(prompt + reply, state(2), logits, reply_to=prompt)
-    assert (len(cache), cache.bytes) == (1, entry)  # the reply's state replaced the prompt's
-    assert cache.lookup(prompt + [9]) is None
-    hit = cache.lookup(prompt + reply + [6])
-    assert hit.n == 5 and hit.state["s"][0, 0] == 2
-    turn2 = prompt + reply + [6, 7]  # the next turn: its prompt supersedes the reply, its reply the prompt
-    cache.put(turn2, state(3), logits, supersede=True)
-    assert (len(cache), cache.bytes) == (1, entry)
-    cache.put(turn2 + [8], state(4), logits, reply_to=turn2)
-    assert (len(cache), cache.bytes) == (1, entry)
-    turn3 = turn2 + [80, 9]  # the reply came back re-encoded: turn 3 does not extend it, and supersedes it
-    cache.put(turn3, state(5), logits, supersede=True)
-    assert (len(cache), cache.lookup(turn3).n) == (1, 9)
-
-    # a prompt that another request resumed from while its own ran (a system prompt) stays
-    system = [20, 21, 22]
-    cache.put(system, state(6), logits, supersede=True)  # request A's prompt
-    assert cache.lookup(system + [30]).n == 3  # request B's, while A decodes
-    cache.put(system + [41], state(7), logits, reply_to=system)  # A's reply
-    cache.put(system + [30], state(8), logits, supersede=True)  # B's prompt
-    assert cache.lookup(system + [50]).n == 3
-    assert (len(cache), cache.bytes) == (4, 4 * entry)  # turn 3, the system prompt, A's reply, B's prompt
-
-    # a reply whose text does not encode back to its ids: its prompt stays for the next turn
-    cache.put([60, 61], state(9), logits, supersede=True)
-    cache.put([60, 61, 62], state(10), logits, reply_to=[60, 61], round_trips=False)
-    assert (len(cache), cache.lookup([60, 61, 99]).n) == (6, 2)
-    cache.put([60, 61, 99], state(11), logits, supersede=True)  # the next turn: both leave
-    assert len(cache) == 5
+    cache = PrefixCache("f" * 64, {"s": (1, 4)}, 5 * entry)  # room for five entries
+    system = [1, 2, 3]
+    cache.put(system, state(0), logits, boundary=True)
+    turn1 = system + [4]
+    cache.put(turn1, state(1), logits)  # the prompt
+    cache.put(turn1 + [5], state(2), logits)  # its reply
+    assert cache.lookup(turn1).n == 4 and cache.lookup(turn1 + [5, 6]).n == 5  # regenerate, next turn
+    turn2 = turn1 + [5, 6]
+    cache.put(turn2, state(3), logits, demote_below=5)  # resumed from the reply: turn 1's prompt is left
+    cache.put(turn2 + [7], state(4), logits)
+    assert len(cache) == 5 and cache.bytes == 5 * entry  # kept while there is room
+    cache.put([9, 9], state(5), logits)  # another conversation: turn 1's prompt goes first
+    assert cache.lookup(turn1 + [8]).n == 3  # the system prompt (a boundary) stays
+    assert cache.lookup(turn1 + [5, 8]).n == 5  # the reply turn 2 resumed from stays
+    assert cache.lookup(turn2 + [7, 1]).n == 7 and len(cache) == 5
 
 
 # ---- the disk budget ----
@@ -399,6 +375,11 @@ def _entry(v: float) -> tuple[dict, np.ndarray]:
 
 def _files(directory) -> dict[str, int]:
     return {f.name: f.stat().st_size for f in directory.iterdir()}
+
+
+def _sub(root, fingerprint: str = "f" * 64):
+    """Where a cache on ``root`` keeps the state files of the model with ``fingerprint``."""
+    return model_directory(root, fingerprint)
 
 
 def _consistent(cache: PrefixCache) -> None:
@@ -419,9 +400,9 @@ def test_the_disk_cache_stays_within_its_budget_least_recently_used_first(tmp_pa
     cache = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=budget)  # disk only: hits read the files
     for i in range(40):
         cache.put([i, i + 1], *_entry(i))
-        assert sum(_files(d).values()) <= budget
+        assert sum(_files(_sub(d)).values()) <= budget
         _consistent(cache)
-    assert len(_files(d)) == len(cache) == 3
+    assert len(_files(_sub(d))) == len(cache) == 3
     assert cache.lookup([0, 1, 5]) is None  # evicted: a miss, on disk and off
 
     cache.put([100], *_entry(100))  # A
@@ -441,7 +422,7 @@ def test_the_disk_cache_stays_within_its_budget_least_recently_used_first(tmp_pa
     both = PrefixCache("f" * 64, SHAPES, 2 * (256 + 8) * 4, tmp_path / "b", disk_capacity_bytes=size)
     both.put([200], *_entry(200))
     both.put([201], *_entry(201))  # the disk holds 201 only
-    assert len(_files(tmp_path / "b")) == 1 and len(both) == 2
+    assert len(_files(_sub(tmp_path / "b"))) == 1 and len(both) == 2
     assert both.lookup([200, 1]).n == 1  # from memory
     both.put([202], *_entry(202))  # memory: 200 and 202 (201 leaves it, and is on disk no more)
     assert both.lookup([201, 1]) is None and both.lookup([200, 1]).n == 1
@@ -449,7 +430,7 @@ def test_the_disk_cache_stays_within_its_budget_least_recently_used_first(tmp_pa
     both.put([203], *_entry(203))
     both.put([204], *_entry(204))
     assert both.lookup([200, 1]) is None
-    assert set(_files(tmp_path / "b")) == {f"1-{both.key([204])}.state"}
+    assert set(_files(_sub(tmp_path / "b"))) == {f"1-{both.key([204])}.state"}
     _consistent(both)
 
 
@@ -459,12 +440,12 @@ def test_a_restart_with_a_smaller_disk_budget_removes_the_oldest_files(tmp_path)
     order = [5, 2, 7, 1, 9]  # by mtime, oldest first (not the names' order)
     for t in order:
         first.put([t, t], *_entry(t))
-    size = max(_files(d).values())
+    size = max(_files(_sub(d)).values())
     for age, t in enumerate(order):
-        os.utime(d / f"2-{first.key([t, t])}.state", (1_000_000 + age, 1_000_000 + age))
+        os.utime(_sub(d) / f"2-{first.key([t, t])}.state", (1_000_000 + age, 1_000_000 + age))
 
     again = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=3 * size)
-    assert len(again) == 3 and sum(_files(d).values()) <= 3 * size
+    assert len(again) == 3 and sum(_files(_sub(d)).values()) <= 3 * size
     _consistent(again)
     for t in (5, 2):
         assert again.lookup([t, t, 0]) is None
@@ -472,28 +453,28 @@ def test_a_restart_with_a_smaller_disk_budget_removes_the_oldest_files(tmp_path)
     np.testing.assert_array_equal(hit.state["s"], _entry(7)[0]["s"])
 
     last = PrefixCache("f" * 64, SHAPES, 0, d, disk_capacity_bytes=size)
-    assert list(_files(d)) == [f"2-{first.key([7, 7])}.state"]
+    assert list(_files(_sub(d))) == [f"2-{first.key([7, 7])}.state"]
     assert last.lookup([7, 7]).n == 2 and last.lookup([9, 9]) is None
 
 
 def test_an_entry_larger_than_the_disk_budget_is_kept_in_memory_only(tmp_path, caplog):
     d = tmp_path / "c"
-    d.mkdir()
-    (d / "notes.txt").write_text("not a state file: left alone")
+    _sub(d).mkdir(parents=True)
+    (_sub(d) / "notes.txt").write_text("not a state file: left alone")
     cache = PrefixCache("f" * 64, SHAPES, 10 * 2**20, d, disk_capacity_bytes=1000)
     with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
         for t in range(5):
             cache.put([t], *_entry(t))
-    assert list(_files(d)) == ["notes.txt"] and cache.disk_bytes == 0
+    assert list(_files(_sub(d))) == ["notes.txt"] and cache.disk_bytes == 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "larger than the disk budget" in lines[0], lines
     assert cache.lookup([3, 4]).n == 1  # from memory
 
     # 0: nothing on disk (the state files found at start are removed, nothing else)
     PrefixCache("f" * 64, SHAPES, 0, tmp_path / "z").put([1], *_entry(1))
-    assert len(_files(tmp_path / "z")) == 1
+    assert len(_files(_sub(tmp_path / "z"))) == 1
     PrefixCache("f" * 64, SHAPES, 0, tmp_path / "z", disk_capacity_bytes=0)
-    assert _files(tmp_path / "z") == {}
+    assert _files(_sub(tmp_path / "z")) == {}
 
 
 def test_a_failed_disk_write_keeps_the_entry_in_memory_only(tmp_path, caplog, monkeypatch):
@@ -509,7 +490,7 @@ def test_a_failed_disk_write_keeps_the_entry_in_memory_only(tmp_path, caplog, mo
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "cannot write" in lines[0] and "No space left" in lines[0], lines
     assert "\n" not in lines[0]
-    assert len(_files(tmp_path / "c")) == 1  # no half-written file, no temporary
+    assert len(_files(_sub(tmp_path / "c"))) == 1  # no half-written file, no temporary
     assert cache.lookup([2, 0]).n == 1  # in memory
     _consistent(cache)
     monkeypatch.undo()
@@ -522,7 +503,7 @@ def test_a_state_file_deleted_by_another_server_is_a_miss_then_forgotten(tmp_pat
     a = PrefixCache("f" * 64, SHAPES, 0, tmp_path / "c")
     a.put([1, 2], *_entry(1))
     b = PrefixCache("f" * 64, SHAPES, 0, tmp_path / "c")  # another replica on the same directory
-    for f in (tmp_path / "c").iterdir():
+    for f in _sub(tmp_path / "c").iterdir():
         f.unlink()
     with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
         assert b.lookup([1, 2, 3]) is None
@@ -535,7 +516,7 @@ def test_the_engine_and_the_ray_deployment_get_the_disk_budget(serve_gla, tmp_pa
 
     assert CLI_DEFAULT == DEFAULT_DISK_MB
     engine = Engine(serve_gla, cache_dir=tmp_path / "c", cache_disk_mb=3)
-    assert engine.cache.disk_capacity == 3 * 2**20 and engine.cache.directory == tmp_path / "c"
+    assert engine.cache.disk_capacity == 3 * 2**20 and engine.cache.root == tmp_path / "c"
     assert Engine(serve_gla).cache.disk_capacity == DEFAULT_DISK_MB * 2**20
     with pytest.raises(ValueError, match="disk"):
         Engine(serve_gla, cache_disk_mb=-1)
@@ -544,3 +525,173 @@ def test_the_engine_and_the_ray_deployment_get_the_disk_budget(serve_gla, tmp_pa
 
     app = build_deployment(serve_gla, "m", None, replicas=4, cache_dir=tmp_path, cache_disk_mb=100)
     assert app._bound_deployment.init_args[3]["cache_disk_mb"] == 25  # one directory shared by 4
+
+
+@pytest.mark.parametrize("kind", ["batched", "serial"])
+def test_a_request_whose_sampling_fails_ends_alone(serve_root, serve_gla, kind):
+    # issue 31.2: a seed numpy refuses (the stream cannot start) and a logit_bias id outside the vocabulary
+    # (passed converted, so that only the first sample fails, inside a step) slipped past the checks: each
+    # ends with its own error,
+    # the requests beside them complete with Session.generate's text, the engine serves on
+    art = serve_gla if kind == "batched" else export_tiny(serve_root, "gla", dynamic_batch=False)
+    prompts = [text_prompt(n, 90 + i) for i, n in enumerate((20, 33, 9))]
+    want = [greedy_text(art, p, 16) for p in prompts]
+
+    async def body(engine):
+        engine.check = lambda r: None  # as if the HTTP layer's validation had missed them
+        good = [engine.submit(Request(_ids(p), max_tokens=16, temperature=0)) for p in prompts[:2]]
+        bad = [
+            engine.submit(Request(_ids("x"), max_tokens=16, seed=-1)),
+            engine.submit(Request(_ids("y"), max_tokens=16, logit_bias=(np.array([10**6]), np.ones(1)))),
+        ]
+        texts = await asyncio.gather(*(h.text() for h in good))
+        errors = []
+        for h in bad:
+            with pytest.raises(RuntimeError) as info:
+                await h.text()
+            errors.append(str(info.value))
+        after = await engine.submit(Request(_ids(prompts[2]), max_tokens=16, temperature=0)).text()
+        return texts, errors, after, engine.metrics["failed"]
+
+    texts, errors, after, failed = _run(_with_engine(art, body, slots=4, cache_mb=0))
+    assert texts == want[:2] and after == want[2]
+    assert "sampling failed: seed must be an integer in [0, 2**63 - 1], got -1" in errors[0]
+    assert "logit_bias token ids must lie in [0, 256)" in errors[1]
+    assert failed == 2
+
+
+def test_a_state_file_swapped_with_another_is_refused(tmp_path, caplog):
+    # issue 31.6: two entries of the same length with their files swapped: each is refused, never used as
+    # the other's state
+    d = tmp_path / "c"
+    first = PrefixCache("f" * 64, SHAPES, 0, d)
+    first.put([1, 2], *_entry(1))
+    first.put([3, 4], *_entry(3))
+    a, b = (_sub(d) / f"2-{first.key(t)}.state" for t in ([1, 2], [3, 4]))
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    again = PrefixCache("f" * 64, SHAPES, 0, d)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        assert again.lookup([1, 2, 9]) is None and again.lookup([3, 4, 9]) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("other tokens" in line for line in lines), lines
+    assert _files(_sub(d)) == {}
+
+
+def test_oversized_state_files_and_links_out_of_the_directory_are_never_read(tmp_path, caplog):
+    # issue 31.11: a file's size is checked against what an entry of its length can be before it is read
+    # or counted; a link that leaves the directory is skipped (not counted, not read, not removed)
+    d = tmp_path / "c"
+    cache = PrefixCache("f" * 64, SHAPES, 0, d, vocab_size=8)
+    cache.put([1, 2], *_entry(1))
+    cache.put([3, 4], *_entry(3))
+    bound = cache.max_file_bytes(2)
+    assert max(_files(_sub(d)).values()) <= bound < 64 * 2**20
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(64 * 2**20)  # sparse: nothing written
+    (_sub(d) / f"5-{cache.key([5] * 5)}.state").symlink_to(big)
+    with open(_sub(d) / f"6-{cache.key([6] * 6)}.state", "wb") as f:
+        f.truncate(64 * 2**20)
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        again = PrefixCache("f" * 64, SHAPES, 0, d, vocab_size=8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and any("leaves" in line for line in lines), lines
+    assert any("more than an entry of 6 tokens" in line for line in lines), lines
+    assert len(again) == 2 and again.disk_bytes == sum(f.stat().st_size for f in _sub(d).glob("2-*"))
+    assert big.exists() and (_sub(d) / f"5-{cache.key([5] * 5)}.state").is_symlink()
+    # a file that grew after the index: refused from its size, before it is read
+    grown = _sub(d) / f"2-{cache.key([3, 4])}.state"
+    with open(grown, "r+b") as f:
+        f.truncate(64 * 2**20)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgeattn.serve"):
+        assert again.lookup([3, 4, 0]) is None
+    assert len(caplog.records) == 1 and "more than a state of this size" in caplog.records[0].getMessage()
+
+
+def test_servers_of_two_models_sharing_a_directory_keep_to_their_own_files(tmp_path):
+    # issue 31.12: one subdirectory per model; each cache counts and trims its own files only
+    d = tmp_path / "c"
+    a = PrefixCache("a" * 64, SHAPES, 0, d)
+    for t in range(3):
+        a.put([t], *_entry(t))
+    size = max(_files(_sub(d, "a" * 64)).values())
+    b = PrefixCache("b" * 64, SHAPES, 0, d, disk_capacity_bytes=size)
+    assert b.disk_bytes == 0 and len(_files(_sub(d, "a" * 64))) == 3
+    for t in range(3):
+        b.put([t], *_entry(10 + t))
+    assert len(_files(_sub(d, "b" * 64))) == 1 and len(_files(_sub(d, "a" * 64))) == 3
+    again = PrefixCache("a" * 64, SHAPES, 0, d)
+    assert again.disk_bytes == 3 * size and again.lookup([2, 0]).n == 1
+    np.testing.assert_array_equal(again.lookup([2, 0]).state["s"], _entry(2)[0]["s"])
+
+
+def test_int8_kv_states_are_cached_as_their_filled_int8_slots(serve_root, tmp_path):
+    # issue 37.1: an int8 KV buffer's entry holds its filled slots in int8 (in memory and on disk), not the
+    # whole buffer in float32; a turn resumed from it (after a restart too) gives the text without a cache;
+    # the start-up lines say how many conversations the cache holds, and warn below the slots
+    import json
+    import struct
+
+    from edgeattn.export import export_model
+    from edgeattn.serve.server import startup_lines
+    from tests.export_helpers import make_checkpoint
+
+    ckpt = serve_root / "ckpt_gated_deltanet_softmax_max_seq_len96"  # export_tiny's, shared
+    if not ckpt.exists():
+        make_checkpoint(ckpt, "gated_deltanet,softmax", max_seq_len=96)
+    art = serve_root / "int8kv"
+    if not art.exists():
+        export_model(
+            ckpt,
+            art,
+            prefill_chunk=SERVE_PREFILL,
+            dynamic_batch=True,
+            kv_dtype="int8",
+        )
+    prompt = _ids(text_prompt(21, 90))
+    reply = greedy_ids(art, prompt, 8)
+    second = prompt + reply + _ids("next")
+
+    def entry_bytes(m, n):  # from the manifest: the int8 buffers' n slots, the rest float32, the logits
+        total = 4 * m.vocab_size
+        for e in m.state:
+            shape = list(e.shape)
+            if e.dtype == "int8":
+                shape[2] = n
+            total += np.dtype(e.dtype).itemsize * int(np.prod(shape))
+        return total
+
+    async def body(engine):
+        h = engine.submit(Request(prompt, max_tokens=8, temperature=0, ignore_eos=True))
+        return await h.text(), engine.cache.bytes, engine
+
+    text, held, engine = _run(_with_engine(art, body, slots=2, cache_dir=tmp_path / "c"))
+    m = engine.manifest
+    assert any(e.dtype == "int8" for e in m.state) and text == greedy_text(art, prompt, 8)
+    assert held == entry_bytes(m, len(prompt)) + entry_bytes(m, len(prompt) + 8)
+    for f in engine.cache.directory.iterdir():
+        n = int(f.name.split("-")[0])
+        raw = f.read_bytes()
+        header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+        kv = [v for k, v in header.items() if k != "__metadata__" and v["dtype"] == "I8"]
+        assert kv and all(v["shape"][2] == n for v in kv)
+        assert len(raw) < entry_bytes(m, n) + 4096
+
+    async def resume(engine):
+        h = engine.submit(Request(second, max_tokens=8, temperature=0))
+        return await h.text(), h.cached_tokens
+
+    got, cached = _run(_with_engine(art, resume, slots=2, cache_dir=tmp_path / "c"))  # a restart
+    assert cached == len(prompt) + 8 and got == greedy_text(art, second, 8)
+
+    full = entry_bytes(m, m.max_length)
+    lines = startup_lines(Engine(art, slots=4, cache_mb=2 * full * 3 / 2**20), "m")
+    assert any("holds 3 conversation(s)" in line for line in lines), lines
+    assert any(
+        "warning" in line and "fewer conversations (3) than there are slots (4)" in line for line in lines
+    )
+    lines = startup_lines(Engine(art, slots=2, cache_mb=2 * full * 3 / 2**20), "m")
+    assert not any("warning" in line for line in lines)

@@ -2,6 +2,7 @@
 object (replicas, router, limits) and one replica of it served in-process to the official `openai`
 client; the slow test runs `--ray --replicas 2` on a local Ray instance and repeats the greedy checks."""
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -73,3 +74,55 @@ def test_ray_replicas_give_the_greedy_text(serve_gla):
     finally:
         rc = s.stop(timeout=60)
     assert rc == 0, s.log()
+
+
+@pytest.mark.slow
+def test_sigterm_under_ray_ends_the_streams_cleanly_and_exits_0(serve_gla):
+    # issue 37.3: as without Ray, SIGTERM lets a stream finish within the drain and then ends it with its
+    # finish_reason and [DONE], instead of the stream being cut when Serve kills the replica
+    s = start_server(serve_gla, "--ray", "--replicas", 1, "--slots", 2, timeout=240)
+    try:
+        c = s.client()
+        stream = c.completions.create(
+            model=serve_gla.name,
+            prompt="a long one",
+            max_tokens=1_000_000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        s.terminate()
+        rest = list(chunks)  # the openai client raises if the stream is cut
+        assert rest and rest[-1].choices[0].finish_reason == "length"
+    finally:
+        rc = s.stop(timeout=90)
+    assert rc == 0, s.log()
+
+
+def test_a_ray_start_that_fails_is_one_line_and_the_proxy_gets_time(serve_gla, monkeypatch):
+    # issue 37.3: the proxy's readiness check (5 s by Ray's default) gets 60 s, and a start that fails
+    # (an actor that died under load) is one line, not Ray's traceback
+    import ray
+    from ray import serve
+    from ray.exceptions import ActorDiedError
+
+    from edgeattn.serve.ray import run_ray
+
+    seen = {}
+
+    def died(**kw):
+        seen["ready"] = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+        raise ActorDiedError()
+
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "0")  # restored (unset) after the test
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.setdefault("env", kw["runtime_env"]["env_vars"]))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(serve, "start", died)
+    with pytest.raises(ValueError, match="^Ray Serve could not start the deployment: ") as e:
+        run_ray(serve_gla, "m", None, replicas=1, host="127.0.0.1", port=8000, slots=1)
+    assert "\n" not in str(e.value)
+    assert seen["ready"] == "60" and seen["env"]["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "60"

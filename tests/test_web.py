@@ -43,6 +43,11 @@ ARTIFACTS = {
     "gla_fused": ("gla", dict(target="onnxruntime")),  # com.microsoft.LinearAttention, one graph
     "hybrid_fused": ("gla,softmax", dict(target="onnxruntime")),  # GroupQueryAttention on a KV buffer
     "gla_int4": ("gla", dict(target="onnxruntime", precision="int4")),  # MatMulNBits, GatherBlockQuantized
+    # a call returns [1, 1, V] whatever its tokens (issue 31: the page took row T-1 of it, an empty slice)
+    "gla_last": ("gla", dict(target="onnxruntime", prefill_logits="last")),
+    # KV buffers of float16 and int8 (issue 31: the page fed them float32 zeros)
+    "hybrid_f16kv": ("gla,softmax", dict(target="onnxruntime", kv_dtype="float16")),
+    "hybrid_i8kv_last": ("gla,softmax", dict(target="onnxruntime", kv_dtype="int8", prefill_logits="last")),
     # refused: GatedRMSNorm with its activation attribute (the trace's fused norm; the optimizer, off here,
     # rewrites it into plain ops since ONNX Runtime's CPU kernel is slow)
     "gated_deltanet_fused": ("gated_deltanet", dict(target="onnxruntime", optimize=False)),
@@ -225,6 +230,9 @@ def assert_shows_text(png: Path, box: list[int]) -> None:
         "hybrid",
         "gla_fused",
         "hybrid_fused",
+        "gla_last",
+        "hybrid_f16kv",
+        "hybrid_i8kv_last",
     ],
 )
 def test_64_greedy_tokens_equal_python_session(name, artifacts, browser, tmp_path):
@@ -428,3 +436,44 @@ def test_portable_fp16_and_int8_run_in_the_page(precision, browser, tmp_path):
     page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
     assert page["error"] is None
     assert page["tokens"] == python_greedy(art, PROMPT, 24)
+
+
+@needs_browser
+def test_the_site_opened_as_a_file_says_to_serve_it_over_http(artifacts, browser, tmp_path):
+    """file:// loads no ES module in Chromium: the page says so, and how to serve it, instead of staying
+    at "loading..." (issue 31)."""
+    site = build_site(artifacts("gla"), tmp_path / "site")
+    browser.goto((site / "index.html").as_uri() + "?autostart=1")
+    browser.wait_for(DONE, timeout=20)
+    status = browser.evaluate("document.getElementById('status').textContent")
+    assert status.startswith("error: this page must be served over HTTP"), status
+    assert f"python -m edgeattn.web.serve {site}" in status, status
+    assert browser.evaluate("edgeattn.error") in status and browser.evaluate("edgeattn.tokens") == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(artifacts, tmp_path, monkeypatch):
+    """ENOSPC while the site's files are copied (issue 31): one `error:` line naming --out, exit 2, no site and
+    no temporary left beside it."""
+    import errno
+    import os
+
+    import edgeattn.web as web
+
+    if MISSING is not None and "node_modules" in MISSING:
+        pytest.skip(MISSING)
+    real = shutil.copyfile
+
+    def copyfile(src, dst, **kw):
+        if str(dst).endswith(".wasm"):  # the model is in: the disk fills on onnxruntime-web's files
+            Path(dst).write_bytes(Path(src).read_bytes()[:1000])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(web.shutil, "copyfile", copyfile)
+    (tmp_path / "sites").mkdir()
+    out = tmp_path / "sites" / "site"
+    res = runner.invoke(app, ["web", str(artifacts("gla")), "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: no space left on device"), res.output
+    assert list((tmp_path / "sites").iterdir()) == []

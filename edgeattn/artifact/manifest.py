@@ -18,6 +18,8 @@ FORMAT_VERSION = 1
 TARGETS = ("onnxruntime", "portable")
 # The manifest's "precision" of weights and activations (the state is float32 in every precision).
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# int8 weights: unsigned (the same logits on every CPU) or signed (faster with VNNI/AMX): export/precision.py
+INT8_WEIGHTS = ("u8", "s8")
 # The element types of a preallocated KV buffer (a "shared" state entry); every other state tensor is float32.
 KV_DTYPES = ("float32", "float16", "int8")
 
@@ -150,6 +152,7 @@ class Manifest:
                 f"{path} has format_version {version!r}; this edgeattn reads up to {FORMAT_VERSION}: upgrade edgeattn"
             )
         check_structure(data, str(path))
+        check_inside(root, data, str(path))
         m = cls(root, data)
         if verify:
             m.verify_files()
@@ -207,6 +210,66 @@ class Manifest:
 
 
 _HEX = frozenset("0123456789abcdef")
+
+
+def check_name(name, where: str, field: str) -> str:
+    """``name``, read from a manifest's ``field``, if it is a plain relative name of a file inside the
+    artifact (``step.onnx``, ``checkpoint/config.json``); else ValueError in one line naming the entry. A
+    name read from a file is never a path: no absolute path, no ``..`` (nor ``.`` or an empty part), no
+    backslash, no drive letter or other colon, no NUL (the C++ runtime's manifest.cpp refuses the same)."""
+    if not isinstance(name, str) or not name:
+        why = "is not a file name"
+    elif name.startswith("/"):
+        why = "is an absolute path"
+    elif "\\" in name:
+        why = "holds a backslash"
+    elif ":" in name:
+        why = "holds a colon (a drive letter?)"
+    elif "\0" in name:
+        why = "holds a NUL character"
+    elif any(part in ("", ".", "..") for part in name.split("/")):
+        why = "has an empty, '.' or '..' part"
+    else:
+        return name
+    raise ValueError(
+        f"{where}: {field} {name!r} {why}: every file an artifact names must be a plain relative name inside it"
+    )
+
+
+def manifest_names(data: dict):
+    """(field, name) of every file or directory name in the manifest ``data``: the keys of ``files``, the
+    graphs' paths, the weights file, the genai files, the checkpoint directory, the tokenizer's files."""
+    for g, info in (data.get("graphs") or {}).items():
+        if isinstance(info, dict) and "path" in info:
+            yield f"'graphs.{g}.path'", info["path"]
+    sections = (
+        ("weights", ("path",)),
+        ("genai", ("graph", "config")),
+        ("tokenizer", ("path", "chat_template")),
+    )
+    for section, keys in sections:
+        info = data.get(section)
+        if isinstance(info, dict):
+            for key in keys:
+                if info.get(key) is not None:
+                    yield f"'{section}.{key}'", info[key]
+    if data.get("checkpoint"):
+        yield "'checkpoint'", data["checkpoint"]
+    for name in data.get("files") or {}:
+        yield "'files' entry", name
+
+
+def check_inside(root: str | os.PathLike, data: dict, where: str) -> None:
+    """ValueError in one line unless every name of ``data`` (checked by ``check_name``) resolves inside
+    ``root``: a symbolic link in the artifact may point within it, never out of it."""
+    base = Path(os.path.realpath(root))
+    for field, name in manifest_names(data):
+        real = Path(os.path.realpath(Path(root) / name))
+        if base not in real.parents:
+            raise ValueError(
+                f"{where}: {field} {name!r} leads outside the artifact (a symbolic link to {real}): every file "
+                "an artifact names must be inside it"
+            )
 
 
 def check_structure(data: dict, where: str) -> None:
@@ -314,6 +377,8 @@ def check_structure(data: dict, where: str) -> None:
         if not isinstance(ckpt, str):
             raise ValueError(f"{where}: 'checkpoint' must be null or a directory name, got {ckpt!r}")
         needed += [f"{ckpt}/config.json", f"{ckpt}/model.safetensors"]
+    for field, name in manifest_names(data):
+        check_name(name, where, field)
     for name in needed:
         if name not in files:
             raise ValueError(f"{where}: {name} is not listed under 'files', so it cannot be verified")

@@ -19,6 +19,18 @@ from edgeattn.artifact.manifest import MANIFEST
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 HUGGINGFACE, CHECKPOINT, ARTIFACT = "Hugging Face model", "checkpoint", "artifact"
+GGUF = "GGUF file"
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic (llama.cpp's model files)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            return p.is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def hf_model_type(path: str | os.PathLike) -> str | None:
@@ -36,12 +48,17 @@ def hf_model_type(path: str | os.PathLike) -> str | None:
 
 
 def directory_kind(path: str | os.PathLike, what: str = "") -> str:
-    """``HUGGINGFACE``, ``CHECKPOINT`` or ``ARTIFACT``; ValueError in one line when ``path`` is missing, not a
-    directory or none of them. ``what`` names the argument in the messages (e.g. "checkpoint")."""
+    """``HUGGINGFACE``, ``CHECKPOINT``, ``ARTIFACT`` or ``GGUF`` (a file: a model llama.cpp reads);
+    ValueError in one line when ``path`` is missing, not a directory or none of them. ``what`` names the
+    argument in the messages (e.g. "checkpoint")."""
     path = Path(path)
     name = f"{what} {path}" if what else str(path)
     if not path.exists():
         raise ValueError(f"{name} does not exist")
+    if path.is_file() and (is_gguf(path) or path.suffix.lower() == ".gguf"):
+        if not is_gguf(path):
+            raise ValueError(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()})")
+        return GGUF
     if not path.is_dir():
         raise ValueError(f"{name} is not a directory")
     if (path / MANIFEST).is_file():

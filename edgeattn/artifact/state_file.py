@@ -1,7 +1,9 @@
 """State files: a session's recurrent state as a safetensors file (docs/artifact-format.md), numpy only.
 
 Layout: 8-byte little-endian header length N, N bytes of JSON header (padded with spaces to a multiple of 8),
-then the raw little-endian float32 bytes of every tensor, back to back in header order. The header maps each
+then the raw little-endian float32 bytes of every tensor, back to back in header order (a state file of
+the server's prefix cache, written with ``reduced=True``, may also hold a KV buffer as ``F16`` or ``I8``,
+as the graph holds it: ``load_state`` refuses those unless given ``reduced=True`` too). The header maps each
 state input name to ``{"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}`` and ``__metadata__`` to
 ``{"format": "edgeattn-state", "format_version": "2", "fingerprint": ..., "position": ...,
 "data_sha256": ...}`` (all strings); ``data_sha256`` is the sha256 of all the tensor bytes, so a flipped
@@ -28,22 +30,36 @@ from edgeattn._atomic import make_temp_file
 FORMAT = "edgeattn-state"
 FORMAT_VERSION = 2  # 2: __metadata__ carries data_sha256; version 1 files had no checksum and are refused
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors limit; a larger "header" is a corrupt or foreign file
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}  # safetensors' names
+_REDUCED = {np.dtype(np.float16): "F16", np.dtype(np.int8): "I8"}
 
 
 def save_state(
-    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], fingerprint: str, position: int
+    path: str | os.PathLike,
+    tensors: Mapping[str, np.ndarray],
+    fingerprint: str,
+    position: int,
+    *,
+    meta: Mapping[str, str] | None = None,
+    reduced: bool = False,
 ) -> None:
-    """Write ``tensors`` (state input name -> float32 array, in manifest order) to ``path`` atomically."""
+    """Write ``tensors`` (state input name -> float32 array, in manifest order) to ``path`` atomically.
+    ``meta``: more ``__metadata__`` strings (the prefix cache's ``key``); ``reduced``: float16 and int8
+    tensors are written as they are (F16, I8) instead of refused."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError("save_state needs the artifact's fingerprint (a non-empty string)")
     if int(position) < 0:
         raise ValueError(f"position must be >= 0, got {position}")
-    meta = {
+    fixed = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "fingerprint": fingerprint,
         "position": str(int(position)),
     }
+    extra = dict(meta or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise ValueError("a state file's metadata values are strings")
+    meta = {**extra, **fixed}
     header: dict = {"__metadata__": meta}
     blobs = []
     offset = 0
@@ -52,12 +68,13 @@ def save_state(
         if name == "__metadata__":
             raise ValueError("a state tensor cannot be named __metadata__")
         a = np.asarray(t)
-        if a.dtype != np.float32:
+        code = "F32" if a.dtype == np.float32 else _REDUCED.get(a.dtype) if reduced else None
+        if code is None:
             raise ValueError(f"state tensor {name!r} is {a.dtype}; state files hold float32 only")
         if not np.isfinite(a).all():
             raise ValueError(f"state tensor {name!r} holds NaN or inf; a state file holds finite values only")
-        blob = np.ascontiguousarray(a, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + len(blob)]}
+        blob = np.ascontiguousarray(a, dtype=_DTYPES[code]).tobytes()
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         digest.update(blob)
         offset += len(blob)
@@ -89,6 +106,8 @@ def load_state(
     *,
     fingerprint: str | None = None,
     expected: Mapping[str, tuple] | None = None,
+    max_bytes: int | None = None,
+    reduced: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read a state file: ``(tensors, metadata)``.
 
@@ -96,14 +115,22 @@ def load_state(
     ``__metadata__`` as written (strings: ``int(metadata["position"])`` is the number of tokens consumed).
     With ``fingerprint``, refuses a state of another model; with ``expected`` (name -> shape, where a str or
     None dimension matches any size), refuses tensors whose names or shapes differ. Every refusal, and any
-    file that is not a well-formed state file, raises ValueError with a one-line message.
+    file that is not a well-formed state file, raises ValueError with a one-line message. ``max_bytes``: a
+    file larger than that is refused from its size, before any of it is read. ``reduced``: F16 and I8 tensors
+    (``save_state(reduced=True)``) are returned in their dtype instead of refused.
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if max_bytes is not None and size > max_bytes:
+                raise ValueError(
+                    f"{path} is {size} bytes, more than a state of this size can take ({max_bytes})"
+                )
+            raw = f.read()
     except OSError as e:
         raise ValueError(f"cannot read state file {path}: {e.strerror or e}") from e
-    tensors, meta = _parse(path, raw)
+    tensors, meta = _parse(path, raw, reduced)
     if fingerprint is not None and meta["fingerprint"] != fingerprint:
         raise ValueError(
             f"{path} holds the state of another model: fingerprint {meta['fingerprint'][:16]}... "
@@ -148,7 +175,7 @@ def check_state(
             raise ValueError(f"state {name!r} holds NaN or infinity ({source})")
 
 
-def _parse(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _parse(path: Path, raw: bytes, reduced: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     def bad(why: str) -> ValueError:
         return ValueError(f"{path} is not an edgeattn state file: {why}")
 
@@ -196,20 +223,26 @@ def _parse(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
     for name, info in header.items():
         if not isinstance(info, dict):
             raise bad(f"entry {name!r} is not an object")
-        if info.get("dtype") != "F32":
-            raise bad(f"tensor {name} has dtype {info.get('dtype')!r}; state tensors are F32")
+        code = info.get("dtype")
+        if code != "F32" and not (reduced and code in _DTYPES):
+            raise bad(f"tensor {name} has dtype {code!r}; state tensors are F32")
         shape, offsets = info.get("shape"), info.get("data_offsets")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise bad(f"tensor {name} has an invalid shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise bad(f"tensor {name} has invalid data_offsets {offsets!r}")
         begin, end = offsets
-        if not 0 <= begin <= end <= len(data) or end - begin != 4 * int(np.prod(shape, dtype=np.int64)):
+        dtype = _DTYPES[code]
+        if not 0 <= begin <= end <= len(data) or end - begin != dtype.itemsize * int(
+            np.prod(shape, dtype=np.int64)
+        ):
             raise bad(
                 f"tensor {name}: data_offsets {offsets} do not match shape {shape} in {len(data)} data bytes"
             )
         spans.append((begin, end))
-        tensors[name] = np.frombuffer(data[begin:end], dtype="<f4").astype(np.float32).reshape(shape)
+        tensors[name] = (
+            np.frombuffer(data[begin:end], dtype=dtype).astype(dtype.newbyteorder("=")).reshape(shape)
+        )
     # safetensors packs tensors back to back with no holes; anything else is a truncated or damaged file
     cursor = 0
     for begin, end in sorted(spans):

@@ -41,6 +41,105 @@ def cpu_model() -> str:
     return board or platform.processor() or platform.machine()
 
 
+# The instruction-set flags (as /proc/cpuinfo spells them) that change which kernels ONNX Runtime's MLAS,
+# llama.cpp's ggml and torch pick on x86-64, and so the speed and the low bits of the results.
+ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "sve",
+)
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's ISA_FLAGS that the kernel reports (x86 ``flags``, ARM ``Features``), in ISA_FLAGS' order."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ISA_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_kind(flags: list[str] | None = None) -> str:
+    """One word for the int8 and float kernels this CPU gets: ``amx`` (AMX tiles, AVX-512 VNNI),
+    ``avx512-vnni``, ``avx-vnni`` (AVX2 with VNNI), ``avx512`` (no VNNI: int8 through 16-bit sums),
+    ``avx2``, ``arm64-dotprod``, ``arm64``, else the machine name. Figures of different kinds are never
+    compared."""
+    have = set(cpu_flags() if flags is None else flags)
+    for kind, need in (
+        ("amx", {"amx_int8", "amx_tile"}),
+        ("avx512-vnni", {"avx512_vnni"}),
+        ("avx-vnni", {"avx_vnni", "avx2"}),
+        ("avx512", {"avx512bw"}),
+        ("avx2", {"avx2"}),
+        ("arm64-dotprod", {"asimddp"}),
+        ("arm64", {"asimd"}),
+    ):
+        if need <= have:
+            return kind
+    return platform.machine() or "unknown"
+
+
+def cpu_record() -> dict:
+    """What every benchmark's JSON line carries about the CPU: its model, kind and ISA flags."""
+    flags = cpu_flags()
+    return {"model": cpu_model(), "kind": cpu_kind(flags), "flags": flags}
+
+
+def with_cpu(result: dict) -> dict:
+    """``result`` with ``cpu`` (``cpu_record()``) added, for a benchmark's JSON line."""
+    return {**result, "cpu": cpu_record()}
+
+
+# llama.cpp's CMake switches for x86 instruction sets, by the /proc/cpuinfo flag each needs
+GGML_X86 = (
+    ("GGML_AVX", "avx"),
+    ("GGML_AVX2", "avx2"),
+    ("GGML_FMA", "fma"),
+    ("GGML_F16C", "f16c"),
+    ("GGML_AVX_VNNI", "avx_vnni"),
+    ("GGML_AVX512", "avx512f"),
+    ("GGML_AVX512_VBMI", "avx512vbmi"),
+    ("GGML_AVX512_VNNI", "avx512_vnni"),
+    ("GGML_AVX512_BF16", "avx512_bf16"),
+)
+
+
+def ggml_cmake_args(flags: list[str] | None = None) -> str:
+    """CMAKE_ARGS for building llama.cpp (llama-cpp-python) for this CPU: each instruction set on only where
+    the CPU has it (a build for AVX-512 dies with "Illegal instruction" on an AVX2-only CPU), GGML_NATIVE off
+    so the choice is this list's, and AMX off (its kernels crashed on the Intel Xeon here)."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                line = next((x for x in f if x.lower().startswith("flags")), "")
+        except OSError:
+            line = ""
+        flags = line.split(":", 1)[1].split() if ":" in line else []
+    have = set(flags)
+    args = ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in have else 'OFF'}" for opt, flag in GGML_X86]
+    args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAVA_BUILD=OFF"]
+    return " ".join(args)
+
+
 def _device_tree_model() -> str | None:
     try:
         with open("/proc/device-tree/model", "rb") as f:
@@ -96,6 +195,8 @@ def describe() -> dict:
         providers = []
     return {
         "cpu": cpu_model(),
+        "cpu_kind": cpu_kind(),
+        "cpu_flags": cpu_flags(),
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cores_logical": os.cpu_count(),

@@ -150,6 +150,8 @@ MACHINE = {
     ],
     "properties": {
         "cpu": _STR,
+        "cpu_kind": _STR,
+        "cpu_flags": {"type": "array", "items": _STR},
         "cores_logical": {"type": ["integer", "null"]},
         "cores_physical": {"type": ["integer", "null"]},
         "memory_bytes": _INT0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import math
 import os
@@ -41,6 +43,41 @@ def _check_finite(kwargs: dict) -> None:
             raise CLIError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
 
 
+# errno values of a full disk (ENOSPC) or a full quota (EDQUOT)
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def disk_full(e: BaseException) -> Exception | None:
+    """The error in ``e``'s chain that says the disk (or quota) is full, or None: an OSError with ENOSPC or
+    EDQUOT, or a library's error that carries only the message (torch's C++ writer raises a RuntimeError,
+    safetensors a SafetensorError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return e
+        if isinstance(e, Exception) and any(os.strerror(n) in str(e) for n in _DISK_FULL):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def writing(out: Path, option: str):
+    """A full disk while the body writes ``out`` (whole or not at all: the writer removes its temporary)
+    becomes one line naming ``option``, not a traceback."""
+    try:
+        yield
+    except Exception as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        why = full.strerror if isinstance(full, OSError) and full.strerror else os.strerror(errno.ENOSPC)
+        raise CLIError(
+            f"{option} {out}: {why.lower()}, nothing written: free some space or give {option} on another disk"
+        ) from None
+
+
 def cli_errors(fn):
     """Turn the errors users cause (bad paths, bad values, missing extras) into one line and exit 2."""
 
@@ -53,6 +90,12 @@ def cli_errors(fn):
             return fn(*args, **kwargs)
         except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, MissingDependency) as e:
             raise fail(str(e)) from None
+        except Exception as e:  # a full disk in any command: one line, not a traceback
+            full = disk_full(e)
+            if full is None:
+                raise
+            where = f" writing {full.filename}" if isinstance(full, OSError) and full.filename else ""
+            raise fail(f"no space left on device{where}: free some space or write elsewhere") from None
         except ModuleNotFoundError as e:  # an optional dependency imported without edgeattn._deps.require
             from edgeattn._deps import missing_message
 

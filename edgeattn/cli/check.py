@@ -45,7 +45,8 @@ def check(
         artifact, tokens, tolerance, text.read_bytes() if text else None, threads, text_name=str(text)
     )
     console = Console()
-    table = Table(title=f"{artifact}: artifact vs PyTorch")
+    cpu = report.cpu
+    table = Table(title=f"{artifact}: artifact vs PyTorch on {cpu['model']} ({cpu['kind']})")
     for col in ("graph", "tokens", "max |diff|", "relative", "ops"):
         table.add_column(col)
     for g, r in report.graphs.items():
@@ -57,6 +58,8 @@ def check(
         f"artifact {report.bpb['artifact']:.4f} (difference {report.bpb['artifact'] - report.bpb['torch']:+.4f})",
         soft_wrap=True,
     )
+    for note in report.notes:
+        console.print(f"[yellow]note[/yellow]: {escape(note)}", soft_wrap=True)
     if report.tensorrt is not None:
         if report.tensorrt:
             console.print("TensorRT 10 compatibility: [red]problems[/red]")

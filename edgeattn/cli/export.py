@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.artifact.manifest import KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import Command, check_output_dir, cli_errors
+from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
+from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -21,6 +21,7 @@ Target = _choices("Target", TARGETS)
 Precision = _choices("Precision", PRECISIONS)
 PrefillLogits = _choices("PrefillLogits", ("all", "last"))
 KvDtype = _choices("KvDtype", KV_DTYPES)
+Int8Weights = _choices("Int8Weights", INT8_WEIGHTS)
 
 
 @cli_errors
@@ -29,7 +30,7 @@ def export(
         Path,
         typer.Argument(
             help="Checkpoint directory written by `edgeattn train` or `edgeattn import`, or a Hugging Face "
-            "model directory (config.json with a model_type), imported on the way."
+            "model directory (config.json with a model_type) or a GGUF file, imported on the way."
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
@@ -51,6 +52,13 @@ def export(
     int4_asymmetric: Annotated[
         bool, typer.Option("--int4-asymmetric", help="int4: a zero point per block (default: symmetric).")
     ] = False,
+    int8_weights: Annotated[
+        Int8Weights,
+        typer.Option(
+            help="int8: u8 gives the same logits on every CPU; s8 is faster with VNNI or AMX and saturates "
+            "on AVX2 CPUs without VNNI (`edgeattn check` says so there)."
+        ),
+    ] = Int8Weights.u8,
     no_checkpoint: Annotated[
         bool,
         typer.Option(
@@ -119,13 +127,16 @@ def export(
         quantization={"symmetric": not int4_asymmetric}
         | ({"block_size": int4_block_size} if int4_block_size is not None else {})
         if precision == Precision.int4
+        else {"weights": int8_weights.value}
+        if precision == Precision.int8
         else None,
         genai=genai,
         max_length=max_length,
         kv_dtype=kv_dtype.value,
         prefill_logits=prefill_logits.value,
     )
-    path = export_model(checkpoint, out, **options, on_plan=_print_notes)
+    with writing(out, "--out"):
+        path = export_model(checkpoint, out, **options, on_plan=_print_notes)
     size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".onnx", ".bin"))
     typer.echo(
         f"exported {checkpoint} -> {path} ({target.value}, {precision.value}, {size / 2**20:.1f} MiB of graphs)"

@@ -1,4 +1,4 @@
-"""`edgeattn import DIR --out CKPT`: a Hugging Face model directory to an edgeattn checkpoint."""
+"""`edgeattn import SRC --out CKPT`: a Hugging Face model directory or a GGUF file to an edgeattn checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from edgeattn.cli._common import Command, check_output_dir, cli_errors
 @cli_errors
 def import_(
     source: Annotated[
-        Path, typer.Argument(help="Hugging Face model directory (config.json with a model_type).")
+        Path,
+        typer.Argument(
+            help="Hugging Face model directory (config.json with a model_type) or a GGUF file (llama.cpp's)."
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,

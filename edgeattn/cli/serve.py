@@ -10,6 +10,32 @@ import typer
 from edgeattn.cli._common import CLIError, Command, check_output_dir, cli_errors
 
 DEFAULT_DISK_MB = 4096  # edgeattn.serve.cache.DEFAULT_DISK_MB (not imported: numpy is not loaded for --help)
+# edgeattn.serve.app.DEFAULT_MAX_BODY_MB and edgeattn.serve.server's timeouts (not imported, as above)
+DEFAULT_MAX_BODY_MB = 8.0
+DEFAULT_TIMEOUT_S = 30.0
+API_KEY_ENV = "EDGEATTN_API_KEY"
+
+
+def _api_key(key: str | None, key_file: Path | None) -> str | None:
+    """The key from --api-key (or $EDGEATTN_API_KEY) or --api-key-file (its first line); an empty key is an
+    error (a server nobody could use), and so are both."""
+    if key is not None and key_file is not None:
+        raise CLIError(f"give --api-key (or ${API_KEY_ENV}) or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            lines = key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(
+                f"cannot read --api-key-file {key_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise CLIError(f"--api-key-file {key_file} holds no key (its first line is empty)")
+    elif key is not None and not key.strip():
+        raise CLIError(
+            f"--api-key (or ${API_KEY_ENV}) is empty: nobody could use the server; give a key or none"
+        )
+    return key
 
 
 def _listen(host: str, port: int):
@@ -53,7 +79,58 @@ def serve(
         str | None, typer.Option(help="The model id clients send (default: the artifact directory's name).")
     ] = None,
     api_key: Annotated[
-        str | None, typer.Option(help="Require 'Authorization: Bearer KEY' (GET /health and / excepted).")
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV,
+            show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' (GET /health and / excepted). Visible in `ps`: "
+            "prefer the environment variable or --api-key-file.",
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="Read the API key from this file's first line.")
+    ] = None,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A Host header name to answer to besides the defaults (repeatable; '*': any). By default a "
+            "server on a loopback --host answers to localhost, 127.0.0.1 and ::1 only (no DNS rebinding), "
+            "one on a specific address to that address too, one on 0.0.0.0 or :: to any name.",
+        ),
+    ] = None,
+    max_body_mb: Annotated[
+        float, typer.Option(min=0.001, help="Largest request body, MiB (HTTP 413 beyond).")
+    ] = DEFAULT_MAX_BODY_MB,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a request's headers and body may take to arrive (from the connection or the "
+            "previous response); the connection is closed beyond.",
+        ),
+    ] = DEFAULT_TIMEOUT_S,
+    write_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a client may read nothing while its response waits; it is disconnected beyond "
+            "(its slot freed).",
+        ),
+    ] = DEFAULT_TIMEOUT_S,
+    max_request_seconds: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="A request's longest life, queue included (default: none); it then ends as 'length'.",
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Most tokens one reply may have (default 65536); a request asking more gets this many "
+            "(finish_reason 'length'). A KV buffer also bounds it.",
+        ),
     ] = None,
     state_cache_mb: Annotated[
         float, typer.Option(min=0.0, help="Memory for the prefix-state cache, MiB (0: none in memory).")
@@ -61,16 +138,16 @@ def serve(
     state_cache_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Also keep the prefix-state cache here as state files (kept across restarts); one directory "
-            "per model (another model's files are removed)."
+            help="Also keep the prefix-state cache here as state files (kept across restarts), in a "
+            "subdirectory per model: servers of several models may share it."
         ),
     ] = None,
     state_cache_disk_mb: Annotated[
         float,
         typer.Option(
             min=0.0,
-            help="Disk for --state-cache-dir, MiB: the least recently used state files are deleted beyond it "
-            "(0: none on disk; the --ray replicas share it).",
+            help="Disk for --state-cache-dir (this model's files), MiB: the least recently used are deleted "
+            "beyond it (0: none on disk; the --ray replicas share it).",
         ),
     ] = float(DEFAULT_DISK_MB),
     ray: Annotated[
@@ -90,6 +167,7 @@ def serve(
         raise CLIError("--replicas needs --ray")
     if state_cache_dir is not None:
         check_output_dir(state_cache_dir, "--state-cache-dir")
+    api_key = _api_key(api_key, api_key_file)
     Manifest.load(artifact)  # a bad artifact is one line before anything starts
     name = model_name or Path(artifact).resolve().name
     options = dict(
@@ -100,15 +178,28 @@ def serve(
         cache_mb=state_cache_mb,
         cache_dir=state_cache_dir,
         cache_disk_mb=state_cache_disk_mb,
+        max_tokens=max_tokens,
+        max_request_s=max_request_seconds,
     )
     if ray:
         from edgeattn.serve.ray import run_ray
 
         run_ray(artifact, name, api_key, replicas=replicas, host=host, port=port, **options)
         return
+    from edgeattn.serve.app import allowed_hosts
     from edgeattn.serve.server import run_server
 
-    run_server(artifact, name, api_key, sock=_listen(host, port), **options)
+    run_server(
+        artifact,
+        name,
+        api_key,
+        sock=_listen(host, port),
+        hosts=allowed_hosts(host, allowed_host or ()),
+        max_body_bytes=int(max_body_mb * 2**20),
+        read_timeout=read_timeout,
+        write_timeout=write_timeout,
+        **options,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import Command, check_output_dir, cli_errors
+from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
 
 
 @cli_errors
@@ -30,7 +30,8 @@ def web(
     from edgeattn.web import build_site
 
     check_output_dir(out, "--out")
-    site = build_site(artifact, out, node_modules=node_modules, force=force)
+    with writing(out, "--out"):
+        site = build_site(artifact, out, node_modules=node_modules, force=force)
     typer.echo(f"wrote {site}/index.html; serve it, e.g.: python -m edgeattn.web.serve {site}")
 
 

@@ -1,6 +1,7 @@
 """Importers of models trained elsewhere: one module per source family, chosen by ``model_type``.
 
     cfg, notes = import_model("path/to/hf_model", "ckpt")   # an ordinary edgeattn checkpoint
+    cfg, notes = import_model("model.gguf", "ckpt")         # a llama.cpp file: edgeattn.convert.gguf
 
 Each module's ``convert(config, weights)`` maps the original's config.json and tensors onto an
 ``EdgeConfig`` and an ``EdgeLM`` state dict, or refuses with one line naming the config field.
@@ -13,13 +14,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgeattn.artifact.sources import CHECKPOINT, HUGGINGFACE, check_output, directory_kind
+from edgeattn.artifact.sources import CHECKPOINT, GGUF, HUGGINGFACE, check_output, directory_kind
 from edgeattn.artifact.tokenizer import TOKENIZER_FILES, TOKENIZER_JSON, check_vocabulary
 from edgeattn.convert.hf import Weights, model_type, read_config
 from edgeattn.convert.validate import check_special_ids, check_tokenizer_files
 
 # model_type -> module in edgeattn.convert
 CONVERTERS = {
+    "llama": "llama",
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
     "mamba2": "mamba2",
@@ -43,8 +45,9 @@ def converter(mt: str):
     return importlib.import_module(f"edgeattn.convert.{CONVERTERS[mt]}")
 
 
-def convert_dir(src: str | os.PathLike):
-    """(EdgeLM, notes) from the Hugging Face model directory ``src``."""
+def convert_dir(src: str | os.PathLike, weights: Weights | None = None):
+    """(EdgeLM, notes) from the Hugging Face model directory ``src`` (``weights``: its tensors, when they
+    come from elsewhere than its safetensors files: a GGUF's)."""
     from edgeattn.models import EdgeLM
 
     src = Path(src)
@@ -52,7 +55,7 @@ def convert_dir(src: str | os.PathLike):
     mt = config.get("model_type")
     module = converter(mt)
     try:
-        cfg, state_dict, notes = module.convert(config, Weights(src))
+        cfg, state_dict, notes = module.convert(config, Weights(src) if weights is None else weights)
     except KeyError as e:
         raise ValueError(
             f"cannot import: config field {e.args[0]} is missing from {src / 'config.json'}"
@@ -74,6 +77,7 @@ class Source:
     root: Path
     kind: str
     notes: list[str] = field(default_factory=list)
+    scratch: object = None  # a GGUF's: the TemporaryDirectory ``root`` is (its tokenizer files), kept alive
 
     def write_checkpoint(self, directory: Path) -> None:
         """The model as an edgeattn checkpoint in the new directory ``directory`` (not atomic: the caller
@@ -99,10 +103,32 @@ def load_source(path: str | os.PathLike, what: str = "checkpoint") -> Source:
     kind = directory_kind(path, what)
     if kind == CHECKPOINT:
         return Source(EdgeLM.load(path).eval(), path, kind)
+    if kind == GGUF:
+        return _gguf_source(path)
     if kind != HUGGINGFACE:
         raise ValueError(f"{path} is an exported {kind}, not a checkpoint or a Hugging Face model directory")
+    return _hf_source(path, kind)
+
+
+def _gguf_source(path: Path) -> Source:
+    """A GGUF file as a Hugging Face directory: its config.json and tokenizer files written into a
+    temporary directory (the Source's root while it lives), its weights dequantized from the file."""
+    import json
+    import tempfile
+
+    from edgeattn.convert.gguf import GGUFModel
+
+    gguf = GGUFModel(path)
+    scratch = tempfile.TemporaryDirectory(prefix="edgeattn-gguf-")
+    root = Path(scratch.name)
+    (root / "config.json").write_text(json.dumps(gguf.config, indent=2))
+    gguf.write_tokenizer(root)
+    return _hf_source(root, GGUF, gguf.weights, scratch)
+
+
+def _hf_source(path: Path, kind: str, weights=None, scratch=None) -> Source:
     check_tokenizer_files(path, TOKENIZER_FILES)
-    model, notes = convert_dir(path)
+    model, notes = convert_dir(path, weights)
     if (path / TOKENIZER_JSON).is_file():
         from edgeattn.artifact.tokenizer import tokenizer_info
 
@@ -111,18 +137,21 @@ def load_source(path: str | os.PathLike, what: str = "checkpoint") -> Source:
         # keys sorted, as a saved config reads back: the manifest is the same from a checkpoint as from here
         keys = ("bos_token_id", "eos_token_ids", "pad_token_id")
         model.cfg.extra["tokenizer"] = {k: info[k] for k in keys}
-    return Source(model.eval(), path, kind, notes)
+    return Source(model.eval(), path, kind, notes, scratch)
 
 
 def import_model(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = False):
-    """Convert ``src`` into the edgeattn checkpoint directory ``out`` (written whole or not at all),
-    carrying its tokenizer files: export's converter plus the checkpoint's files. Returns (EdgeConfig, notes)."""
+    """Convert ``src`` (a Hugging Face model directory or a GGUF file) into the edgeattn checkpoint directory
+    ``out`` (written whole or not at all), carrying its tokenizer files: export's converter plus the
+    checkpoint's files. Returns (EdgeConfig, notes)."""
     from edgeattn._atomic import make_temp_dir, replace_dir
 
     src, out = Path(src), Path(out)
     kind = directory_kind(src)
-    if kind != HUGGINGFACE:
-        raise ValueError(f"{src}/config.json has no model_type: not a Hugging Face model directory")
+    if kind not in (HUGGINGFACE, GGUF):
+        raise ValueError(
+            f"{src}/config.json has no model_type: not a Hugging Face model directory or a GGUF file"
+        )
     check_output(out, {src: kind}, force)
     source = load_source(src)
     tmp = make_temp_dir(out)  # the shared temporary naming: the next write cleans what a killed import left

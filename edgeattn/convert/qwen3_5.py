@@ -33,11 +33,12 @@ def text_config(config: dict) -> tuple[HFConfig, str, list[str]]:
     return HFConfig(config), "model.", notes
 
 
-def rope(c: HFConfig, head_dim: int) -> tuple[float, int]:
+def rope(c: HFConfig, head_dim: int, partial_default: float = 0.25) -> tuple[float, int]:
     """(rope_theta, rotary dims) as transformers reads them: the legacy ``rope_scaling`` object replaces
     ``rope_parameters`` when both are given; ``rope_theta`` and ``partial_rotary_factor`` come from that
-    object, else from the top level, else transformers' defaults (10000, and 0.25 for Qwen3.5). Only plain
-    RoPE is implemented: any scaled ``rope_type`` (yarn, linear, dynamic, longrope, llama3...) is refused."""
+    object, else from the top level, else transformers' defaults (10000, and ``partial_default``: 0.25 for
+    Qwen3.5, 1 for Llama). Only plain RoPE is implemented: any scaled ``rope_type`` (yarn, linear, dynamic,
+    longrope, llama3...) is refused."""
     key = "rope_scaling" if c.raw("rope_scaling") else "rope_parameters"
     params = c.sub(key) or HFConfig({}, c.name(key) + ".")
     if any(isinstance(v, dict) for v in params.data.values()):
@@ -55,7 +56,9 @@ def rope(c: HFConfig, head_dim: int) -> tuple[float, int]:
     c.float("partial_rotary_factor", None, positive=True, max=1.0, nullable=True)
 
     theta = source("rope_theta").float("rope_theta", 10000.0, positive=True)
-    factor = source("partial_rotary_factor").float("partial_rotary_factor", 0.25, positive=True, max=1.0)
+    factor = source("partial_rotary_factor").float(
+        "partial_rotary_factor", partial_default, positive=True, max=1.0
+    )
     dims = int(head_dim * factor)  # transformers rotates int(head_dim * partial_rotary_factor) dims
     if dims < 2 or dims % 2:
         raise source("partial_rotary_factor").error(

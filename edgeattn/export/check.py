@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgeattn.bench.machine import cpu_record
+from edgeattn.export.precision import S8_SATURATES
+
 # Relative logit tolerance (max |diff| / max |logit|) per precision.
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-2, "int8": 0.3, "int4": 0.3}
 
@@ -34,6 +37,10 @@ class CheckReport:
     bpb_text: str = ""  # what the bits per byte measured: which text, how many tokens and bytes
     tensorrt: list[str] | None = None
     tolerance: float = 0.0
+    cpu: dict = field(
+        default_factory=dict
+    )  # the machine's CPU the artifact ran on: bench.machine.cpu_record()
+    notes: list[str] = field(default_factory=list)  # what the figures depend on besides the artifact
 
     @property
     def ok(self) -> bool:
@@ -66,8 +73,31 @@ def _compare(a: np.ndarray, b: np.ndarray, graph_path) -> dict:
 
     diff = float(np.abs(a - b).max()) if a.size else 0.0
     scale = float(np.abs(b).max()) if b.size else 1.0
-    ops = Counter(n.op_type for n in onnx.load(str(graph_path), load_external_data=False).graph.node)
-    return {"tokens": a.shape[1], "max_abs": diff, "rel": diff / max(scale, 1e-12), "ops": dict(ops)}
+    graph = onnx.load(str(graph_path), load_external_data=False).graph
+    ops = Counter(n.op_type for n in graph.node)
+    return {
+        "tokens": a.shape[1],
+        "max_abs": diff,
+        "rel": diff / max(scale, 1e-12),
+        "ops": dict(ops),
+        "int8_weights": int8_weights(graph),
+    }
+
+
+def int8_weights(graph) -> str | None:
+    """ "s8" or "u8": the element type of the integer MatMuls' weights (``export --int8-weights``), None
+    without any."""
+    import onnx
+
+    types = {i.name: i.data_type for i in graph.initializer}
+    found = {
+        types.get(n.input[1])
+        for n in graph.node
+        if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") and len(n.input) > 1
+    }
+    if onnx.TensorProto.INT8 in found:
+        return "s8"
+    return "u8" if onnx.TensorProto.UINT8 in found else None
 
 
 def genai_logits(manifest, ids: np.ndarray, threads: int | None = None) -> np.ndarray:
@@ -152,6 +182,15 @@ def check_artifact(
     report.bpb_text = f"{len(targets)} tokens ({n_bytes} bytes) predicted from the start of {name}" + (
         "" if text is not None else ", not the training text"
     )
+    report.cpu = cpu_record()
+    if report.cpu["kind"] in S8_SATURATES and any(
+        g.get("int8_weights") == "s8" for g in report.graphs.values()
+    ):
+        report.notes.append(
+            f"this artifact's int8 weights are signed (--int8-weights s8): on this CPU ({report.cpu['kind']}, no "
+            "VNNI) ONNX Runtime multiplies them with 16-bit saturating sums, so its error here is larger than on "
+            "a CPU with VNNI or AMX; export with --int8-weights u8 (the default) for the same logits on every CPU"
+        )
     if m.target == "portable":
         report.tensorrt = sorted(
             set(tensorrt_report(onnx.load(str(m.graph_path("step")), load_external_data=False)))

@@ -12,6 +12,7 @@ Targets:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -516,6 +517,21 @@ class ExportPlan:
             raise ValueError(
                 "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
             )
+        if self.prefill_logits == "last" and (
+            target != "onnxruntime" or precision not in ONE_GRAPH_PRECISIONS or self.one_graph is False
+        ):
+            raise ValueError(
+                "prefill_logits 'last' needs the one graph that serves step and prefill: target 'onnxruntime', "
+                f"precision among {ONE_GRAPH_PRECISIONS} and fused mixers (got target {target!r}, precision "
+                f"{precision!r}{', one_graph False' if self.one_graph is False else ''}); export with "
+                "prefill_logits 'all'"
+            )
+        if self.kv_dtype != "float32" and target != "onnxruntime":
+            raise ValueError(
+                f"--kv-dtype {self.kv_dtype} is the element type of the onnxruntime target's preallocated KV "
+                f"buffers; on target {target!r} softmax layers keep a growing float32 KV cache: export with "
+                "--target onnxruntime, or --kv-dtype float32"
+            )
 
     def decide(self, model) -> None:
         """Check ``model`` against the options and make the choices (sets its softmax layers' KV buffers)."""
@@ -541,8 +557,9 @@ class ExportPlan:
         self.kv_buffers = use_kv_buffers(model, target, self.length)
         if self.kv_dtype != "float32" and not self.kv_buffers:
             raise ValueError(
-                f"--kv-dtype {self.kv_dtype}: this model has no KV buffers (softmax layers on ONNX Runtime's "
-                "GroupQueryAttention, target onnxruntime); export with --kv-dtype float32"
+                f"--kv-dtype {self.kv_dtype} is the element type of the softmax layers' KV buffers; this model "
+                f"has no softmax layer, so no KV buffers (mixers {sorted(set(cfg.mixers))} keep fixed-size "
+                "float32 states): export with --kv-dtype float32"
             )
         reason = fixed_batch_reason(model, target) if self.dynamic_batch else None
         if reason:
@@ -667,7 +684,10 @@ def export_model(
         check_output(out, {source.root: source.kind}, force)
     else:
         root = Path(checkpoint)
-        check_output(out, {root: directory_kind(root, "checkpoint")}, force)
+        kind = directory_kind(root, "checkpoint")
+        check_output(out, {root: kind}, force)
+        if kind == CHECKPOINT:  # the model's refusals from its config alone, before its weights are read
+            _decide_from_config(plan, root)
         source = load_source(root)
     plan.source_notes = source.notes
     plan.decide(source.model)
@@ -681,6 +701,18 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _decide_from_config(plan: ExportPlan, checkpoint: Path) -> None:
+    """``plan.decide`` on the checkpoint's model built on the meta device from its config (no weights): an
+    option the model cannot take is refused before its weights are loaded. ``plan`` itself is untouched."""
+    from edgeattn.artifact.sources import CONFIG
+    from edgeattn.models import EdgeConfig, EdgeLM
+
+    cfg = EdgeConfig.from_dict(json.loads((checkpoint / CONFIG).read_text()))
+    with torch.device("meta"):
+        model = EdgeLM(cfg)
+    dataclasses.replace(plan, entries=[], shapes=[], source_notes=[]).decide(model)
 
 
 def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:

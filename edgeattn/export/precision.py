@@ -4,12 +4,18 @@
   every node that reads or writes a state tensor, the fused LinearAttention op, the whole log-space gate
   arithmetic (from the gate through its cumulative sums and their differences to the Exp) and each norm's
   mean square stay float32 too (``FP32_OPS``, ``FP32_REGIONS``), and no value passes through float16
-  between two float32 nodes (the converter's Cast pairs are removed). The fused norms of
+  between two float32 nodes (the converter's Cast pairs are removed; a present state's op writes the
+  graph output itself, so a KV buffer stays one buffer that ``set_kv_dtype`` can retype). The fused norms of
   ``edgeattn.export.optimize`` run in float16 with ``stash_type`` float32: their mean square is float32. Trained gates are far from their
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
 - int8: ONNX Runtime's dynamic quantization of the MatMul projections whose weights are initializers
-  (int8 weights, activations quantized per call); the recurrence itself is untouched.
+  (8-bit weights, one scale and zero point per output channel; activations quantized per call to uint8);
+  the recurrence itself is untouched. The weights are unsigned by default (``INT8_WEIGHTS``): ONNX Runtime's CPU
+  kernels multiply uint8 activations by int8 weights with 16-bit saturating sums (``vpmaddubsw``) on CPUs
+  without VNNI (AVX2 AMD EPYCs, AVX-512 without VNNI), and the tiny GLA test model's logits went 0.56
+  relative off there against 0.20 on a VNNI CPU; uint8 x uint8 widens to 16 bits before it multiplies
+  and gives the same logits on both kinds (0.15 relative, per channel; benchmarks/RESULTS.md, issue 38).
 - int4: weight-only blockwise quantization with ONNX Runtime's ``MatMulNBitsQuantizer``: every MatMul with
   an initializer weight becomes ``com.microsoft.MatMulNBits`` (the tied lm head included) and the embedding
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
@@ -44,7 +50,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from edgeattn.artifact.manifest import KV_DTYPES
+from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES
 from edgeattn.export.graph import sort_topologically
 
 
@@ -138,6 +144,22 @@ def _drop_round_trips(model) -> None:
             if types.get(origin) == F32 or cast_to(producer.get(origin)) == F32:
                 rename[n.output[0]] = origin
     outputs = {o.name for o in graph.output}
+    # a graph output (a present state) that is such a round trip: its float32 origin's node writes it
+    # directly, so that the state never passes through float16 and a KV buffer stays one buffer (past and
+    # present bound together, GroupQueryAttention writing in place; --kv-dtype retypes it afterwards)
+    inputs = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    for out, origin in [(k, v) for k, v in rename.items() if k in outputs]:
+        if origin in inputs or origin in outputs or origin not in producer:
+            continue
+        graph.node.remove(producer[out])  # the Cast(float32) that wrote it
+        for n in graph.node:
+            n.output[:] = [out if x == origin else x for x in n.output]
+            n.input[:] = [out if x == origin else x for x in n.input]
+        for v in graph.value_info:
+            if v.name == origin:
+                graph.value_info.remove(v)
+                break
+        rename = {k: out if v == origin else v for k, v in rename.items()}
     rename = {k: v for k, v in rename.items() if k not in outputs}
     for n in graph.node:
         for i, name in enumerate(n.input):
@@ -152,6 +174,8 @@ def _drop_round_trips(model) -> None:
             return
         for n in dead:
             graph.node.remove(n)
+            for v in [v for v in graph.value_info if v.name in n.output]:
+                graph.value_info.remove(v)
 
 
 def fp32_nodes(model, entries) -> list[str]:
@@ -583,7 +607,7 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
         _drop_round_trips(model)
         sort_topologically(model)
     elif precision == "int8":
-        model = quantize_int8(model)
+        model = quantize_int8(model, **options)
     elif precision == "int4":
         model = quantize_int4(model, **{**INT4_DEFAULTS, **options})
     else:
@@ -591,14 +615,25 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     return model
 
 
-def quantize_int8(model):
+# int8 weights (``--int8-weights``, one of INT8_WEIGHTS): "u8", the default, gives the same logits on every
+# x86-64 CPU kind (the module docstring); "s8" is ONNX Runtime's own default, faster on CPUs with VNNI or AMX
+# (benchmarks/RESULTS.md, issue 38) and saturating on the CPU kinds (``edgeattn.bench.machine.cpu_kind``)
+# where MLAS multiplies uint8 by int8 with vpmaddubsw:
+S8_SATURATES = ("avx2", "avx512")
+
+
+def quantize_int8(model, weights: str = "u8"):
     """ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose weights are
-    initializers (int8 weights). Its quantizer reads and writes files: through a scratch directory."""
+    initializers, one scale and zero point per output channel; ``weights`` "u8" (uint8) or "s8" (int8).
+    Its quantizer reads and writes files: through a scratch directory."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    weights = {i.name for i in model.graph.initializer}
-    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & weights]
+    if weights not in INT8_WEIGHTS:
+        raise ValueError(f"int8 weights must be one of {', '.join(INT8_WEIGHTS)}, got {weights!r}")
+
+    inits = {i.name for i in model.graph.initializer}
+    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & inits]
     with tempfile.TemporaryDirectory(prefix="edgeattn-int8-") as scratch:
         src, dst = os.path.join(scratch, "src.onnx"), os.path.join(scratch, "int8.onnx")
         onnx.save(model, src)
@@ -607,7 +642,13 @@ def quantize_int8(model):
         level = root.level
         root.setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
         try:
-            quantize_dynamic(src, dst, nodes_to_quantize=matmuls, weight_type=QuantType.QInt8)
+            quantize_dynamic(
+                src,
+                dst,
+                nodes_to_quantize=matmuls,
+                weight_type=QuantType.QUInt8 if weights == "u8" else QuantType.QInt8,
+                per_channel=True,
+            )
         finally:
             root.setLevel(level)
         return onnx.load(dst)

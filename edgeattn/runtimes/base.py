@@ -255,6 +255,7 @@ class Session(ABC):
         stop_ids=None,
         repetition_penalty: float = 1.0,
         repetition_window: int = 0,
+        logit_bias=None,
         speculative=None,
     ) -> Iterator[int]:
         """Yield new token ids one at a time (batch 1), continuing from the current state. Generation
@@ -262,6 +263,7 @@ class Session(ABC):
         consumed into the state but not yielded. ``temperature <= 0`` is greedy; see
         ``edgeattn.runtimes.sampling.sample_next``. ``repetition_penalty`` applies to the tokens of this
         call (prompt and generated), the last ``repetition_window`` of them (0: all, as transformers).
+        ``logit_bias``: OpenAI's ``{token id: bias in [-100, 100]}``, added to the logits before sampling.
 
         ``speculative``: "ngram" (prompt lookup), a draft artifact's directory or Session (the same tokenizer),
         or a drafter object: the same tokens (greedy; sampled: the same distribution) from fewer graph calls,
@@ -278,6 +280,8 @@ class Session(ABC):
             max_new_tokens=max_new_tokens,
             repetition_penalty=repetition_penalty,
             repetition_window=repetition_window,
+            logit_bias=logit_bias,
+            vocab_size=self.manifest.vocab_size,
         )
         ids = np.asarray(list(prompt_ids), dtype=np.int64)[None]
         limit = self.manifest.max_length

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.runtimes.sampling import check_sampling, next_distribution, sample_next
+from edgeattn.runtimes.sampling import (
+    check_sampling,
+    check_seed,
+    logit_bias_arrays,
+    next_distribution,
+    sample_next,
+)
 
 
 @dataclass
@@ -28,13 +34,22 @@ class Decoder:
     max_new_tokens: int | None = None
     repetition_penalty: float = 1.0  # over the context's tokens (1: none)
     repetition_window: int = 0  # the last this many tokens of the context (0: all, as transformers)
+    logit_bias: dict | tuple | None = (
+        None  # OpenAI's {token id: bias in [-100, 100]} (sampling.apply_logit_bias)
+    )
+    vocab_size: int | None = None  # checks logit_bias's ids at once where given
     context: list = field(default_factory=list)  # the prompt and the generated tokens (for the penalty)
+    # logits processors of the serving layer (a grammar's mask, a logprobs recorder): each has
+    # ``process(logits) -> logits`` (before sampling) and ``accept(token, raw_logits)`` (after, a stop token too)
+    processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)
     done: bool = False
     last: int | None = None  # the last sampled token, a stop token included (the graph consumes it)
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        check_seed(self.seed)
+        self.logit_bias = logit_bias_arrays(self.logit_bias, self.vocab_size)
         w = self.repetition_window
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"repetition_window must be an integer >= 0 (0: every token), got {w!r}")
@@ -61,29 +76,41 @@ class Decoder:
         ``max_new_tokens``."""
         if self.done:
             return None
-        return self.take(
-            sample_next(
-                logits,
-                rng=self.rng,
-                repetition_penalty=self.repetition_penalty,
-                previous=self._previous(),
-                **self.sampling,
-            )
+        raw = logits
+        for p in self.processors:
+            logits = p.process(logits)
+        tok = sample_next(
+            logits,
+            rng=self.rng,
+            repetition_penalty=self.repetition_penalty,
+            previous=self._previous(),
+            logit_bias=self.logit_bias,
+            **self.sampling,
         )
+        return self.take(tok, raw)
 
     def distribution(self, logits) -> tuple[np.ndarray, np.ndarray | None]:
         """``(logits, p)`` as ``next`` would sample from them now (``sampling.next_distribution``; ``p`` None:
         greedy, the argmax of ``logits``)."""
+        for p in self.processors:
+            logits = p.process(logits)
         return next_distribution(
-            logits, repetition_penalty=self.repetition_penalty, previous=self._previous(), **self.sampling
+            logits,
+            repetition_penalty=self.repetition_penalty,
+            previous=self._previous(),
+            logit_bias=self.logit_bias,
+            **self.sampling,
         )
 
-    def take(self, tok: int) -> int | None:
+    def take(self, tok: int, raw=None) -> int | None:
         """Record ``tok`` as the stream's next token, chosen elsewhere (``next`` samples it; speculative
-        decoding's rejection rule may choose it): None when it is a stop token, as ``next``."""
+        decoding's rejection rule may choose it): None when it is a stop token, as ``next``. ``raw``: the
+        logits it was chosen from, before the processors (which ``accept`` it with them)."""
         self.last = tok = int(tok)
         if self.repetition_penalty != 1:
             self.context.append(tok)
+        for p in self.processors:
+            p.accept(tok, raw)
         if tok in self.stop_ids:
             self.done = True
             return None

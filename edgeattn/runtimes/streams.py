@@ -273,13 +273,17 @@ class Streams:
         seed: int | None = None,
         stop_ids=None,
         max_new_tokens: int | None = None,
+        logit_bias=None,
+        processors=(),
     ) -> int:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
         the path of a state file of this model). Without a prompt, ``state`` and ``logits`` (the next-token
-        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``. A
+        logits ``[vocab]`` that came with it) resume a stream as it was. Sampling: as ``sample_next``
+        (``logit_bias``: OpenAI's ``{token id: bias}``, the ids checked against the vocabulary here). A
         state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
-        slots below the state's position count: those past it are never read)."""
+        slots below the state's position count: those past it are never read). ``processors``: the
+        ``Decoder``'s logits processors (a grammar's mask, a logprobs recorder)."""
         with self.lock:
             decoder = Decoder(
                 temperature=temperature,
@@ -288,6 +292,9 @@ class Streams:
                 seed=seed,
                 stop_ids=self._single.tokenizer.eos_token_ids if stop_ids is None else stop_ids,
                 max_new_tokens=max_new_tokens,
+                logit_bias=logit_bias,
+                vocab_size=self.manifest.vocab_size,
+                processors=list(processors),
             )
             if self.max_streams is not None and len(self._rows) >= self.max_streams:
                 raise ValueError(f"{len(self._rows)} streams are live, max_streams is {self.max_streams}")
@@ -465,6 +472,10 @@ class Streams:
             raise ValueError(f"no stream with id {sid!r} (held: {sorted(self._streams)})")
         return self._streams[sid]
 
+    def _held(self, sid: int) -> None:
+        if sid not in self._rows:
+            raise ValueError(f"stream {sid} ended without its state (its sampling failed)")
+
     def _park(self, sids: list[int], keep: bool = True) -> None:
         """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream (``keep``)."""
         live = self._current()
@@ -480,6 +491,27 @@ class Streams:
                 rows[i] = rows[last]
             rows.pop()
         self._bind()
+
+    def _sample_all(self, out: dict, stopped: list, errors: dict | None) -> dict[int, int]:
+        """Every live stream's next token (``_sample``); with ``errors``, a stream whose sampling fails is
+        taken out of the batch (state discarded) and its error recorded, without a step."""
+        if errors is None:
+            for sid in self._rows:  # non-finite logits stop the step before any stream changes
+                finite_logits(self._streams[sid].logits, f"stream {sid}'s logits")
+        toks, failed = {}, []
+        for sid in self._rows:
+            st = self._streams[sid]
+            try:
+                toks[sid] = _sample(st, sid, out, stopped)
+            except Exception as e:
+                if errors is None:
+                    raise
+                errors[sid] = e
+                st.decoder.done = True
+                failed.append(sid)
+        if failed:
+            self._park(failed, keep=False)
+        return toks
 
     def drop(self, sid: int) -> None:
         """Forget a stream (live or stopped) and free its row."""
@@ -515,6 +547,7 @@ class Streams:
             st = self._stream(sid)
             if st.parked is not None:  # of a KV buffer the filled slots only, float32, as from the batch rows
                 return self._row([st.parked[e.input] for e in self._entries], 0, st.position)
+            self._held(sid)
             return self._row(self._current(), self._rows.index(sid), st.position)
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:
@@ -526,20 +559,25 @@ class Streams:
                 path, self.get_state(sid), fingerprint=self.manifest.fingerprint, position=self.position(sid)
             )
 
-    def step(self) -> dict[int, int]:
+    def step(self, errors: dict | None = None) -> dict[int, int]:
         """Sample each live stream's next token from its logits (its own parameters and generator) and run
         the step graph ONCE on all of them at batch N. Returns {stream id: new token} for the streams that
         produced one; a stream that sampled a stop token (consumed, not returned) or reached
-        ``max_new_tokens`` is done and leaves the batch."""
+        ``max_new_tokens`` is done and leaves the batch.
+
+        A stream whose sampling fails (non-finite logits, say) is a ValueError before any stream changes;
+        with ``errors`` (a dict) it ends that stream alone instead: the error goes in ``errors[sid]``, the
+        stream is done and leaves the batch without its state (``get_state`` refuses it; ``drop`` it), and
+        the others step (a server's requests are independent)."""
         with self.lock:
-            n = len(self._rows)
-            if n == 0:
+            if not self._rows:
                 return {}
             out, stopped = {}, []
-            for sid in self._rows:  # non-finite logits stop the step before any stream changes
-                finite_logits(self._streams[sid].logits, f"stream {sid}'s logits")
+            toks = self._sample_all(out, stopped, errors)
+            if not self._rows:
+                return out
             for i, sid in enumerate(self._rows):
-                self._ids_np[i, 0] = _sample(self._streams[sid], sid, out, stopped)
+                self._ids_np[i, 0] = toks[sid]
             self._step_graph.run_with_iobinding(self._bindings[self._cur])
             self._cur = 1 - self._cur
             logits = self._logits_np[:, 0].copy()  # [N, V]
@@ -616,16 +654,19 @@ class SerialStreams(Streams):
             st = self._stream(sid)
             if st.parked is not None:
                 return {k: v.copy() for k, v in st.parked.items()}
+            self._held(sid)
             return self._single.get_state()
 
-    def step(self) -> dict[int, int]:
+    def step(self, errors: dict | None = None) -> dict[int, int]:
         with self.lock:
             if not self._rows:
                 return {}
             sid = self._rows[0]
             st = self._streams[sid]
             out, stopped = {}, []
-            tok = _sample(st, sid, out, stopped)
+            tok = self._sample_all(out, stopped, errors).get(sid)
+            if not self._rows:
+                return out
             st.logits = np.array(self._single.step(np.array([[tok]], np.int64))[0], dtype=np.float32)
             st.position += 1
             if stopped:

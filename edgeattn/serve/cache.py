@@ -1,45 +1,50 @@
 """The prefix-state cache: the state after a sequence of token ids, found again by any longer sequence.
 
 An entry is the batch-1 state after consuming ``tokens[:n]`` together with the next-token logits that came
-with it, under the key ``sha256(fingerprint, tokens[:n])``. ``lookup(tokens)`` returns the entry of the
-longest cached prefix of ``tokens`` (possibly all of them): the caller resumes from its state and logits
-and prefills only ``tokens[n:]``. Only the lengths that are cached are hashed (one incremental pass over
-the ids), so a lookup costs O(len(tokens)) whatever the number of entries.
+with it, under the key ``sha256(fingerprint, sha256(salt), tokens[:n])``. ``lookup(tokens)`` returns the
+entry of the longest cached prefix of ``tokens`` (possibly all of them): the caller resumes from its state
+(``state(entry)``: the layout ``Streams`` takes) and logits and prefills only ``tokens[n:]``. Only the lengths
+that are cached are hashed (one incremental pass over the ids), so a lookup costs O(len(tokens)) whatever
+the number of entries.
 
-Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes).
-The engine keeps one state per conversation in memory, and the states that several requests share:
-- it stores the state after a finished reply with ``reply_to`` (the prompt's ids): the prompt's entry,
-  which the reply's extends, is marked shared if another request has resumed from it meanwhile
-  (``Entry.uses``: a system prompt, a regenerated turn), else it leaves memory, provided the reply's text
-  encodes back to its token ids (``round_trips``: the client can send it back and land on the reply's
-  state; a reply that cannot, such as invalid UTF-8 from a byte-level model, keeps its prompt's entry);
-- it stores a prompt's state with ``supersede``: the entries of shorter prefixes of the prompt leave
-  memory (the conversation has moved on) unless shared or used by another request too, and so do the
-  replies to shorter prefixes that the prompt does not extend (a reply that came back re-encoded to
-  other tokens) unless a lookup has used them or the prefix is shared (they are other conversations').
-A conversation whose replies come back as they were generated so holds one state, one whose replies come
-back re-encoded two (its last prompt's and its last reply's). A next turn that extends neither (an edited
-earlier message) finds nothing in memory (the disk, if any, holds the entries its budget allows).
-Disk (``directory``): every entry is also written as a state file (``edgeattn.runtimes.state_file``:
-checksummed, written atomically: a temporary file, then a rename, so never half a file) named
-``{n}-{key}.state``, holding the state tensors plus one more tensor, ``next_token_logits`` ``[1, vocab]``;
-the directory is indexed at start (by file name and ``stat``, nothing read), and an entry evicted from
-memory or written before a restart is read back on its first hit. A file that is damaged, of another model
-or of another length is skipped with one log line, removed and never used.
+Isolation: a ``salt`` (the request's ``cache_salt``, as vLLM's) is part of every key, so requests with
+different salts never resume from each other's states, and ``cached_tokens`` tells a client nothing about
+the prompts of clients with another salt; requests without one share their states.
+
+What an entry holds: every state tensor as the graph holds it, except that a KV buffer (``kv``: the
+``[1, Hkv, max_length, D]`` buffers of softmax layers on GroupQueryAttention) keeps only its ``n`` filled
+slots (``[1, Hkv, n, D]``), in the buffer's own dtype (int8 with the artifact's scales, float16), in memory
+and on disk: an entry after ``n`` tokens costs ``entry_bytes(n)``, the fixed-size tensors plus ``n`` slots.
+
+Memory: least recently used entries are evicted beyond ``capacity_bytes`` (state plus logits bytes). The
+engine stores the state after a prompt, after the reply to it (prompt, reply and end-of-sequence token) and
+at the chat-message boundaries inside a prompt (``boundary``: where the first message after the system
+prompt and where the last message begin), so that a regenerated reply, an edited last message, a prompt that continues an
+earlier one differently or a second user with the same system prompt resumes from the longest prefix they
+share. When a prompt is stored, the entries of the same conversation that it leaves behind (prefixes of it
+shorter than the state it resumed from: earlier turns' prompts and replies, not message boundaries) become
+the least recently used, the first to go when room is needed, but stay while there is room.
+
+Disk (``directory``): the entries of one model live in the subdirectory ``model-{sha256(fingerprint)[:16]}``
+of the directory (``directory`` is that subdirectory; servers of other models sharing the directory keep
+their own, each within its own budget). Every entry is also written there as a state file
+(``edgeattn.artifact.state_file``: checksummed, written atomically: a temporary file, then a rename, so
+never half a file) named ``{n}-{key}.state``, holding the state tensors (a KV buffer as ``F16`` or ``I8``
+where it is one) plus ``next_token_logits`` ``[1, vocab]``, and its key in the metadata: a file renamed or
+swapped with another's is refused. The subdirectory is indexed at start by file name and ``lstat``, nothing
+read: a file larger than an entry of its length can be (``max_file_bytes``) is removed, and a symbolic
+link that leaves the directory is skipped (neither counted nor read nor removed), each with one log line.
+An entry evicted from memory or written before a restart is read back on its first hit, its size checked
+before it is read. A file that is damaged, of another model, of another length or of other tokens is
+skipped with one log line, removed and never used.
 The disk holds at most ``disk_capacity_bytes`` (the files' real sizes): beyond it the least recently used
 files are deleted, with the recency of memory (a hit, in memory or on disk, and a ``put`` of a held key
 count as a use; a use also sets the file's mtime). The files found at start (a restart) count, oldest mtime
 first, and are deleted oldest first while over the budget. A key deleted from the disk and not in memory is
 a miss from then on. An entry larger than the whole budget is not written (one log line, the first time),
 nor is one whose write fails (disk full, permission: one log line each): it stays in memory only. Every
-state file in the directory counts against the budget of the cache that indexes it: caches sharing a
-directory (``--ray`` replicas) each get their share of it (see ``edgeattn.serve.ray``).
-
-Models with a KV-buffer layer (softmax layers on GroupQueryAttention) cache their buffer as it is in the
-state: the whole preallocated ``[1, Hkv, max_length, D]`` key and value buffers per layer, whatever the
-position, so an entry counts the full buffer bytes (``state_bytes`` of the artifact) against the capacity;
-in memory the slots past its position are zeros that ``Streams`` never wrote (pages the OS does not
-commit), so its RSS is about the prefix's.
+state file in the subdirectory counts against the budget of the cache that indexes it: caches of one model
+sharing a directory (``--ray`` replicas) each get their share of it (see ``edgeattn.serve.ray``).
 """
 
 from __future__ import annotations
@@ -51,12 +56,14 @@ import os
 import re
 import stat
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edgeattn.artifact.state_file import load_state, save_state
+from edgeattn.runtimes.base import kv_from_float, kv_to_float, kv_zeros
 
 LOGITS = "next_token_logits"
 DEFAULT_DISK_MB = 4096  # the disk budget of --state-cache-dir unless --state-cache-disk-mb says otherwise
@@ -68,10 +75,9 @@ log = logging.getLogger("edgeattn.serve")
 @dataclass
 class Entry:
     n: int  # tokens consumed
-    state: dict  # batch-1 state by graph input name
+    state: dict  # batch-1 state by graph input name; a KV buffer's n filled slots only, in its dtype
     logits: np.ndarray  # [vocab] next-token logits
-    uses: int = 0  # lookups that resumed from it
-    shared: bool = False  # another request resumed from it while its own ran: never superseded
+    boundary: bool = False  # a chat-message boundary (a system prompt): never demoted
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +91,17 @@ class _File:
     size: int  # bytes on disk
 
 
+def model_directory(root: str | os.PathLike, fingerprint: str) -> Path:
+    """The subdirectory of ``root`` that holds the state files of the model with ``fingerprint``."""
+    return Path(root) / f"model-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+
+
 class PrefixCache:
-    """See the module docstring. Not thread-safe: one owner (the engine's worker thread) calls it."""
+    """See the module docstring. Not thread-safe: one owner (the engine's worker thread) calls it.
+
+    ``shapes``: state input name -> its graph input's shape (a str dimension matches any size); ``kv``: the
+    KV buffers among them, name -> manifest state entry (``dtype``, ``scale``); ``vocab_size`` bounds the
+    logits of a file found on disk (None: any)."""
 
     def __init__(
         self,
@@ -95,6 +110,9 @@ class PrefixCache:
         capacity_bytes: int,
         directory: str | os.PathLike | None = None,
         disk_capacity_bytes: int = DEFAULT_DISK_MB * MiB,
+        *,
+        kv: Mapping | None = None,
+        vocab_size: int | None = None,
     ):
         if capacity_bytes < 0 or disk_capacity_bytes < 0:
             raise ValueError(
@@ -103,35 +121,58 @@ class PrefixCache:
             )
         self.fingerprint = fingerprint
         self.shapes = dict(shapes)  # state input name -> shape (a str dimension matches any size)
+        self.kv = dict(kv or {})
+        self.vocab_size = vocab_size
         self.capacity = int(capacity_bytes)
-        self.directory = None if directory is None else Path(directory)
+        self.root = None if directory is None else Path(directory)
+        self.directory = None if directory is None else model_directory(directory, fingerprint)
         self.disk_capacity = int(disk_capacity_bytes)
         self._mem: OrderedDict[str, Entry] = OrderedDict()
         self._disk: OrderedDict[str, _File] = OrderedDict()  # least recently used first
         self.disk_bytes = 0
         self._said_too_big = False
         self._lengths: dict[int, set[str]] = {}  # n -> keys held (memory or disk)
-        # prompt key -> (its n, the key of the state after its reply)
-        self._replies: dict[str, tuple[int, str]] = {}
-        self._prompt_of: dict[str, str] = {}  # reply key -> prompt key (the inverse of _replies)
         self.bytes = 0
         self.hits = self.misses = self.hit_tokens = 0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            found = []
-            for path in self.directory.iterdir():
-                m = _NAME.match(path.name)
-                try:
-                    st = path.stat() if m else None
-                except OSError:  # gone since listed (another server sharing the directory)
-                    continue
-                if st is not None and stat.S_ISREG(st.st_mode):
-                    found.append((st.st_mtime, path.name, int(m.group(1)), m.group(2), st.st_size))
-            for _, name, n, key, size in sorted(found):  # oldest first
+            for _, name, n, key, size in sorted(self._scan()):  # oldest first
                 if key in self._disk:  # the same key under another length (a renamed file): the older goes
                     self._drop_file(key)
                 self._add_file(key, _File(self.directory / name, n, size))
             self._trim_disk(self.disk_capacity)
+
+    def _scan(self) -> list[tuple]:
+        """(mtime, name, n, key, size) of the state files in the directory that may be entries."""
+        found = []
+        for path in self.directory.iterdir():
+            m = _NAME.match(path.name)
+            if m is None:
+                continue
+            try:
+                if path.is_symlink() and self._outside(path):
+                    log.warning("prefix cache: skipping %s: a link that leaves %s", path.name, self.directory)
+                    continue
+                st = path.stat()
+            except OSError:  # gone since listed (another server sharing the directory), a dangling link
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            n, bound = int(m.group(1)), self.max_file_bytes(int(m.group(1)))
+            if bound is None or st.st_size > bound:
+                why = f"{st.st_size} bytes, more than an entry of {n} tokens can be ({bound})"
+                if bound is None:
+                    why = f"{n} tokens, more than this model's state holds"
+                log.warning("prefix cache: skipping %s (removed): %s", path.name, why)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            found.append((st.st_mtime, path.name, n, m.group(2), st.st_size))
+        return found
+
+    def _outside(self, path: Path) -> bool:
+        """Whether ``path`` resolves (its links followed) to a place outside the directory."""
+        return not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(self.directory))
 
     @property
     def enabled(self) -> bool:
@@ -139,6 +180,67 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(set(self._mem) | set(self._disk))
+
+    # ---- sizes and layouts ----
+
+    def _shape(self, name: str, n: int) -> tuple:
+        """The shape of tensor ``name`` in an entry after ``n`` tokens (a KV buffer's ``n`` slots)."""
+        shape = [n if isinstance(d, str) or d is None else int(d) for d in self.shapes[name]]
+        if name in self.kv:
+            shape[2] = n
+        return tuple(shape)
+
+    def entry_bytes(self, n: int) -> int:
+        """Bytes of an entry after ``n`` tokens (memory; a file adds its header)."""
+        total = 4 * (self.vocab_size or 0)
+        for name in self.shapes:
+            itemsize = np.dtype(self.kv[name].dtype).itemsize if name in self.kv else 4
+            total += itemsize * int(np.prod(self._shape(name, n), dtype=np.int64))
+        return total
+
+    def max_file_bytes(self, n: int) -> int | None:
+        """The largest state file an entry after ``n`` tokens can have (None: no entry has ``n`` tokens)."""
+        if any(n > int(self.shapes[name][2]) for name in self.kv):
+            return None
+        logits = 0 if self.vocab_size is not None else 4 * 2**24  # any vocabulary: a generous bound
+        return self.entry_bytes(n) + logits + 8 + 4096 + 256 * (len(self.shapes) + 1)  # + the JSON header
+
+    def _compact(self, state: dict, n: int) -> dict:
+        """``state`` as an entry holds it: a KV buffer's first ``n`` slots, in the buffer's dtype (a copy)."""
+        out = {}
+        for name, a in state.items():
+            e = self.kv.get(name)
+            if e is not None:
+                a = np.asarray(a)[:, :, :n]
+                a = kv_from_float(e, a) if a.dtype != np.dtype(e.dtype) else a
+                a = np.array(a, dtype=e.dtype, copy=True, order="C")
+            out[name] = a
+        return out
+
+    def state(self, entry: Entry) -> dict:
+        """``entry``'s state in the layout ``Streams`` takes: a KV buffer whole (``max_length`` slots, the
+        ones past ``n`` zeros that are never written: pages the OS does not commit), float32."""
+        out = {}
+        for name, a in entry.state.items():
+            e = self.kv.get(name)
+            if e is not None:
+                full = kv_zeros(tuple(int(d) for d in self.shapes[name]), np.float32)
+                full[:, :, : entry.n] = kv_to_float(e, a)
+                a = full
+            out[name] = a
+        return out
+
+    # ---- keys ----
+
+    def _hasher(self, salt: str | None):
+        h = hashlib.sha256(self.fingerprint.encode())
+        h.update(hashlib.sha256((salt or "").encode()).digest())  # fixed length: no ambiguity with the ids
+        return h
+
+    def key(self, tokens, salt: str | None = None) -> str:
+        h = self._hasher(salt)
+        h.update(np.asarray(tokens, dtype="<i4").tobytes())
+        return h.hexdigest()
 
     def _index(self, n: int, key: str) -> None:
         self._lengths.setdefault(n, set()).add(key)
@@ -149,17 +251,10 @@ class PrefixCache:
         if not keys:
             self._lengths.pop(n, None)
 
-    def key(self, tokens) -> str:
-        h = hashlib.sha256(self.fingerprint.encode())
-        h.update(np.asarray(tokens, dtype="<i4").tobytes())
-        return h.hexdigest()
-
-    def _prefix_keys(self, tokens: np.ndarray) -> list[tuple[int, str]]:
+    def _prefix_keys(self, tokens: np.ndarray, salt: str | None) -> list[tuple[int, str]]:
         """(n, key) for every cached length n <= len(tokens), longest first: one incremental hash pass."""
-        # the lengths held, and those of prompts whose reply is held (their entry may have left)
-        held = set(self._lengths) | {n for n, _ in self._replies.values()}
-        lengths = sorted(n for n in held if 0 < n <= len(tokens))
-        h = hashlib.sha256(self.fingerprint.encode())
+        lengths = sorted(n for n in self._lengths if 0 < n <= len(tokens))
+        h = self._hasher(salt)
         data = np.asarray(tokens, dtype="<i4")
         out, done = [], 0
         for n in lengths:
@@ -168,10 +263,12 @@ class PrefixCache:
             out.append((n, h.copy().hexdigest()))
         return out[::-1]
 
-    def lookup(self, tokens) -> Entry | None:
+    # ---- the API ----
+
+    def lookup(self, tokens, salt: str | None = None) -> Entry | None:
         """The entry of the longest cached prefix of ``tokens`` (None: a miss), counted in the stats."""
         tokens = np.asarray(tokens)
-        for n, key in self._prefix_keys(tokens):
+        for n, key in self._prefix_keys(tokens, salt):
             if key not in self._lengths.get(n, ()):
                 continue
             entry = self._mem.get(key)
@@ -183,7 +280,6 @@ class PrefixCache:
                     continue
                 self._remember(key, entry)
             self._touch(key)
-            entry.uses += 1
             self.hits += 1
             self.hit_tokens += n
             return entry
@@ -191,69 +287,47 @@ class PrefixCache:
         return None
 
     def put(
-        self, tokens, state: dict, logits, supersede: bool = False, reply_to=None, round_trips: bool = True
+        self,
+        tokens,
+        state: dict,
+        logits,
+        *,
+        salt: str | None = None,
+        boundary: bool = False,
+        demote_below: int = 0,
     ) -> None:
-        """Store the state after ``tokens`` (a copy is not made: give arrays nobody changes). With
-        ``supersede`` the entries of shorter prefixes of ``tokens`` leave memory (not the disk), and so do
-        the replies recorded for them, unless shared. ``reply_to``: the ids of the prompt this state is the
-        reply to (a prefix of ``tokens``); its entry is marked shared if a lookup has used it, else leaves
-        memory when ``round_trips`` (the reply's text encodes back to its ids: the next turn can extend it)."""
+        """Store the state after ``tokens`` (its KV buffers' filled slots are copied; other tensors are kept
+        as given: give arrays nobody changes). ``boundary``: a chat-message boundary, never demoted.
+        ``demote_below``: the cached prefixes of ``tokens`` shorter than that (the state this prompt resumed
+        from), other than boundaries, become the least recently used (the conversation moved on)."""
         if not self.enabled or len(tokens) == 0:
             return
-        key = self.key(tokens)
+        tokens = np.asarray(tokens)
+        key = self.key(tokens, salt)
         n = len(tokens)
-        if supersede:
-            for m, old in self._prefix_keys(np.asarray(tokens)):
-                if m >= n:
-                    continue
-                self._forget(old, unless_used=2)  # used by this request alone: the conversation moved on
-                reply = self._replies.get(old)
-                mine = old not in self._mem or not self._mem[old].shared  # not another conversation's reply
-                if reply is not None and reply[1] != key and mine:  # a reply this prompt does not extend
-                    self._forget(reply[1], unless_used=1)
-        entry = Entry(n, state, np.asarray(logits, dtype=np.float32).reshape(-1))
-        if key in self._mem:
+        if demote_below > 0:
+            for m, old in self._prefix_keys(tokens[:demote_below], salt):
+                entry = self._mem.get(old)
+                if m < demote_below and entry is not None and not entry.boundary:
+                    self._mem.move_to_end(old, last=False)
+        held = self._mem.get(key)
+        if held is not None:
+            held.boundary = held.boundary or boundary
             self._mem.move_to_end(key)
         else:
+            entry = Entry(
+                n, self._compact(state, n), np.asarray(logits, dtype=np.float32).reshape(-1), boundary
+            )
             if self.directory is not None and key not in self._disk:
                 self._write(key, entry)
             self._remember(key, entry)
         self._touch(key)
-        if reply_to is not None and key in self._mem:
-            prompt = self.key(reply_to)
-            self._unlink(prompt)
-            self._replies[prompt] = (len(reply_to), key)
-            self._prompt_of[key] = prompt
-            held = self._mem.get(prompt)
-            if held is not None and held.uses > 0:
-                held.shared = True
-            elif held is not None and round_trips:
-                self._forget(prompt)
-
-    def _unlink(self, key: str) -> None:
-        """Drop the reply records in which ``key`` is the prompt or the reply."""
-        reply = self._replies.pop(key, None)
-        if reply is not None:
-            self._prompt_of.pop(reply[1], None)
-        prompt = self._prompt_of.pop(key, None)
-        if prompt is not None:
-            self._replies.pop(prompt, None)
-
-    def _forget(self, key: str, unless_used: int | None = None) -> None:
-        """Take ``key`` out of memory (a copy on disk stays findable); with ``unless_used``, unless it is
-        shared or that many lookups have used it."""
-        entry = self._mem.get(key)
-        if entry is not None and (unless_used is None or not (entry.shared or entry.uses >= unless_used)):
-            del self._mem[key]
-            self._left(key, entry)
 
     def _left(self, key: str, entry: Entry) -> None:
         """Account for ``entry`` having left memory."""
         self.bytes -= entry.nbytes
         if key not in self._disk:
             self._unindex(entry.n, key)
-        if key in self._prompt_of:  # a reply that is gone: its prompt's record is useless
-            self._unlink(key)
 
     def _remember(self, key: str, entry: Entry) -> None:
         size = entry.nbytes
@@ -294,7 +368,7 @@ class PrefixCache:
         if file is not None:
             self._disk.move_to_end(key)
             try:
-                os.utime(file.path)
+                os.utime(file.path, follow_symlinks=False)
             except OSError:
                 pass  # removed meanwhile: the next read of it says so
 
@@ -318,8 +392,9 @@ class PrefixCache:
             return
         self._trim_disk(self.disk_capacity - entry.nbytes)  # room before writing: a full disk fails it
         path = self.directory / f"{entry.n}-{key}.state"
+        tensors = {**entry.state, LOGITS: entry.logits[None]}
         try:
-            save_state(path, {**entry.state, LOGITS: entry.logits[None]}, self.fingerprint, entry.n)
+            save_state(path, tensors, self.fingerprint, entry.n, meta={"key": key}, reduced=True)
             size = path.stat().st_size
         except (OSError, ValueError) as e:
             log.warning("prefix cache: cannot write %s: %s", path.name, str(e).splitlines()[0])
@@ -336,11 +411,26 @@ class PrefixCache:
         if file is None:
             return None
         path = file.path
-        expected = {**self.shapes, LOGITS: (1, None)}
+        expected = {name: self._shape(name, n) for name in self.shapes}
+        expected[LOGITS] = (1, self.vocab_size)
         try:
-            tensors, meta = load_state(path, fingerprint=self.fingerprint, expected=expected)
+            if path.is_symlink() and self._outside(path):
+                raise ValueError(f"{path} is a link that leaves {self.directory}")
+            tensors, meta = load_state(
+                path,
+                fingerprint=self.fingerprint,
+                expected=expected,
+                max_bytes=self.max_file_bytes(n),
+                reduced=True,
+            )
+            if meta.get("key") != key:  # a valid file of other tokens under this name
+                raise ValueError(f"{path} holds the state after other tokens (renamed or swapped)")
             if int(meta["position"]) != n:
                 raise ValueError(f"{path} holds the state after {meta['position']} tokens, its name says {n}")
+            for name, a in tensors.items():
+                want = np.dtype(self.kv[name].dtype) if name in self.kv else np.dtype(np.float32)
+                if a.dtype != want:
+                    raise ValueError(f"{path}: {name} is {a.dtype}, this model's is {want}")
         except ValueError as e:
             log.warning("prefix cache: skipping %s (removed): %s", path.name, str(e).splitlines()[0])
             self._drop_file(key)
@@ -349,4 +439,4 @@ class PrefixCache:
         return Entry(n, tensors, logits)
 
 
-__all__ = ["DEFAULT_DISK_MB", "Entry", "PrefixCache"]
+__all__ = ["DEFAULT_DISK_MB", "Entry", "PrefixCache", "model_directory"]

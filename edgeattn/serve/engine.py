@@ -13,24 +13,27 @@ One asyncio task owns the ``Streams`` instance; requests reach it through its in
 and get their text through their own queue. Each iteration of the task:
 
 1. admits waiting requests while fewer than ``slots`` are active (prefilling or decoding);
-2. prefills ONE bounded piece (``prefill_piece`` tokens, a multiple of the artifact's prefill tokens) of the
-   oldest admitted prompt, starting from the longest prefix the cache holds, together with the piece of
+2. prefills ONE bounded piece (``prefill_piece`` tokens, a multiple of the artifact's prefill tokens, cut
+   short at a chat-message boundary) of the oldest admitted prompt, starting from the longest prefix the
+   cache holds (under the request's ``cache_salt``), together with the piece of
    every other admitted prompt whose piece has the same length (one batched call: ``Streams.prefill_many``),
    ``PREFILL_ROUND_PIECES`` pieces' worth of tokens at most; a prompt that is done has its state cached
    and joins the batch;
 3. steps every live stream in ONE step-graph call (``Streams.step``) and hands each its token.
 
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
-run; nothing else touches the streams. A request leaves the batch at an end-of-sequence token, a stop
-string, ``max_tokens`` or ``cancel``; the state after its prompt and after its reply (every token
-consumed, an end-of-sequence token included) is cached under those token ids; the prompt's state
-supersedes the cached states of shorter prefixes of it, and the reply's state the prompt's (unless another
-request resumed from it, or the reply's text does not encode back to its tokens): one state per
-conversation (see ``edgeattn.serve.cache``).
+run; nothing else touches the streams. A request whose own sampling fails (its stream cannot start, or a
+step cannot sample it: ``Streams.step(errors)``) ends alone with its error; a failed graph call ends all.
+A request leaves the batch at an end-of-sequence token, a stop string, ``max_tokens`` or ``cancel``; the
+state after its prompt, after its reply (every token consumed, an end-of-sequence token included) and at each of its ``boundaries`` (token counts where a chat message
+begins, rounded down to a multiple of the prefill tokens) is cached under those token ids (see
+``edgeattn.serve.cache``).
 
 Exactness: greedy requests give ``Session.generate(..., temperature=0)``'s tokens alone, batched, streamed
 or resumed from the cache. Without a cache hit the prompt is consumed in the same prefill-graph chunks as
-``Session.prefill`` (pieces are multiples of the chunk), so the numbers are the same; a hit resumes from a
+``Session.prefill`` (pieces, boundaries included, are multiples of the chunk), so the numbers are the same,
+and so they are after a hit on a boundary's state (a multiple of the chunk too); a hit on a prompt's or a
+reply's state resumes from a
 state that was computed with other chunk boundaries (the reply's tokens one step each), equal up to float
 rounding (tests/test_serve_engine.py measures it and checks the greedy tokens).
 
@@ -50,14 +53,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.runtimes.sampling import check_sampling
-from edgeattn.runtimes.streams import open_streams
+from edgeattn.runtimes.sampling import check_sampling, check_seed, logit_bias_arrays
+from edgeattn.runtimes.streams import _is_kv, open_streams
 from edgeattn.serve.cache import DEFAULT_DISK_MB, PrefixCache
+from edgeattn.serve.logprobs import Recorder, prompt_logprobs
 
 MiB = 2**20
 DEFAULT_PREFILL_TOKENS = 256  # the bound of one prefill piece between two steps (rounded to the chunk)
 PREFILL_ROUND_PIECES = 2  # prompt tokens prefilled between two steps: at most this many full pieces' worth
 FIXED_STATE_MAX_PROMPT = 65536  # --max-prompt-tokens default where the state is fixed-size
+DEFAULT_MAX_TOKENS = 65536  # --max-tokens default: the longest reply (a KV buffer may bound it sooner)
 
 
 class QueueFull(Exception):
@@ -78,6 +83,11 @@ class Request:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
     ignore_eos: bool = False  # go on past end-of-sequence tokens (as vLLM's extension; for benchmarks)
+    logit_bias: dict | tuple | None = None  # OpenAI's {token id: bias in [-100, 100]}
+    cache_salt: str | None = None  # only requests with the same salt share cached states (as vLLM's)
+    boundaries: list[int] = field(default_factory=list)  # prompt tokens where a chat message begins
+    constraint: object = None  # a grammar's Constraint (edgeattn.serve.grammar): masks every token
+    logprobs: int | None = None  # record each token's logprob and this many top ones (None: off)
 
 
 _DONE = object()
@@ -100,11 +110,15 @@ class Handle:
         # the engine's side
         self.sid: int | None = None  # the stream, once prefilled
         self.state = None  # the prefill's (state, logits, position) between pieces
+        self.cuts: list[int] = []  # positions where a piece ends and the state is cached (message boundaries)
         self.max_new = request.max_tokens
+        self.deadline: float | None = None  # loop time after which the engine ends it (--max-request-seconds)
         self.eos = frozenset() if request.ignore_eos else engine.eos
         self._decoder = engine.tokenizer.decoder()
         self._pending = ""  # decoded text not yet handed out (it may begin a stop string)
         self._seen = 0  # tokens of the stream already decoded
+        self.recorder = None if request.logprobs is None else Recorder(request.logprobs)
+        self.processors = [p for p in (request.constraint, self.recorder) if p is not None]
 
     @property
     def usage(self) -> dict:
@@ -152,6 +166,8 @@ class Engine:
         cache_dir: str | os.PathLike | None = None,
         cache_disk_mb: float = DEFAULT_DISK_MB,
         prefill_piece: int = DEFAULT_PREFILL_TOKENS,
+        max_tokens: int | None = None,
+        max_request_s: float | None = None,
     ):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and max_queue >= 0, got {slots} and {max_queue}")
@@ -159,6 +175,12 @@ class Engine:
             raise ValueError(
                 f"the state cache sizes must be >= 0 MB, got {cache_mb} and {cache_disk_mb} (disk)"
             )
+        if (max_tokens is not None and max_tokens < 1) or (max_request_s is not None and max_request_s <= 0):
+            raise ValueError(
+                f"max_tokens must be >= 1 and max_request_s > 0, got {max_tokens}, {max_request_s}"
+            )
+        self.max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)  # the longest reply (more asked: "length")
+        self.max_request_s = max_request_s  # a request's longest life, queue included (then "length")
         self.threads = threads
         self.streams, self.serial_reason = open_streams(artifact, threads=threads, max_streams=slots)
         m = self.manifest = self.streams.manifest
@@ -179,6 +201,8 @@ class Engine:
             int(cache_mb * MiB),
             cache_dir,
             int(cache_disk_mb * MiB),
+            kv={e.input: e for e in m.state if _is_kv(e, m.max_length)},
+            vocab_size=m.vocab_size,
         )
         self.metrics = collections.Counter()  # requests, tokens, ... (see app's /metrics)
         self._ids = itertools.count()
@@ -246,12 +270,15 @@ class Engine:
         if self.active + len(self._waiting) >= self.slots + self.max_queue:
             self.metrics["rejected"] += 1
             raise QueueFull(
-                f"all {self.slots} slots are busy and {len(self._waiting)} requests wait (--max-queue "
-                f"{self.max_queue}); retry later"
+                f"the server is full: its {self.slots} slots (--slots) and {self.max_queue} queue places "
+                f"(--max-queue) hold {self.active + len(self._waiting)} requests; retry later"
             )
         h = Handle(self, request, next(self._ids))
         if self.max_length is not None:  # a KV buffer: prompt and reply must fit in it
             h.max_new = min(h.max_new, self.max_length - int(h.prompt.size))
+        h.max_new = min(h.max_new, self.max_tokens)
+        if self.max_request_s is not None:
+            h.deadline = self._loop.time() + self.max_request_s
         self.metrics["requests"] += 1
         self.metrics["prompt_tokens"] += int(h.prompt.size)
         self._waiting.append(h)
@@ -274,8 +301,15 @@ class Engine:
         if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {r.max_tokens!r}")
         check_sampling(r.temperature, r.top_k, r.top_p)
+        check_seed(r.seed)
+        r.logit_bias = logit_bias_arrays(r.logit_bias, V)
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise ValueError("stop must be a non-empty string or a list of them")
+
+    async def prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """Each prompt token's logprob entry (``edgeattn.serve.logprobs.prompt_logprobs``), computed in the
+        worker thread between two iterations of the loop."""
+        return await self._call(prompt_logprobs, self.streams._single, list(ids), top)
 
     # ---- the loop ----
 
@@ -286,9 +320,15 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            if self._deadline is not None and loop.time() >= self._deadline:
+            now = loop.time()
+            if self._deadline is not None and now >= self._deadline:
                 for h in [*self._prefilling, *self._live.values()]:
                     h.cancelled = True
+            if self.max_request_s is not None:
+                for h in [*self._waiting, *self._prefilling, *self._live.values()]:
+                    if not h.cancelled and h.finish_reason is None and now >= h.deadline:
+                        h.cancelled = True
+                        self.metrics["timed_out"] += 1
             await self._drop_cancelled()
             while self._waiting and self.active < self.slots:
                 self._prefilling.append(self._waiting.popleft())
@@ -299,13 +339,20 @@ class Engine:
                 continue
             try:
                 if self._prefilling:
-                    for h in await self._call(self._prefill_pieces, list(self._prefilling)):
+                    live, failed = await self._call(self._prefill_pieces, list(self._prefilling))
+                    for h in live:
                         self._prefilling.remove(h)
                         self._live[h.sid] = h
+                    for h, e in failed:  # this request's sampling failed: it ends alone
+                        self._prefilling.remove(h)
+                        self._fail(h, e)
                 if self._live:
                     out, finished = await self._call(self._step)
                     for sid, toks in out.items():
-                        self._deliver(self._live[sid], toks)
+                        try:
+                            self._deliver(self._live[sid], toks)
+                        except Exception as e:  # decoding its text failed: it ends alone
+                            self._live[sid].error = e
                     for sid in finished:
                         self._finish(self._live.pop(sid))
             except Exception as e:  # a graph call failed: end everything in flight with the error
@@ -330,23 +377,28 @@ class Engine:
 
     # ---- in the worker thread: graph calls and the cache ----
 
-    def _prefill_pieces(self, handles: list[Handle]) -> list[Handle]:
+    def _prefill_pieces(self, handles: list[Handle]) -> tuple[list[Handle], list]:
         """One piece of the prompt of the oldest handle and of every other whose next piece has the same
         length, in one batched call (the cache is looked up first); returns the handles that became live
-        streams."""
+        streams, and ``(handle, error)`` for those whose stream could not start (their sampling)."""
         for h in handles:
             if h.state is None:
-                hit = self.cache.lookup(h.prompt) if self.cache.enabled else None
+                hit = self.cache.lookup(h.prompt, h.request.cache_salt) if self.cache.enabled else None
                 if hit is not None:
                     h.cached_tokens = hit.n
-                    h.state = (hit.state, hit.logits, hit.n)
+                    h.state = (self.cache.state(hit), hit.logits, hit.n)
                 else:
                     h.state = (None, None, 0)
                 self.metrics["cache_hits" if hit is not None else "cache_misses"] += 1
+                if self.cache.enabled:  # a multiple of the chunk: the pieces stay on Session.prefill's grid
+                    C = self.manifest.prefill_tokens
+                    cuts = {int(b) // C * C for b in h.request.boundaries}
+                    h.cuts = sorted(b for b in cuts if h.cached_tokens < b < h.prompt.size)
 
         def piece(h):
             pos = h.state[2]
-            return h.prompt[pos : pos + self.prefill_piece]
+            end = min([pos + self.prefill_piece, *(b for b in h.cuts if b > pos)])
+            return h.prompt[pos:end]
 
         todo = [h for h in handles if h.state[2] < h.prompt.size]
         if todo:
@@ -359,41 +411,63 @@ class Engine:
             self.metrics["prefill_rows"] += len(group)
             for h, (state, logits, pos) in zip(group, out):
                 h.state = (state, logits, pos)
+                if pos in h.cuts:
+                    self.cache.put(h.prompt[:pos], state, logits, salt=h.request.cache_salt, boundary=True)
                 if pos == h.prompt.size:
-                    self.cache.put(h.prompt, state, logits, supersede=True)
-        live = []
+                    self.cache.put(
+                        h.prompt, state, logits, salt=h.request.cache_salt, demote_below=h.cached_tokens
+                    )
+        live, failed = [], []
         for h in handles:
             state, logits, pos = h.state
             if pos < h.prompt.size:
                 continue
             r = h.request
-            h.sid = self.streams.add(
-                state=state,
-                logits=logits,
-                position=pos,
-                temperature=r.temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-                seed=r.seed,
-                stop_ids=[],  # the engine ends a stream at an end-of-sequence token itself (after consuming it)
-                max_new_tokens=h.max_new,
-            )
+            try:
+                h.sid = self.streams.add(
+                    state=state,
+                    logits=logits,
+                    position=pos,
+                    temperature=r.temperature,
+                    top_k=r.top_k,
+                    top_p=r.top_p,
+                    seed=r.seed,
+                    stop_ids=[],  # the engine ends a stream at an end-of-sequence token itself (after consuming it)
+                    max_new_tokens=h.max_new,
+                    logit_bias=r.logit_bias,
+                    processors=h.processors,
+                )
+            except Exception as e:  # its sampling parameters: the others go on
+                failed.append((h, e))
+            else:
+                live.append(h)
             h.state = None
-            live.append(h)
-        return live
+        return live, failed
 
     def _step(self) -> tuple[dict[int, list[int]], list[int]]:
         """One batched step: the new tokens of every live stream and the streams that ended (their state
         cached, their slot freed)."""
-        self.streams.step()
+        errors: dict = {}
+        self.streams.step(errors)  # a stream whose sampling fails ends alone
         out, finished = {}, []
+        for sid, e in errors.items():
+            self._live[sid].error = e
         for sid, h in self._live.items():
             gen = self.streams.generated(sid)
             new = gen[h._seen :]
             h._seen = len(gen)
+            c = h.request.constraint
+            if c is not None and c.failed is not None:  # the token sampled where the grammar broke is dropped
+                h.error = RuntimeError(f"the output grammar failed: {c.failed}")
+                new = []
             if new:
                 out[sid] = new
-            if self.streams.done(sid) or (new and new[-1] in h.eos):
+            if (
+                h.error is not None
+                or self.streams.done(sid)
+                or (new and new[-1] in h.eos)
+                or (c is not None and c.stopped)
+            ):
                 finished.append(sid)
         self.metrics["steps"] += 1
         self.metrics["step_rows"] += len(self._live)
@@ -406,14 +480,10 @@ class Engine:
         for sid in sids:
             h = self._live[sid]
             gen = self.streams.generated(sid)
-            if gen:
+            if gen and h.error is None:
                 tokens = np.concatenate([h.prompt, np.asarray(gen, np.int64)])
                 self.cache.put(
-                    tokens,
-                    self.streams.get_state(sid),
-                    self.streams.logits(sid),
-                    reply_to=h.prompt,
-                    round_trips=self.tokenizer.round_trips(gen),
+                    tokens, self.streams.get_state(sid), self.streams.logits(sid), salt=h.request.cache_salt
                 )
             self.streams.drop(sid)
 
@@ -459,8 +529,14 @@ class Engine:
         if piece:
             h._queue.put_nowait(piece)
 
+    def _fail(self, h: Handle, e: BaseException) -> None:
+        self.metrics["failed"] += 1
+        self._end(h, error=RuntimeError(f"this request's sampling failed: {e}"))
+
     def _finish(self, h: Handle) -> None:
         """A stream that ended in the graph (max_tokens or end-of-sequence)."""
+        if h.error is not None:
+            return self._fail(h, h.error)
         if h.finish_reason is None and not h.cancelled:
             h._pending += h._decoder.flush()
             if not self._emit(h, final=True):
@@ -470,7 +546,7 @@ class Engine:
     def _end(self, h: Handle, reason: str = "length", error: BaseException | None = None) -> None:
         if h.finish_reason is None:
             h.finish_reason = reason
-        h.error = error
+        h.error = error or h.error
         self.metrics["completion_tokens"] += h.completion_tokens
         self.metrics["cached_tokens"] += h.cached_tokens
         h._queue.put_nowait(_DONE)

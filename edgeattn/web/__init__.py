@@ -238,12 +238,38 @@ def build_site(
         for name in ("index.html", "edgeattn.js"):
             shutil.copyfile(STATIC / name, tmp / name)
         site = {"ort_version": _version(modules / "onnxruntime-web"), "model": "model/" + MANIFEST}
+        chat = chat_wrap(manifest)
+        if chat is not None:
+            site["chat"] = chat
         (tmp / "site.json").write_text(json.dumps(site, indent=2) + "\n")
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+CHAT_SENTINEL = "\x00edgeattn-message\x00"
+
+
+def chat_wrap(manifest) -> dict | None:
+    """The page's chat (``?chat=1``): the model's chat template rendered around one user message, as
+    ``{"prefix", "suffix"}`` (what `edgeattn run --chat` sends is prefix + prompt + suffix). None without a
+    template, without the tokenizers extra that renders it, or where the template does not copy the message
+    through verbatim (it would change it)."""
+    from edgeattn._deps import MissingDependency
+    from edgeattn.artifact.tokenizer import load_tokenizer
+
+    if not (manifest.data.get("tokenizer") or {}).get("chat_template"):
+        return None
+    try:
+        text = load_tokenizer(manifest).apply_chat_template(CHAT_SENTINEL)
+    except MissingDependency:
+        return None
+    if text.count(CHAT_SENTINEL) != 1:
+        return None
+    prefix, suffix = text.split(CHAT_SENTINEL)
+    return {"prefix": prefix, "suffix": suffix}
 
 
 def _in_checkpoint(manifest, name: str) -> bool:

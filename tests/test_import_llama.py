@@ -256,10 +256,13 @@ def test_gguf_cli_import_and_export(tok_dir, ids, tmp_path):
     cli = import_export_cli()
     r = cli("import", path, "--out", tmp_path / "ckpt")
     assert r.exit_code == 0, r.output
-    r = cli("export", path, "--out", tmp_path / "art", "--prefill-chunk", 16, "--max-length", 64)
-    assert r.exit_code == 0, r.output
-    got = run_logits(open_session(tmp_path / "art"), ids)
-    assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
+    for target in ("onnxruntime", "portable"):
+        art = tmp_path / target
+        r = cli("export", path, "--out", art, "--target", target, "--prefill-chunk", 16, "--max-length", 64)
+        assert r.exit_code == 0, r.output
+        got = run_logits(open_session(art), ids)
+        assert got["prefill"].shape[1] == 32 and got["step"].shape[1] == N - 32
+        assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
 
 
 def _type_offset(data: bytes, name: str) -> int:

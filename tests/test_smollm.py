@@ -67,7 +67,8 @@ def portable(smollm_gguf, smollm_root):
     )
 
 
-@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
+# portable: slow (a second 2-minute export); tests/test_import_llama.py exports a tiny GGUF on both targets
+@pytest.mark.parametrize("target", ["onnxruntime", pytest.param("portable", marks=pytest.mark.slow)])
 def test_logits_equal_transformers_prefill_then_steps(target, request, smollm_hf):
     from edgeattn.export.check import run_logits
     from edgeattn.runtimes import open_session
@@ -110,3 +111,23 @@ def test_greedy_equals_transformers_generate(smollm_artifact, smollm_hf):
 def test_greedy_equals_transformers_generate_on_20_prompts(smollm_artifact, smollm_hf):
     p = prompts()
     _greedy_equal(smollm_artifact, *smollm_hf, [(k, t) for k in ("chat", "code") for t in p[k]])
+
+
+def test_quality_script_on_a_few_prompts(smollm_artifact, tmp_path):
+    """benchmarks/quality.py on the session's fp32 export (reused from its workdir): perplexity of real text
+    in a plausible range (a shifted target would give thousands), fp32 agreeing with itself."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.serve_helpers import REPO
+
+    (tmp_path / "fp32").symlink_to(smollm_artifact)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "--variants", "fp32", "--tokens", "64"]
+    cmd += ["--prompts", "3", "--new", "4", "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = result["variants"]["fp32"]
+    assert 1.5 < row["perplexity"] < 60 and row["greedy_agreement"] == 1.0
+    assert len(result["texts"]) + len(result["missing_texts"]) == 9

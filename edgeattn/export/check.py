@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeattn.bench.machine import cpu_record
+from edgeattn._cpu import cpu_record
 from edgeattn.export.precision import S8_SATURATES
 
 # Relative logit tolerance (max |diff| / max |logit|) per precision.

@@ -37,9 +37,8 @@ class CheckReport:
     bpb_text: str = ""  # what the bits per byte measured: which text, how many tokens and bytes
     tensorrt: list[str] | None = None
     tolerance: float = 0.0
-    cpu: dict = field(
-        default_factory=dict
-    )  # the machine's CPU the artifact ran on: bench.machine.cpu_record()
+    # the CPU the artifact ran on (edgeattn._cpu.cpu_record: model, kind, flags)
+    cpu: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the figures depend on besides the artifact
 
     @property
@@ -85,8 +84,8 @@ def _compare(a: np.ndarray, b: np.ndarray, graph_path) -> dict:
 
 
 def int8_weights(graph) -> str | None:
-    """ "s8" or "u8": the element type of the integer MatMuls' weights (``export --int8-weights``), None
-    without any."""
+    """The element type of the integer MatMuls' weights, "s8" or "u8" (``export --int8-weights``); None
+    in a graph without any."""
     import onnx
 
     types = {i.name: i.data_type for i in graph.initializer}

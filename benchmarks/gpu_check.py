@@ -936,6 +936,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", default=None, help="kernels: some of " + ",".join(KERNEL_OPS))
     ap.add_argument("--models", default=None, help="train: gla and/or gated_deltanet")
     ap.add_argument("--train-batch", type=int, default=None, help="train: sequences per step (default 8)")
+    ap.add_argument("--fla-autotune-configs", type=int, default=4,
+                    help="kernels, train: configs each autotuned (fla) kernel tries, 0 for all (default 4)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--decode-artifact", default=None, help=argparse.SUPPRESS)  # the background export's
@@ -943,7 +945,40 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def pick_configs(configs: list, n: int) -> list:
+    """At most ``n`` of an autotuner's configs: those with num_warps nearest 4 first, in their order."""
+    if n <= 0 or len(configs) <= n:
+        return list(configs)
+    order = sorted(range(len(configs)), key=lambda i: (abs(math.log2(max(1, configs[i].num_warps)) - 2), i))
+    return [configs[i] for i in sorted(order[:n])]
+
+
+def cap_autotune(n: int) -> str | None:
+    """Every Triton autotuner built from now on (fla's, imported later) tries at most ``n`` configs.
+    Compiling fla 0.6's full lists (up to 24 configs a kernel) took the whole kernels section's budget
+    on an H100 before a single timing; edgeattn's kernels are not autotuned. Returns the note."""
+    if n <= 0:
+        return None
+    from triton.runtime import autotuner
+
+    init = autotuner.Autotuner.__init__
+    if getattr(init, "_capped", None) == n:
+        return None
+
+    def capped(self, fn, arg_names, configs, *a, **kw):
+        init(self, fn, arg_names, pick_configs(configs, n), *a, **kw)
+
+    capped._capped = n
+    autotuner.Autotuner.__init__ = capped
+    return (f"fla's autotuning limited to {n} configs a kernel (those with num_warps nearest 4) so that it "
+            "compiles within the section's budget; edgeattn's kernels have fixed configs")  # fmt: skip
+
+
 def child(args) -> int:
+    if args.section in ("kernels", "train") and os.environ.get("TRITON_INTERPRET") != "1" and _has_cuda():
+        capped = cap_autotune(args.fla_autotune_configs)
+    else:
+        capped = None
     if os.environ.get("TRITON_INTERPRET") == "1":
         # fla's autotuned kernels keep their first config; its range() loop variables become tensors
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -952,6 +987,8 @@ def child(args) -> int:
         patch_triton_for_cpu()
     s = Section(args.section, args, args.deadline or time.time() + BUDGETS[args.section])
     say(f"[{s.name}] start on {s.device}, {s.left():.0f} s budget")
+    if capped:
+        s.note(capped)
     try:
         SECTION_FNS[args.section](s)
     except Exception as e:  # noqa: BLE001 -- the section's own setup failed (an import, say)

@@ -15,6 +15,33 @@ except ImportError:  # the base install runs a subset of the suite
     torch = None
 
 
+# ---- compiled kernels on a GPU: a test that loses the CUDA context takes only itself down ----
+# An illegal memory access poisons the process's CUDA context: every later test of that pytest-xdist
+# worker would fail with it. After such a test the worker exits (before it reports the test complete, so
+# xdist counts that test as crashed, not a later one) and xdist starts a fresh worker for the rest.
+_CUDA_CONTEXT_LOST: list[str] = []
+_CUDA_FATAL = ("illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    yield
+    if call.excinfo is not None and any(m in str(call.excinfo.value) for m in _CUDA_FATAL):
+        _CUDA_CONTEXT_LOST.append(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if _CUDA_CONTEXT_LOST and os.environ.get("PYTEST_XDIST_WORKER"):
+        import sys
+        import time
+
+        sys.stdout.flush()
+        time.sleep(0.5)  # let the worker's reports of this test reach the controller
+        os._exit(70)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     if torch is not None:

@@ -133,3 +133,19 @@ def test_without_a_gpu_the_full_sizes_are_refused(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "o")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 2 and "--tiny" in res.stderr and res.stderr.strip().count("\n") == 0
+
+
+def test_fla_autotuning_is_capped_to_configs_with_num_warps_near_4():
+    triton = pytest.importorskip("triton")
+    configs = [
+        triton.Config({"BK": bk}, num_warps=w, num_stages=st)
+        for bk in (32, 64)
+        for w in (1, 2, 4, 8)
+        for st in (2, 3, 4)
+    ]  # fla 0.6's chunk_gla intra kernel: 24 configs
+    got = gpu_check.pick_configs(configs, 4)
+    assert [(c.kwargs["BK"], c.num_warps, c.num_stages) for c in got] == [
+        (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2)
+    ]  # fmt: skip
+    assert gpu_check.pick_configs(configs, 0) == configs
+    assert gpu_check.pick_configs(configs[:3], 4) == configs[:3]

@@ -205,14 +205,42 @@ def block_size(n: int, cap: int | None = None) -> int:
     return b if cap is None else min(b, cap)
 
 
+F32_DOTS = ("ieee", "tf32", "tf32x3")
+
+
+def _f32_dot_override() -> str | None:
+    """EDGEATTN_TRITON_F32_DOT (ieee, tf32 or tf32x3): the float32 dots' precision, forced."""
+    value = os.environ.get("EDGEATTN_TRITON_F32_DOT", "").strip().lower()
+    if not value:
+        return None
+    if value not in F32_DOTS:
+        raise ValueError(f"EDGEATTN_TRITON_F32_DOT must be one of {', '.join(F32_DOTS)}, got {value!r}")
+    return value
+
+
+def _hopper_or_newer() -> bool:
+    """Whether the current CUDA device is sm_90 or newer (wgmma / tcgen05 tensor cores)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
 def dot_precision(dtype) -> str:
     """The ``PREC`` of ``dot``. 16-bit operands go to the tensor cores as they are. float32 operands
     follow PyTorch: tf32 when torch.backends.cuda.matmul.allow_tf32, otherwise "tf32x3" (three tf32
     products, float32 accuracy on the tensor cores; Triton's "ieee" dot runs on the CUDA cores and
-    spills registers in these kernels)."""
+    spills registers in these kernels) -- except on sm_90 and newer, where float32 dots are "ieee":
+    compiled there by Triton 3.6 (an H100, benchmarks/gpu_check.py, RESULTS.md), the tf32x3 dots gave
+    dv errors of 5e-2 and illegal memory accesses in the backward while every bfloat16 case passed.
+    ``EDGEATTN_TRITON_F32_DOT`` (ieee, tf32, tf32x3) forces one."""
     if dtype == torch.bfloat16 and INTERPRET:
         return "bf16_as_f32"
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if dtype != torch.float32:
+        return "tf32"  # ignored by tl.dot for 16-bit operands
+    forced = _f32_dot_override()
+    if forced is not None:
+        return forced
+    if not INTERPRET and _hopper_or_newer():
+        return "ieee"
+    if not torch.backends.cuda.matmul.allow_tf32:
         return "tf32x3"
     return "tf32"
 

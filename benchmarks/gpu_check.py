@@ -936,8 +936,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", default=None, help="kernels: some of " + ",".join(KERNEL_OPS))
     ap.add_argument("--models", default=None, help="train: gla and/or gated_deltanet")
     ap.add_argument("--train-batch", type=int, default=None, help="train: sequences per step (default 8)")
-    ap.add_argument("--fla-autotune-configs", type=int, default=4,
-                    help="kernels, train: configs each autotuned (fla) kernel tries, 0 for all (default 4)")
+    ap.add_argument(
+        "--fla-autotune-configs",
+        type=int,
+        default=4,
+        help="kernels, train: configs each autotuned (fla) kernel tries, 0 for all (default 4)",
+    )
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--decode-artifact", default=None, help=argparse.SUPPRESS)  # the background export's

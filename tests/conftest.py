@@ -20,7 +20,12 @@ except ImportError:  # the base install runs a subset of the suite
 # worker would fail with it. After such a test the worker exits (before it reports the test complete, so
 # xdist counts that test as crashed, not a later one) and xdist starts a fresh worker for the rest.
 _CUDA_CONTEXT_LOST: list[str] = []
-_CUDA_FATAL = ("illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction")
+_CUDA_FATAL = (
+    "illegal memory access",
+    "misaligned address",
+    "unspecified launch failure",
+    "illegal instruction",
+)
 
 
 @pytest.hookimpl(hookwrapper=True)

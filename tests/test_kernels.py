@@ -49,7 +49,9 @@ ZERO_REF_ABS = 1e-6
 def assert_rms(name: str, got, ref, tol: float) -> None:
     if got.shape == ref.shape and not ref.detach().any():
         rms = got.detach().double().pow(2).mean().sqrt().item()
-        assert rms <= ZERO_REF_ABS, f"{name}: reference is 0, RMS of the result {rms:.3e} > {ZERO_REF_ABS:.0e}"
+        assert rms <= ZERO_REF_ABS, (
+            f"{name}: reference is 0, RMS of the result {rms:.3e} > {ZERO_REF_ABS:.0e}"
+        )
         return
     err = rms_err(got, ref)
     assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.0e}"  # NaN fails too

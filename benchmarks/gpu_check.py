@@ -958,24 +958,27 @@ def pick_configs(configs: list, n: int) -> list:
 
 
 def cap_autotune(n: int) -> str | None:
-    """Every Triton autotuner built from now on (fla's, imported later) tries at most ``n`` configs.
+    """Every Triton autotuner (fla's) tries at most ``n`` of the configs left after its own pruning.
     Compiling fla 0.6's full lists (up to 24 configs a kernel) took the whole kernels section's budget
-    on an H100 before a single timing; edgeattn's kernels are not autotuned. Returns the note."""
+    on an H100 before a single timing; edgeattn's kernels are not autotuned. Capping the lists before
+    fla's ``early_config_prune`` left some kernels none (an H100 run): the cap comes after it. Returns
+    the note."""
     if n <= 0:
         return None
     from triton.runtime import autotuner
 
-    init = autotuner.Autotuner.__init__
-    if getattr(init, "_capped", None) == n:
+    prune = autotuner.Autotuner.prune_configs
+    if getattr(prune, "_capped", None) == n:
         return None
 
-    def capped(self, fn, arg_names, configs, *a, **kw):
-        init(self, fn, arg_names, pick_configs(configs, n), *a, **kw)
+    def capped(self, *a, **kw):
+        return pick_configs(prune(self, *a, **kw), n)
 
     capped._capped = n
-    autotuner.Autotuner.__init__ = capped
-    return (f"fla's autotuning limited to {n} configs a kernel (those with num_warps nearest 4) so that it "
-            "compiles within the section's budget; edgeattn's kernels have fixed configs")  # fmt: skip
+    autotuner.Autotuner.prune_configs = capped
+    return (f"fla's autotuning limited to {n} configs a kernel after its own pruning (those with num_warps "
+            "nearest 4) so that it compiles within the section's budget; edgeattn's kernels have fixed "
+            "configs")  # fmt: skip
 
 
 def child(args) -> int:

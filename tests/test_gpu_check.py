@@ -149,3 +149,25 @@ def test_fla_autotuning_is_capped_to_configs_with_num_warps_near_4():
     ]  # fmt: skip
     assert gpu_check.pick_configs(configs, 0) == configs
     assert gpu_check.pick_configs(configs[:3], 4) == configs[:3]
+
+
+def test_the_cap_comes_after_the_autotuners_own_pruning(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from triton.runtime import autotuner
+
+    monkeypatch.setattr(autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs)  # restored after
+    configs = [triton.Config({}, num_warps=w, num_stages=st) for w in (1, 2, 4, 8) for st in (2, 3)]
+
+    def only_one_warp(configs, named_args, **kwargs):  # an early_config_prune that drops num_warps 4
+        return [c for c in configs if c.num_warps == 1]
+
+    @triton.jit
+    def kernel(x):
+        pass
+
+    tuned = triton.autotune(configs, key=[], prune_configs_by={"early_config_prune": only_one_warp})(kernel)
+    tuned.nargs = {}
+    assert "limited to 2 configs" in gpu_check.cap_autotune(2)
+    got = tuned.prune_configs({})
+    assert [(c.num_warps, c.num_stages) for c in got] == [(1, 2), (1, 3)]  # capping first would leave none
+    assert [c.num_warps for c in gpu_check.pick_configs(configs, 2)] == [4, 4]

@@ -52,8 +52,11 @@ The device run (a later session's; at most 10 minutes a command, 15 minutes of d
 
     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
 
-after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 450 s together, about 8
-minutes with the imports and the wheels' install) keep the run inside 560 s.
+after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 455 s together, about 8
+minutes with the imports and the wheels' install) keep the run inside 560 s. From the first H100 runs
+(RESULTS.md): the compiled tests take 87 s; fla's kernels compile for about 40 s an op even with their
+autotuning capped (``--fla-autotune-configs``), so the kernels section gets the most. A second call in the
+same session that carries the first's ``triton-cache.tgz`` back (scripts/gpu_check.sh) skips compiling.
 
     python benchmarks/gpu_check.py --out DIR [--sections tests,kernels,train,decode] [--budgets train=60]
     python benchmarks/gpu_check.py --out DIR --tiny      # this CPU: tiny shapes, Triton's interpreter
@@ -84,7 +87,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("tests", "kernels", "train", "decode")
 # Seconds per section on an H100. Imports, Triton compiles and fla's autotuning are inside them.
-BUDGETS = {"tests": 130, "kernels": 150, "train": 110, "decode": 60}
+BUDGETS = {"tests": 100, "kernels": 180, "train": 130, "decode": 45}
 TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_aft_flash.py", "tests/test_kernels_delta.py")
 # Compiles for sm80/sm90 without running anything: a CPU-side check that already runs in the slow suite.
 TEST_DESELECT = (

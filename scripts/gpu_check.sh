@@ -6,6 +6,11 @@
 #     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
 #
 # Any further arguments go to gpu_check.py (e.g. --sections kernels,train --budgets kernels=200).
+#
+# Compiling is most of a first run (fla's autotuned kernels above all). The Triton cache it leaves is
+# packed into $OUT/triton-cache.tgz (when under 48 MB); a later call that carries it back as
+# .triton-cache.tgz in the checkout starts from it (copy it there from the run's files_at, carry it with
+# .whl): the same GPU architecture and Triton version reuse every compiled kernel and autotune result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-check}}
@@ -21,4 +26,16 @@ if ! "$PY" -c "import fla" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [[ -f .triton-cache.tgz ]]; then
+    tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "gpu_check.sh: Triton cache from .triton-cache.tgz"
+fi
 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" "$@"
+rc=$?
+mkdir -p "$OUT_DIR"
+tar -czf "$OUT_DIR/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [[ $(stat -c %s "$OUT_DIR/triton-cache.tgz" 2>/dev/null || echo 0) -gt $((48 * 1024 * 1024)) ]]; then
+    rm -f "$OUT_DIR/triton-cache.tgz"
+    echo "gpu_check.sh: the Triton cache is over 48 MB: not packed" >&2
+fi
+exit $rc

@@ -86,7 +86,9 @@ def test_metrics_under_ray_are_the_total_over_the_replicas(serve_gla):
             assert got["edgeattn_slots"] == 3 and got["edgeattn_replicas"] == 2
             assert got["edgeattn_cache_enabled"] == 1 and got["edgeattn_cache_misses_total"] == 5
         # a replica that does not answer: 503, not a partial total (counters would seem to reset)
-        replicas[0].replicas = _Handle(replicas, fail=TimeoutError("Timed out waiting for broadcast results."))
+        replicas[0].replicas = _Handle(
+            replicas, fail=TimeoutError("Timed out waiting for broadcast results.")
+        )
         r = a.get("/metrics")
         assert r.status_code == 503 and "did not all arrive" in r.json()["error"]["message"]
 
@@ -203,7 +205,10 @@ def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monke
 
     def init(**kw):
         seen["env"] = kw["runtime_env"]["env_vars"]
-        seen["local"] = (os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER)
+        seen["local"] = (
+            os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+            ray_constants.ENABLE_RAY_CLUSTER,
+        )
 
     for key in [*RAY_ENV, *LOCAL_ONLY]:  # restored (unset) after the test
         monkeypatch.setenv(key, "0")

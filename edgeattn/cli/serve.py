@@ -106,7 +106,8 @@ def serve(
         typer.Option(
             min=0.1,
             help="Seconds a request's headers and body may take to arrive (from the connection or the "
-            "previous response); the connection is closed beyond.",
+            "previous response); the connection is closed beyond. Not under --ray (Ray's proxy holds the "
+            "connections).",
         ),
     ] = DEFAULT_TIMEOUT_S,
     write_timeout: Annotated[
@@ -114,7 +115,7 @@ def serve(
         typer.Option(
             min=0.1,
             help="Seconds a client may read nothing while its response waits; it is disconnected beyond "
-            "(its slot freed).",
+            "(its slot freed). Not under --ray.",
         ),
     ] = DEFAULT_TIMEOUT_S,
     max_request_seconds: Annotated[

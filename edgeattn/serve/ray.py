@@ -37,6 +37,7 @@ inter-deployment gRPC server on ``[::]`` whatever the node's address; each repli
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -135,7 +136,9 @@ def _confine_replica_grpc() -> None:
         return
 
     def loopback(server, address: str):
-        return bind(server, "127.0.0.1:" + address.removeprefix("[::]:") if address.startswith("[::]:") else address)
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.removeprefix("[::]:")
+        return bind(server, address)
 
     loopback.loopback = True
     replica.add_port_to_grpc_server = loopback
@@ -221,6 +224,7 @@ def run_ray(
     from edgeattn.serve.app import SHUTDOWN_DRAIN_S
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # LOCAL_ONLY, where Ray was imported before (tests)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines, not edgeattn's own
     if int(port) == 0:  # Ray's proxy needs a number: take one the OS has free now
         import socket
 

@@ -223,3 +223,18 @@ def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monke
     assert seen["ready"] == "60" and seen["env"]["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "60"
     assert seen["env"]["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "30"
     assert seen["local"] == ("0", False) and seen["env"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+def test_a_ray_without_broadcast_is_one_line_before_ray_starts(serve_gla, monkeypatch):
+    import ray
+    from ray.serve.handle import DeploymentHandle
+
+    from edgeattn.serve.ray import LOCAL_ONLY, RAY_ENV, run_ray
+
+    for key in [*RAY_ENV, *LOCAL_ONLY]:  # restored (unset) after the test
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+    monkeypatch.delattr(DeploymentHandle, "broadcast")
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("Ray started"))
+    with pytest.raises(ValueError, match=r"^--ray needs ray\[serve\] >= 2\.55 \(DeploymentHandle\.broadcast"):
+        run_ray(serve_gla, "m", None, replicas=1, host="127.0.0.1", port=8000, slots=1)

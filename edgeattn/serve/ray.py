@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 
+RAY_MIN = "2.55"  # DeploymentHandle.broadcast (pyproject's `ray` extra)
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 SESSION_HEADER = "x-session-id"
 STOP_POLL_S = 0.2  # how often a replica looks for the driver's stop file
@@ -160,6 +161,21 @@ def total_rows(per_replica: list[list[tuple]]) -> list[tuple]:
     return total + [("edgeattn_replicas", "gauge", "Replicas counted in these totals.", len(per_replica))]
 
 
+def _check_ray() -> None:
+    """One line where the installed Ray lacks what the deployment uses (``RAY_MIN``)."""
+    import importlib.util
+
+    import ray
+    from ray.serve.handle import DeploymentHandle
+
+    router = ROUTER.rsplit(".", 1)[0]
+    if not hasattr(DeploymentHandle, "broadcast") or importlib.util.find_spec(router) is None:
+        raise ValueError(
+            f"--ray needs ray[serve] >= {RAY_MIN} (DeploymentHandle.broadcast, {router}); this is Ray "
+            f"{ray.__version__}: pip install '.[ray]'"
+        )
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
@@ -223,6 +239,7 @@ def run_ray(
 
     from edgeattn.serve.app import SHUTDOWN_DRAIN_S
 
+    _check_ray()
     ray_constants.ENABLE_RAY_CLUSTER = False  # LOCAL_ONLY, where Ray was imported before (tests)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines, not edgeattn's own
     if int(port) == 0:  # Ray's proxy needs a number: take one the OS has free now

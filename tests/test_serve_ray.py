@@ -238,3 +238,19 @@ def test_a_ray_without_broadcast_is_one_line_before_ray_starts(serve_gla, monkey
     monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("Ray started"))
     with pytest.raises(ValueError, match=r"^--ray needs ray\[serve\] >= 2\.55 \(DeploymentHandle\.broadcast"):
         run_ray(serve_gla, "m", None, replicas=1, host="127.0.0.1", port=8000, slots=1)
+
+
+def test_serve_ray_without_ray_is_one_line(serve_gla, monkeypatch):
+    # a new user with the `serve` extra only: which extra to install, not a ModuleNotFoundError traceback
+    import sys
+
+    from typer.testing import CliRunner
+
+    from edgeattn.cli.main import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails
+    r = CliRunner().invoke(app, ["serve", str(serve_gla), "--ray"])
+    assert (
+        r.exit_code == 2
+        and r.output == "error: ray is needed for this; install it with: pip install 'edgeattn[ray]'\n"
+    )

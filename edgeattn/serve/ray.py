@@ -230,10 +230,13 @@ def run_ray(
 ) -> None:
     """Start a local Ray instance and Serve on ``host:port``, run the deployment until SIGTERM or SIGINT.
     ``http``: as ``build_deployment``'s."""
+    from edgeattn._deps import require
+
     os.environ.update(LOCAL_ONLY)  # read when Ray is imported, and by every process it starts
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    import ray
+    ray = require("ray")
+    require("ray.serve")  # the `ray` extra's serve part
     from ray import serve
     from ray._private import ray_constants
 

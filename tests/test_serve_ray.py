@@ -184,6 +184,7 @@ def test_sigterm_under_ray_ends_the_streams_cleanly_and_exits_0(serve_gla):
     finally:
         rc = s.stop(timeout=90)
     assert rc == 0, s.log()
+    assert "Traceback" not in s.log() and "ray.kill" not in s.log() and "WARNING" not in s.log(), s.log()
 
 
 def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monkeypatch):

@@ -18,8 +18,8 @@ a miss, then forgotten, for another that had indexed it).
 SIGTERM (or SIGINT) ends as `edgeattn serve` without Ray does: the driver creates a stop file that every
 replica watches (``STOP_POLL_S``; a local Ray instance: one machine), each engine refuses new requests and
 ends its streams cleanly (``finish_reason``, usage, ``[DONE]``) within ``SHUTDOWN_DRAIN_S``, and only then
-is Serve shut down (Serve's own drain waits for requests, but never tells the engine to end them, and kills
-the replicas when its timeout passes). Ray's proxy gets ``RAY_ENV``'s timeouts for its readiness and health
+does the local Ray instance end (Serve's own drain waits for requests, but never tells the engine to end
+them, and kills the replicas when its timeout passes). Ray's proxy gets ``RAY_ENV``'s timeouts for its readiness and health
 checks (Ray's defaults, 5 s and 10 s, fail on a loaded machine), and a deployment that does not start is one
 line.
 
@@ -288,7 +288,9 @@ def run_ray(
         stop.wait()
         open(stop_file, "w").close()  # the replicas' engines end their streams cleanly ...
         time.sleep(SHUTDOWN_DRAIN_S + 2 * STOP_POLL_S + 1)  # ... within the drain, and the last bytes go out
-        serve.shutdown()
+        # then the local instance ends with everything in it; serve.shutdown() would only add Ray's lines
+        # ("killed by ray.kill") and, where the signal reached Ray's processes too (a process group's
+        # SIGTERM, as systemd's), wait 30 s for a controller that can no longer answer
     finally:
         ray.shutdown()
         shutil.rmtree(stop_dir, ignore_errors=True)

@@ -42,6 +42,16 @@ def test_the_deployment_object_and_one_replica_of_it(serve_gla):
         assert r.choices[0].text == greedy_text(serve_gla, second, N)
 
 
+@pytest.fixture
+def ray_env(monkeypatch):
+    """The variables run_ray sets, restored (unset) after the test."""
+    from edgeattn.serve.ray import LOCAL_ONLY, RAY_ENV
+
+    for key in [*RAY_ENV, *LOCAL_ONLY]:
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+
+
 class _Broadcast:
     """What ``DeploymentHandle.broadcast(method)`` gives, over in-process replicas."""
 
@@ -187,7 +197,7 @@ def test_sigterm_under_ray_ends_the_streams_cleanly_and_exits_0(serve_gla):
     assert "Traceback" not in s.log() and "ray.kill" not in s.log() and "WARNING" not in s.log(), s.log()
 
 
-def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monkeypatch):
+def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monkeypatch, ray_env):
     # issue 37.3: the proxy's readiness check (5 s by Ray's default) gets 60 s, and a start that fails
     # (an actor that died under load) is one line, not Ray's traceback; Ray starts in its local mode (every
     # process on 127.0.0.1: the slow test lists their sockets)
@@ -196,7 +206,7 @@ def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monke
     from ray._private import ray_constants
     from ray.exceptions import ActorDiedError
 
-    from edgeattn.serve.ray import LOCAL_ONLY, RAY_ENV, run_ray
+    from edgeattn.serve.ray import run_ray
 
     seen = {}
 
@@ -211,9 +221,6 @@ def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monke
             ray_constants.ENABLE_RAY_CLUSTER,
         )
 
-    for key in [*RAY_ENV, *LOCAL_ONLY]:  # restored (unset) after the test
-        monkeypatch.setenv(key, "0")
-        monkeypatch.delenv(key)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
@@ -226,15 +233,12 @@ def test_a_ray_start_that_fails_is_one_line_and_ray_is_confined(serve_gla, monke
     assert seen["local"] == ("0", False) and seen["env"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
 
 
-def test_a_ray_without_broadcast_is_one_line_before_ray_starts(serve_gla, monkeypatch):
+def test_a_ray_without_broadcast_is_one_line_before_ray_starts(serve_gla, monkeypatch, ray_env):
     import ray
     from ray.serve.handle import DeploymentHandle
 
-    from edgeattn.serve.ray import LOCAL_ONLY, RAY_ENV, run_ray
+    from edgeattn.serve.ray import run_ray
 
-    for key in [*RAY_ENV, *LOCAL_ONLY]:  # restored (unset) after the test
-        monkeypatch.setenv(key, "0")
-        monkeypatch.delenv(key)
     monkeypatch.delattr(DeploymentHandle, "broadcast")
     monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("Ray started"))
     with pytest.raises(ValueError, match=r"^--ray needs ray\[serve\] >= 2\.55 \(DeploymentHandle\.broadcast"):
@@ -255,3 +259,39 @@ def test_serve_ray_without_ray_is_one_line(serve_gla, monkeypatch):
         r.exit_code == 2
         and r.output == "error: ray is needed for this; install it with: pip install 'edgeattn[ray]'\n"
     )
+
+
+def test_a_proxy_that_never_gets_ready_is_one_line(serve_gla, monkeypatch, ray_env):
+    # issue 37.3: serve.run returns once the replicas are up while a proxy that failed its readiness check
+    # is restarted; "listening on" was printed though nothing answered. Now the start waits for it.
+    import types
+
+    import ray
+    from ray import serve
+    from ray.serve.schema import ProxyStatus
+
+    from edgeattn.serve import ray as ray_module
+
+    class Handle:
+        def broadcast(self, method):
+            return types.SimpleNamespace(results=lambda timeout_s: [["the engine's lines"]])
+
+    class Started:  # run_ray's stop event: reached only when the start went on without a proxy
+        def wait(self):
+            raise AssertionError("the start went on without a ready proxy")
+
+        def set(self):
+            pass
+
+    monkeypatch.setattr(ray_module, "threading", types.SimpleNamespace(Event=Started))
+    monkeypatch.setattr(ray_module, "PROXY_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    monkeypatch.setattr(serve, "run", lambda app, **kw: Handle())
+    monkeypatch.setattr(serve, "status", lambda: types.SimpleNamespace(proxies={"n": ProxyStatus.STARTING}))
+    with pytest.raises(
+        ValueError,
+        match="^Ray Serve could not start the deployment: its HTTP proxy was not ready within 0.5 s",
+    ):
+        ray_module.run_ray(serve_gla, "m", None, replicas=1, host="127.0.0.1", port=8000, slots=1)

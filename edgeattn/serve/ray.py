@@ -50,6 +50,7 @@ RAY_MIN = "2.55"  # DeploymentHandle.broadcast (pyproject's `ray` extra)
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 SESSION_HEADER = "x-session-id"
 STOP_POLL_S = 0.2  # how often a replica looks for the driver's stop file
+PROXY_WAIT_S = None  # how long the start waits for the HTTP proxy (None: _wait_for_proxy's default)
 METRICS_TIMEOUT_S = 10.0  # GET /metrics waits this long for every replica's rows, then answers 503
 RAY_ENV = {  # Ray Serve's settings, unless the environment sets them
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",  # Ray's 5 s fails under load: the start then fails
@@ -159,6 +160,28 @@ def total_rows(per_replica: list[list[tuple]]) -> list[tuple]:
         for i, (name, kind, help_, _) in enumerate(per_replica[0])
     ]
     return total + [("edgeattn_replicas", "gauge", "Replicas counted in these totals.", len(per_replica))]
+
+
+def _wait_for_proxy(serve) -> None:
+    """Return once Serve's HTTP proxy is healthy (``serve.run`` returns when the replicas are, while a
+    proxy that failed its readiness check is still being restarted): ``TimeoutError`` after
+    ``PROXY_WAIT_S``, three of its readiness checks and a margin."""
+    from ray.serve.schema import ProxyStatus
+
+    ready = float(
+        os.environ.get(
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", RAY_ENV["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]
+        )
+    )
+    wait = PROXY_WAIT_S if PROXY_WAIT_S is not None else 3 * ready + 30
+    deadline = time.monotonic() + wait
+    while ProxyStatus.HEALTHY not in serve.status().proxies.values():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"its HTTP proxy was not ready within {wait:g} s (a loaded machine: more time with "
+                f"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, now {ready:g})"
+            )
+        time.sleep(0.2)
 
 
 def _check_ray() -> None:
@@ -275,6 +298,7 @@ def run_ray(
             )
             handle = serve.run(app, route_prefix="/")
             lines = handle.broadcast("startup_lines").results(timeout_s=60)[0]
+            _wait_for_proxy(serve)
         except Exception as e:  # a replica or the proxy failed to start; Ray's serve logs hold the traceback
             raise ValueError(f"Ray Serve could not start the deployment: {_first_line(e)}") from None
         for line in [

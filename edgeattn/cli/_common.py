@@ -90,12 +90,6 @@ def cli_errors(fn):
             return fn(*args, **kwargs)
         except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, MissingDependency) as e:
             raise fail(str(e)) from None
-        except Exception as e:  # a full disk in any command: one line, not a traceback
-            full = disk_full(e)
-            if full is None:
-                raise
-            where = f" writing {full.filename}" if isinstance(full, OSError) and full.filename else ""
-            raise fail(f"no space left on device{where}: free some space or write elsewhere") from None
         except ModuleNotFoundError as e:  # an optional dependency imported without edgeattn._deps.require
             from edgeattn._deps import missing_message
 
@@ -103,6 +97,12 @@ def cli_errors(fn):
             if message is None:
                 raise
             raise fail(message) from None
+        except Exception as e:  # a full disk in any command: one line, not a traceback
+            full = disk_full(e)
+            if full is None:
+                raise
+            where = f" writing {full.filename}" if isinstance(full, OSError) and full.filename else ""
+            raise fail(f"no space left on device{where}: free some space or write elsewhere") from None
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None

@@ -106,7 +106,8 @@ def serve(
         typer.Option(
             min=0.1,
             help="Seconds a request's headers and body may take to arrive (from the connection or the "
-            "previous response); the connection is closed beyond.",
+            "previous response); the connection is closed beyond. Not under --ray (Ray's proxy holds the "
+            "connections).",
         ),
     ] = DEFAULT_TIMEOUT_S,
     write_timeout: Annotated[
@@ -114,7 +115,7 @@ def serve(
         typer.Option(
             min=0.1,
             help="Seconds a client may read nothing while its response waits; it is disconnected beyond "
-            "(its slot freed).",
+            "(its slot freed). Not under --ray.",
         ),
     ] = DEFAULT_TIMEOUT_S,
     max_request_seconds: Annotated[
@@ -181,12 +182,14 @@ def serve(
         max_tokens=max_tokens,
         max_request_s=max_request_seconds,
     )
+    from edgeattn.serve.app import allowed_hosts
+
+    http = dict(hosts=allowed_hosts(host, allowed_host or ()), max_body_bytes=int(max_body_mb * 2**20))
     if ray:
         from edgeattn.serve.ray import run_ray
 
-        run_ray(artifact, name, api_key, replicas=replicas, host=host, port=port, **options)
+        run_ray(artifact, name, api_key, replicas=replicas, host=host, port=port, http=http, **options)
         return
-    from edgeattn.serve.app import allowed_hosts
     from edgeattn.serve.server import run_server
 
     run_server(
@@ -194,8 +197,7 @@ def serve(
         name,
         api_key,
         sock=_listen(host, port),
-        hosts=allowed_hosts(host, allowed_host or ()),
-        max_body_bytes=int(max_body_mb * 2**20),
+        **http,
         read_timeout=read_timeout,
         write_timeout=write_timeout,
         **options,

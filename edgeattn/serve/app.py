@@ -342,10 +342,12 @@ def create_app(
     *,
     hosts: list[str] | None = None,
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20),
+    metrics=None,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. With ``manage_engine`` the app's lifespan starts and stops it.
     ``hosts``: the Host header names it answers to (``allowed_hosts``; None: any); ``max_body_bytes``: the
-    largest request body (413 beyond)."""
+    largest request body (413 beyond); ``metrics``: an async function giving ``GET /metrics``' text (None:
+    ``prometheus(engine)``; the Ray deployment's gives the total over its replicas)."""
     from contextlib import asynccontextmanager
 
     if api_key is not None and not api_key.strip():
@@ -443,8 +445,9 @@ def create_app(
         return _model_card(model_name, created)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
+    async def metrics_route():
+        text = prometheus(engine) if metrics is None else await metrics()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -868,6 +871,11 @@ def engine_text(h, ids) -> str:
 
 def prometheus(engine: Engine) -> str:
     """The engine's counters and gauges in Prometheus' text format."""
+    return prometheus_text(metric_rows(engine))
+
+
+def metric_rows(engine: Engine) -> list[tuple[str, str, str, int]]:
+    """The engine's counters and gauges: ``(name, "counter" or "gauge", help, value)``."""
     m, c = engine.metrics, engine.cache
     rows = [
         ("edgeattn_requests_total", "counter", "Requests accepted.", m["requests"]),
@@ -946,10 +954,15 @@ def prometheus(engine: Engine) -> str:
         ),
         ("edgeattn_cache_entries", "gauge", "Prefix-cache entries (memory and disk).", len(c)),
     ]
+    return rows
+
+
+def prometheus_text(rows) -> str:
+    """``(name, kind, help, value)`` rows in Prometheus' text format."""
     lines = []
     for name, kind, help_, value in rows:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["create_app", "chat_prompt", "prometheus"]
+__all__ = ["create_app", "chat_prompt", "prometheus", "metric_rows", "prometheus_text"]

@@ -274,6 +274,7 @@ class Schedule:
     SLOPE = 0.25  # the cost of each token of a call beyond the first, as a fraction of a one-token call, until measured
     KEEP = 0.7  # weight of the old value in the running estimates
     MARGIN = 1.1
+    stretch = True  # plain decoding for stretches after rounds that keep no draft (PLAIN_STRETCH)
 
     def __init__(self, max_k: int = MAX_DRAFT):
         self.max_k = max_k
@@ -344,6 +345,8 @@ class FixedSchedule(Schedule):
     """Always ``k`` drafts (fewer near ``max_new_tokens``): a drafter with a ``schedule`` attribute brings its own
     (tests force their rounds with it; benchmarks compare against it)."""
 
+    stretch = False  # every round drafts: no plain stretches
+
     def __init__(self, k: int):
         super().__init__(max_k=k)
 
@@ -399,9 +402,8 @@ def generate(
     idle = 0  # rounds in a row that kept no draft
     cheap = getattr(drafter, "cheap", False)
     while not dec.done:
-        if (
-            idle and len(todo) == 1
-        ):  # plain decoding for a stretch (no drafting, no schedule): see PLAIN_STRETCH
+        # plain decoding for a stretch (no drafting, no schedule): see PLAIN_STRETCH
+        if idle and len(todo) == 1 and schedule.stretch:
             for _ in range(min(idle, PLAIN_STRETCH)):
                 if dec.done:
                     break

@@ -58,6 +58,8 @@ class _Stream:
     schedule: object = None
     context: list | None = None
     todo: list = field(default_factory=list)
+    idle: int = 0  # its rounds in a row that kept no draft
+    skip: int = 0  # rounds it still steps without drafting (speculative.PLAIN_STRETCH)
 
 
 def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
@@ -692,7 +694,7 @@ class Streams:
 
         A KV buffer (GroupQueryAttention) takes several tokens with a past at batch 1 only: on such an artifact
         the streams draft while one stream is live, and step one token each while several are."""
-        from edgeattn.runtimes.speculative import MAX_DRAFT, MAX_TODO, SpeculativeStats
+        from edgeattn.runtimes.speculative import MAX_DRAFT, MAX_TODO, PLAIN_STRETCH, SpeculativeStats
 
         with self.lock:
             if not self._rows:
@@ -737,10 +739,13 @@ class Streams:
                 failed = []
             if not self._rows:
                 return out
-            drafts = {}
+            drafts, skipped = {}, set()
             for sid in self._rows:
                 st, dec, d = self._streams[sid], self._streams[sid].decoder, []
-                if st.drafter is not None and not dec.done and not one_token and len(st.todo) <= MAX_TODO:
+                if st.skip:
+                    st.skip -= 1
+                    skipped.add(sid)
+                elif st.drafter is not None and not dec.done and not one_token and len(st.todo) <= MAX_TODO:
                     remaining = (
                         None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
                     )
@@ -806,8 +811,11 @@ class Streams:
                 stats.drafted += len(d)
                 stats.accepted += kept
                 stats.tokens += len(chosen)
-                if st.schedule is not None:
+                if st.schedule is not None and sid not in skipped:
                     rounds.append((st, len(d), kept))
+                    # a stream whose drafts are not kept steps plainly for a stretch (as a lone session does)
+                    st.idle = 0 if kept else st.idle + 1
+                    st.skip = min(st.idle, PLAIN_STRETCH) if st.schedule.stretch else 0
                 if st.decoder.done:
                     stopped.append(sid)
             seconds = time.perf_counter() - t0

@@ -125,7 +125,9 @@ def serve_round(artifact, clients: int, prompts: list, n: int, threads: int, spe
                     await asyncio.sleep(0.5)
             t0 = time.perf_counter()
             out = await asyncio.gather(*(one(i) for i in range(clients)))
-            return out, time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            await client.close()
+            return out, seconds
 
         out, seconds = asyncio.run(all_clients())
         texts = {k: v for t, _ in out for k, v in t.items()}

@@ -392,3 +392,14 @@ def test_streams_speculative_ngram_and_refusals(batch_artifacts, artifacts):
         s.add([1, 2], speculative="draft")
     with pytest.raises(ValueError, match="one stream at a time"):
         SerialStreams(artifacts["gla"], threads=1).add([1, 2], speculative="ngram")
+
+
+def test_schedule_cost_stays_positive_under_noisy_times():
+    """A slope fitted to noisy rounds extrapolated down from a long call reached 0: a division by zero that
+    ended every request of a server."""
+    s = spec.Schedule()
+    for m, t in [(17, 2e-3), (16, 2e-4), (15, 1e-3), (3, 1e-3)]:
+        s.observe(m, t)
+    assert s.cost(1) > 0 and s.cost(2) > 0
+    s.next_k(1, None)
+    s.next_k(12, 100)

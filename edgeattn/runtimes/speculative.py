@@ -294,7 +294,8 @@ class Schedule:
             near = next(iter(self.times))
             return self.times[near] * (1.0 + self.SLOPE * (m - 1)) / (1.0 + self.SLOPE * (near - 1))
         near = min(self.times, key=lambda x: abs(x - m))
-        return self.times[near] + self._slope * (m - near)
+        # down the slope from a longer call noisy measurements could reach 0 or below: half the fastest round
+        return max(self.times[near] + self._slope * (m - near), 0.5 * min(self.times.values()))
 
     def next_k(self, n: int, remaining: int | None, bucket=None) -> int:
         """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance), for

@@ -681,6 +681,25 @@ class Streams:
         if st.max_length is not None and held >= st.max_length:
             st.decoder.done = True
 
+    def _drafts_pay(self, drafts: dict) -> bool:
+        """Whether the batch's drafts promise more tokens per second than a call without them: each row pays
+        for the longest row (it is padded to it, and a padded row feeds its tokens again), so the tokens all
+        rows expect (``1 + a + ... + a^k`` per row, ``a`` its schedule's chance for its drafts) over the
+        measured cost of the longer call must beat N tokens over the shorter one's, by the schedule's margin."""
+        rows = [(self._streams[s], d) for s, d in drafts.items()]
+        schedule = next(
+            (st.schedule for st, _ in rows if st.schedule is not None and st.schedule.stretch), None
+        )
+        if schedule is None:  # fixed schedules (tests): always draft
+            return True
+        expected = 0.0
+        for st, d in rows:
+            a = st.schedule.alphas.get(getattr(st.drafter, "match", None), st.schedule.PRIOR) if d else 0.0
+            expected += sum(a**j for j in range(len(d) + 1))
+        long = max(len(st.todo) + len(d) for st, d in rows)
+        short = max(len(st.todo) for st, _ in rows)
+        return expected / schedule.cost(long) > schedule.MARGIN * len(rows) / schedule.cost(short)
+
     def step_speculative(self, errors: dict | None = None, stats=None) -> dict[int, list[int]]:
         """``step`` with drafts: each live stream added with ``speculative="ngram"`` drafts its next tokens by
         prompt lookup (its own schedule sets how many), and ONE call of the one graph at batch N feeds every
@@ -767,6 +786,8 @@ class Streams:
                         )
                 drafts[sid] = [int(x) for x in d]
             n = len(self._rows)
+            if n > 1 and any(drafts.values()) and not self._drafts_pay(drafts):
+                drafts = {sid: [] for sid in drafts}
             T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
             ids = np.empty((n, T), np.int64)
             for i, sid in enumerate(self._rows):

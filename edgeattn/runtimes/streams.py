@@ -681,24 +681,28 @@ class Streams:
         if st.max_length is not None and held >= st.max_length:
             st.decoder.done = True
 
-    def _drafts_pay(self, drafts: dict) -> bool:
-        """Whether the batch's drafts promise more tokens per second than a call without them: each row pays
-        for the longest row (it is padded to it, and a padded row feeds its tokens again), so the tokens all
-        rows expect (``1 + a + ... + a^k`` per row, ``a`` its schedule's chance for its drafts) over the
-        measured cost of the longer call must beat N tokens over the shorter one's, by the schedule's margin."""
-        rows = [(self._streams[s], d) for s, d in drafts.items()]
-        schedule = next(
-            (st.schedule for st, _ in rows if st.schedule is not None and st.schedule.stretch), None
-        )
-        if schedule is None:  # fixed schedules (tests): always draft
-            return True
-        expected = 0.0
-        for st, d in rows:
+    def _batch_k(self, drafts: dict) -> int:
+        """The draft length for every row of a batch: the k that maximizes the tokens all rows expect (``1 + a +
+        ... + a^k`` per row, ``a`` its schedule's chance for its drafts, k cut to the drafts it has) over the
+        measured cost of the call (every row pays for the longest: it is padded to it, and a padded row feeds
+        its tokens again), which must beat the call without drafts by the schedule's margin. The calls' costs
+        are measured for the batch as a whole (``self._timing``)."""
+        from edgeattn.runtimes.speculative import Schedule
+
+        timing = self.__dict__.setdefault("_timing", Schedule())
+        rows = []
+        for sid, d in drafts.items():
+            st = self._streams[sid]
             a = st.schedule.alphas.get(getattr(st.drafter, "match", None), st.schedule.PRIOR) if d else 0.0
-            expected += sum(a**j for j in range(len(d) + 1))
-        long = max(len(st.todo) + len(d) for st, d in rows)
-        short = max(len(st.todo) for st, _ in rows)
-        return expected / schedule.cost(long) > schedule.MARGIN * len(rows) / schedule.cost(short)
+            rows.append((len(st.todo), len(d), a))
+        base = max(m for m, _, _ in rows)
+        best_k, best = 0, timing.MARGIN * len(rows) / timing.cost(base)
+        for k in range(1, max(n for _, n, _ in rows) + 1):
+            expected = sum(sum(a**j for j in range(min(k, n) + 1)) for _, n, a in rows)
+            rate = expected / timing.cost(max(m + min(k, n) for m, n, _ in rows))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
 
     def step_speculative(self, errors: dict | None = None, stats=None) -> dict[int, list[int]]:
         """``step`` with drafts: each live stream added with ``speculative="ngram"`` drafts its next tokens by
@@ -775,19 +779,21 @@ class Streams:
                         d, qs = st.drafter.propose(st.context, top, dec)
                         if qs is not None:
                             raise ValueError("streams take drafts of fixed tokens (no draft distributions)")
-                        d = (
-                            d[
+                        if d and (len(self._rows) == 1 or not st.schedule.stretch):  # alone: its own schedule
+                            d = d[
                                 : st.schedule.next_k(
                                     len(st.todo), remaining, getattr(st.drafter, "match", None)
                                 )
                             ]
-                            if d
-                            else []
-                        )
                 drafts[sid] = [int(x) for x in d]
             n = len(self._rows)
-            if n > 1 and any(drafts.values()) and not self._drafts_pay(drafts):
-                drafts = {sid: [] for sid in drafts}
+            if (
+                n > 1
+                and any(drafts.values())
+                and all(st.schedule.stretch for st in self._streams.values() if st.schedule)
+            ):
+                k = self._batch_k(drafts)  # one draft length for the batch
+                drafts = {sid: d[:k] for sid, d in drafts.items()}
             T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
             ids = np.empty((n, T), np.int64)
             for i, sid in enumerate(self._rows):
@@ -834,12 +840,19 @@ class Streams:
                 stats.tokens += len(chosen)
                 if st.schedule is not None and sid not in skipped:
                     rounds.append((st, len(d), kept))
-                    # a stream whose drafts are not kept steps plainly for a stretch (as a lone session does)
+                if (
+                    d
+                ):  # a stream whose drafts are not kept steps plainly for a stretch (as a lone session does;
+                    # not one whose drafts the batch left out: the rows would fall out of step)
                     st.idle = 0 if kept else st.idle + 1
                     st.skip = min(st.idle, PLAIN_STRETCH) if st.schedule.stretch else 0
                 if st.decoder.done:
                     stopped.append(sid)
             seconds = time.perf_counter() - t0
+            if n > 1:
+                from edgeattn.runtimes.speculative import Schedule
+
+                self.__dict__.setdefault("_timing", Schedule()).observe(T, seconds)
             for st, drafted, kept in rounds:
                 st.schedule.observe(T, seconds)
                 st.schedule.update(drafted, kept, getattr(st.drafter, "match", None))

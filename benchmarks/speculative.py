@@ -20,6 +20,12 @@ The summary is the geometric mean of the ratios over the grounded tasks and over
     python benchmarks/speculative.py ART [--chat] [--drafters ngram,DRAFT] [-n 128] [--threads 2] [--repeats 3]
     python benchmarks/speculative.py ART --quick      # two tasks, 24 tokens, one repeat: checks the harness
 
+``--server 4,16``: instead, ``edgeattn serve ART --slots N`` in a subprocess without and with ``--speculative
+ngram`` (an artifact exported with ``--dynamic-batch``), driven by N concurrent clients of the official
+``openai`` client, each streaming greedy completions of the tasks in turn (client i starts at task i): aggregate
+tokens/s over the round (all tokens / wall time), per server and number of clients, grounded and free tasks
+apart, and whether every text equals the plain server's.
+
 ``--chat`` feeds each task's ``chat`` message through the artifact's chat template (an instruct model such
 as SmolLM2-135M-Instruct), otherwise its ``raw`` prompt (a base model). Prints a markdown table, then one
 JSON line.
@@ -60,6 +66,127 @@ def timed(sess, prompt_ids, n, speculative, sampling=None):
     return out, elapsed, per_call
 
 
+def serve_round(artifact, clients: int, prompts: list, n: int, threads: int, speculative: bool) -> dict:
+    """One server (plain or ``--speculative ngram``), ``clients`` concurrent clients each streaming every prompt
+    in turn from its own start: {"tok_s", "texts"} (texts by (client, prompt index))."""
+    import asyncio
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    import openai
+
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    extra = ["--speculative", "ngram"] if speculative else []
+    cmd = [sys.executable, "-m", "edgeattn.cli.main", "serve", str(artifact), "--port", "0"]
+    cmd += ["--slots", str(clients), "--threads", str(threads), "--state-cache-mb", "0", *extra]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = None
+        for _ in range(600):
+            m = re.search(r"listening on (http://[\d.]+:\d+)", open(log.name).read())
+            if m:
+                url = m.group(1)
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"edgeattn serve exited:\n{open(log.name).read()}")
+            time.sleep(0.1)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        model = Path(artifact).resolve().name
+
+        async def one(i):
+            texts, tokens = {}, 0
+            for j in range(len(prompts)):
+                k = (i + j) % len(prompts)
+                r = await client.completions.create(
+                    model=model,
+                    prompt=prompts[k],
+                    max_tokens=n,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                parts = []
+                async for ch in r:
+                    if ch.choices:
+                        parts.append(ch.choices[0].text)
+                    if ch.usage:
+                        tokens += ch.usage.completion_tokens
+                texts[(i, k)] = "".join(parts)
+            return texts, tokens
+
+        async def all_clients():
+            for _ in range(60):  # ready
+                try:
+                    await client.models.list()
+                    break
+                except openai.APIError:
+                    await asyncio.sleep(0.5)
+            t0 = time.perf_counter()
+            out = await asyncio.gather(*(one(i) for i in range(clients)))
+            seconds = time.perf_counter() - t0
+            await client.close()
+            return out, seconds
+
+        out, seconds = asyncio.run(all_clients())
+        texts = {k: v for t, _ in out for k, v in t.items()}
+        return {"tok_s": sum(tok for _, tok in out) / seconds, "texts": texts}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def server_main(args, tasks) -> None:
+    """``--server``: plain against speculative servers at each number of clients (see the docstring)."""
+    from edgeattn.runtimes import open_session
+
+    tok = open_session(args.artifact, threads=1).tokenizer
+    rows = []
+    for clients in [int(c) for c in args.server.split(",")]:
+        for kind in ("grounded", "free"):
+            sel = [t for t in tasks if t["kind"] == kind]
+            prompts = [tok.apply_chat_template(t["chat"]) if args.chat else t["raw"] for t in sel]
+            plain = serve_round(args.artifact, clients, prompts, args.max_new_tokens, args.threads, False)
+            spec = serve_round(args.artifact, clients, prompts, args.max_new_tokens, args.threads, True)
+            rows.append(
+                {
+                    "clients": clients,
+                    "kind": kind,
+                    "plain_tok_s": round(plain["tok_s"], 1),
+                    "spec_tok_s": round(spec["tok_s"], 1),
+                    "speedup": round(spec["tok_s"] / plain["tok_s"], 3),
+                    "same_text": spec["texts"] == plain["texts"],
+                }
+            )
+            print(rows[-1], flush=True)
+    print(
+        f"{args.artifact.name}, edgeattn serve, greedy, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
+    )
+    print()
+    print("| clients | kind | plain tok/s | speculative tok/s | ratio | same text |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['clients']} | {r['kind']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']:.2f}x | "
+            f"{r['same_text']} |"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "speculative_serve",
+                "artifact": str(args.artifact),
+                "chat": args.chat,
+                "threads": args.threads,
+                "max_new_tokens": args.max_new_tokens,
+                "cpu": cpu_name(),
+                "load": os.getloadavg(),
+                "rows": rows,
+            }
+        )
+    )
+
+
 def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
@@ -78,6 +205,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--repetition-window", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server", default=None, help="comma-separated numbers of clients: the server instead")
     args = ap.parse_args()
     sampling = {
         "temperature": args.temperature,
@@ -99,6 +227,8 @@ def main() -> None:
     if args.quick:
         tasks = [next(t for t in tasks if t["kind"] == k) for k in ("grounded", "free")]
         args.max_new_tokens, args.repeats = 24, 1
+    if args.server:
+        return server_main(args, tasks)
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
         if d != "ngram" and not Path(d).is_dir():

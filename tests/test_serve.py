@@ -470,3 +470,51 @@ def test_cache_salt_keeps_the_cached_states_of_clients_apart(server, serve_gla):
     with pytest.raises(openai.BadRequestError) as e:
         cached(first, "")
     assert _error(e.value)["param"] == "cache_salt"
+
+
+def test_speculative_ngram_server_gives_the_same_text(server, serve_gla):
+    """`serve --speculative ngram`: each stream drafts by prompt lookup and one call verifies the batch; greedy
+    text (4 at once, streamed or not) equals a lone Session.generate, seeded sampling equals the plain server's,
+    a reply's cached state resumes exactly, and /metrics counts the drafts."""
+    prompts = [("abcdefgh" * 6)[: 20 + 7 * i] + text_prompt(5, 30 + i) for i in range(4)]
+    want = [greedy_text(serve_gla, p, N) for p in prompts]
+    plain = server.client()
+    sampled = dict(max_tokens=N, temperature=0.9, seed=5, extra_body={"top_k": 40})
+    want_sampled = (
+        plain.completions.create(model=serve_gla.name, prompt=prompts[0], **sampled).choices[0].text
+    )
+    s = start_server(serve_gla, "--slots", 4, "--speculative", "ngram")
+    try:
+        c = s.client()
+
+        def one(i):
+            r = c.completions.create(
+                model=serve_gla.name, prompt=prompts[i], max_tokens=N, temperature=0, stream=bool(i % 2)
+            )
+            return "".join(ch.choices[0].text for ch in r) if i % 2 else r.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == want
+        got = c.completions.create(model=serve_gla.name, prompt=prompts[0], **sampled).choices[0].text
+        assert got == want_sampled
+        # the prefix-state cache stays exact: a second turn resumes from the first reply's state
+        first = [int(t) for t in prompts[1].encode()]
+        second = first + greedy_ids(serve_gla, first, N) + list(b" again")
+        r = c.completions.create(model=serve_gla.name, prompt=second, max_tokens=N, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(first) + N
+        assert r.choices[0].text == greedy_text(serve_gla, second, N)
+        metrics = httpx.get(s.url + "/metrics").text
+        drafted = float(metrics.split("\nedgeattn_speculative_drafted_total ")[1].split()[0])
+        assert drafted > 0
+    finally:
+        s.stop()
+    # an artifact that serves one stream at a time is refused in one line
+    p = subprocess.run(
+        [sys.executable, "-m", "edgeattn.cli.main", "serve", str(serve_gla), "--speculative", "draft"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        timeout=60,
+    )
+    assert p.returncode != 0 and "--speculative must be 'ngram'" in p.stderr and "Traceback" not in p.stderr

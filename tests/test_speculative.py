@@ -316,3 +316,90 @@ def test_benchmark_quick(artifacts):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["benchmark"] == "speculative" and {r["kind"] for r in out["rows"]} == {"grounded", "free"}
     assert all(r["same_text"] for r in out["rows"])
+
+
+# ---- serving: Streams.step_speculative (drafts per stream, the batch verified in one call) ----
+
+STREAM_FAMILIES = ["gla", "mamba2", "gla,softmax"]
+STREAM_PROMPTS = [PROMPT, PROMPT[:20], list(b"abcabcabcab"), list(b"xyz")]
+STREAM_TOKENS = [24, 17, 30, 9]  # different lengths: rows leave the batch at different calls
+
+
+@pytest.fixture(scope="module")
+def batch_artifacts(serve_root):
+    from tests.serve_helpers import export_tiny
+
+    return {m: export_tiny(serve_root, m) for m in STREAM_FAMILIES}
+
+
+def run_streams(art, temperature, drafters=None, stop=None):
+    """Every prompt of STREAM_PROMPTS as a stream of one ``Streams``, stepped to the end (plain, or speculative
+    with ``drafters``, one per stream); each stream's tokens, state and next logits, and the graph calls."""
+    from edgeattn.runtimes.streams import Streams
+
+    s = Streams(art, threads=1)
+    sids = [
+        s.add(
+            p,
+            temperature=temperature,
+            seed=i,
+            max_new_tokens=n,
+            stop_ids=() if stop is None or i else (stop,),
+            speculative=None if drafters is None else drafters[i],
+        )
+        for i, (p, n) in enumerate(zip(STREAM_PROMPTS, STREAM_TOKENS))
+    ]
+    calls = 0
+    while s.live:
+        s.step() if drafters is None else s.step_speculative()
+        calls += 1
+    return [s.generated(x) for x in sids], [s.get_state(x) for x in sids], [s.logits(x) for x in sids], calls
+
+
+@pytest.mark.parametrize("temperature", [0, 0.9])
+@pytest.mark.parametrize("mixer", STREAM_FAMILIES)
+def test_streams_speculative_same_tokens_state_and_logits(batch_artifacts, mixer, temperature):
+    """Four streams of different lengths drafted by the oracle (all kept, wrong in the middle, wrong first, rows
+    padded to the longest), one verify call per round: each stream's tokens (greedy; sampled, the same seed's),
+    final state and next logits are plain ``Streams.step``'s. With a KV buffer (GroupQueryAttention takes
+    several tokens with a past at batch 1 only) a stream drafts only while it is alone in the batch."""
+    art = batch_artifacts[mixer]
+    free = run_streams(art, temperature)[0]
+    stop = free[0][11]  # stream 0 also stops at a token inside its drafts
+    want, states, logits, plain_calls = run_streams(art, temperature, stop=stop)
+    assert len(want[0]) < STREAM_TOKENS[0]
+    V = open_session(art).manifest.vocab_size
+    oracles = [Oracle(p, f + [0] * 32, V) for p, f in zip(STREAM_PROMPTS, free)]
+    got, got_states, got_logits, calls = run_streams(art, temperature, oracles, stop=stop)
+    assert got == want
+    for a, b in zip(got_states, states):
+        assert_same_state(a, b)
+    for a, b in zip(got_logits, logits):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    seen = set().union(*(o.seen for o in oracles))
+    assert {"right", "third wrong", "first wrong"} <= seen
+    assert calls < plain_calls
+
+
+def test_streams_speculative_ngram_and_refusals(batch_artifacts, artifacts):
+    from edgeattn.runtimes.streams import SerialStreams, Streams
+
+    art = batch_artifacts["gla"]
+    want = run_streams(art, 0)[0]
+    assert run_streams(art, 0, ["ngram"] * 4)[0] == want
+    s = Streams(art, threads=1)
+    with pytest.raises(ValueError, match="speculative must be 'ngram'"):
+        s.add([1, 2], speculative="draft")
+    with pytest.raises(ValueError, match="one stream at a time"):
+        SerialStreams(artifacts["gla"], threads=1).add([1, 2], speculative="ngram")
+
+
+def test_schedule_cost_stays_positive_under_noisy_times():
+    """A slope fitted to noisy rounds extrapolated down from a long call reached 0: a division by zero that
+    ended every request of a server."""
+    s = spec.Schedule()
+    for m, t in [(17, 2e-3), (16, 2e-4), (15, 1e-3), (3, 1e-3)]:
+        s.observe(m, t)
+    assert s.cost(1) > 0 and s.cost(2) > 0
+    s.next_k(1, None)
+    s.next_k(12, 100)

@@ -151,6 +151,13 @@ def serve(
             "beyond it (0: none on disk; the --ray replicas share it).",
         ),
     ] = float(DEFAULT_DISK_MB),
+    speculative: Annotated[
+        str | None,
+        typer.Option(
+            help="'ngram': each stream drafts its next tokens by prompt lookup and one call verifies the "
+            "batch (the same tokens as without; needs a --dynamic-batch one-graph artifact).",
+        ),
+    ] = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Run as a Ray Serve deployment (the `ray` extra).")
     ] = False,
@@ -164,6 +171,10 @@ def serve(
     after every prompt and reply is cached, so a conversation's next turn prefills only its new tokens."""
     from edgeattn.artifact.manifest import Manifest
 
+    if speculative is not None and speculative != "ngram":
+        raise CLIError(
+            f"--speculative must be 'ngram' (the server drafts by prompt lookup), got {speculative!r}"
+        )
     if replicas > 1 and not ray:
         raise CLIError("--replicas needs --ray")
     if state_cache_dir is not None:
@@ -181,6 +192,7 @@ def serve(
         cache_disk_mb=state_cache_disk_mb,
         max_tokens=max_tokens,
         max_request_s=max_request_seconds,
+        speculative=speculative,
     )
     from edgeattn.serve.app import allowed_hosts
 

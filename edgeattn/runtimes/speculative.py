@@ -28,7 +28,9 @@ position are never read before being written again). The draft model's own state
 
 Adaptive draft length (``Schedule``): each round drafts the k that maximizes the expected tokens per second
 from the measured cost of a call on each number of tokens and the running chance that a draft is kept; where
-drafts fail, k falls to 0 and the round is plain decoding (one token, the step graph's call).
+drafts fail, k falls to 0 and the round is plain decoding (one token, the step graph's call); after rounds
+without drafts the loop decodes plainly for stretches that grow with them (``PLAIN_STRETCH``), without the
+round's bookkeeping, so free generation runs at plain decoding's speed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from edgeattn.runtimes.sampling import draw, next_distribution
 
 MAX_DRAFT = 16  # drafts per round at most
 MAX_TODO = 16  # tokens to re-advance at most before a round drafts again
+# After n rounds in a row without a kept draft, the next min(n, PLAIN_STRETCH) tokens are decoded plainly: a round
+# costs more Python than a step (drafting, the schedule, timing), which a small model's call does not hide
+# (sampled text rarely repeats), so the loop falls back to plain decoding, trying drafts again ever more rarely.
+PLAIN_STRETCH = 16
 
 
 @dataclass
@@ -268,6 +274,7 @@ class Schedule:
     SLOPE = 0.25  # the cost of each token of a call beyond the first, as a fraction of a one-token call, until measured
     KEEP = 0.7  # weight of the old value in the running estimates
     MARGIN = 1.1
+    stretch = True  # plain decoding for stretches after rounds that keep no draft (PLAIN_STRETCH)
 
     def __init__(self, max_k: int = MAX_DRAFT):
         self.max_k = max_k
@@ -287,7 +294,8 @@ class Schedule:
             near = next(iter(self.times))
             return self.times[near] * (1.0 + self.SLOPE * (m - 1)) / (1.0 + self.SLOPE * (near - 1))
         near = min(self.times, key=lambda x: abs(x - m))
-        return self.times[near] + self._slope * (m - near)
+        # down the slope from a longer call noisy measurements could reach 0 or below: half the fastest round
+        return max(self.times[near] + self._slope * (m - near), 0.5 * min(self.times.values()))
 
     def next_k(self, n: int, remaining: int | None, bucket=None) -> int:
         """The draft length for a call that also feeds ``n`` tokens (the last token and any to re-advance), for
@@ -306,6 +314,8 @@ class Schedule:
         return best
 
     def observe(self, m: int, seconds: float) -> None:
+        if self.times:  # at most twice the expected: one round stalled by a loaded CPU must not stop drafting
+            seconds = min(seconds, 2.0 * self.cost(m))
         old = self.times.get(m)
         self.times[m] = seconds if old is None else self.KEEP * old + (1 - self.KEEP) * seconds
         self._observed += 1
@@ -335,6 +345,8 @@ class Schedule:
 class FixedSchedule(Schedule):
     """Always ``k`` drafts (fewer near ``max_new_tokens``): a drafter with a ``schedule`` attribute brings its own
     (tests force their rounds with it; benchmarks compare against it)."""
+
+    stretch = False  # every round drafts: no plain stretches
 
     def __init__(self, k: int):
         super().__init__(max_k=k)
@@ -388,7 +400,31 @@ def generate(
     if tok is not None:
         context.append(tok)
         yield tok
+    idle = 0  # rounds in a row that kept no draft
+    cheap = getattr(drafter, "cheap", False)
     while not dec.done:
+        # plain decoding for a stretch (no drafting, no schedule): see PLAIN_STRETCH
+        if idle and len(todo) == 1 and schedule.stretch:
+            for _ in range(min(idle, PLAIN_STRETCH)):
+                if dec.done:
+                    break
+                with sess.lock:
+                    logits = sess._verify(np.asarray([todo], np.int64))[0, -1]
+                tok = dec.next(logits)
+                todo = [int(dec.last)]
+                stats.rounds += 1
+                stats.tokens += 1
+                if tok is None:
+                    break
+                context.append(tok)
+                yield tok
+                # a cheap drafter looks each token up: a match of a size whose drafts pay ends the stretch
+                if cheap and drafter.propose(context, 1, dec)[0]:
+                    if schedule.next_k(1, None, getattr(drafter, "match", None)) > 0:
+                        idle = 0
+                        break
+            if dec.done:
+                break
         remaining = None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
         t0 = time.perf_counter()
         bucket = None
@@ -439,6 +475,7 @@ def generate(
         stats.tokens += len(chosen)
         schedule.observe(n_fed, time.perf_counter() - t0)
         schedule.update(len(drafts), kept, bucket)
+        idle = 0 if kept else idle + 1  # (a round whose drafts all failed counts as one without)
         yield from (t for t in chosen if t not in dec.stop_ids)  # a stop token ends the round, unyielded
     if todo:  # plain decoding leaves every chosen token (and the stop token) in the state
         with sess.lock:

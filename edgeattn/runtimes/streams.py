@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +52,14 @@ class _Stream:
     position: int
     parked: dict | None = None  # the state of a stopped stream, batch 1 (None while live)
     max_length: int | None = None  # the tokens its state can hold (a KV buffer's length)
+    # speculative decoding (``step_speculative``): the drafter, its draft-length schedule, the text so far
+    # (prompt and chosen tokens), and the chosen tokens not yet in the state (while any, ``logits`` is stale)
+    drafter: object = None
+    schedule: object = None
+    context: list | None = None
+    todo: list = field(default_factory=list)
+    idle: int = 0  # its rounds in a row that kept no draft
+    skip: int = 0  # rounds it still steps without drafting (speculative.PLAIN_STRETCH)
 
 
 def _sample(st: _Stream, sid: int, out: dict, stopped: list) -> int:
@@ -275,6 +284,8 @@ class Streams:
         max_new_tokens: int | None = None,
         logit_bias=None,
         processors=(),
+        speculative: str | None = None,
+        context=None,
     ) -> int:
         """Start a stream and return its id. ``prompt_ids`` (a 1-D list of token ids) is prefilled alone
         at batch 1, from zeros or from ``state`` (a batch-1 state dict as ``Session.get_state`` returns, or
@@ -283,8 +294,19 @@ class Streams:
         (``logit_bias``: OpenAI's ``{token id: bias}``, the ids checked against the vocabulary here). A
         state or logits holding NaN or infinity is a ValueError naming the argument (of a KV buffer only the
         slots below the state's position count: those past it are never read). ``processors``: the
-        ``Decoder``'s logits processors (a grammar's mask, a logprobs recorder)."""
+        ``Decoder``'s logits processors (a grammar's mask, a logprobs recorder). ``speculative``: "ngram" (or a
+        drafter object, as ``speculative.make_drafter`` returns, for this stream alone) drafts this stream by prompt lookup in ``step_speculative`` over ``context`` (the token ids before the state's
+        end, when no ``prompt_ids`` give them) and the tokens it produces."""
         with self.lock:
+            if speculative is not None:
+                if not (speculative == "ngram" or hasattr(speculative, "propose")):
+                    raise ValueError(
+                        f"streams draft by prompt lookup: speculative must be 'ngram' (or a drafter object of "
+                        f"this stream's own), got {speculative!r}"
+                    )
+                reason = self.speculative_refusal()
+                if reason:
+                    raise ValueError(reason)
             decoder = Decoder(
                 temperature=temperature,
                 top_k=top_k,
@@ -336,6 +358,16 @@ class Streams:
                 position=pos,
                 max_length=self.manifest.max_length,
             )
+            if speculative is not None:
+                from edgeattn.runtimes.speculative import NgramDrafter, Schedule
+
+                st = self._streams[sid]
+                st.drafter = NgramDrafter() if speculative == "ngram" else speculative
+                st.schedule = getattr(st.drafter, "schedule", None) or Schedule()
+                st.context = [
+                    int(t)
+                    for t in (prompt_ids if prompt_ids is not None else () if context is None else context)
+                ]
             if decoder.done:  # max_new_tokens 0
                 held = [row[e.input] for e in self._entries]
                 self._streams[sid].parked = self._row(held, 0, pos, native=self._native)
@@ -478,6 +510,8 @@ class Streams:
 
     def _park(self, sids: list[int], keep: bool = True) -> None:
         """Take the rows of ``sids`` out of the batch, keeping each one's state in its stream (``keep``)."""
+        if keep:
+            self._settle(sids)
         live = self._current()
         for i, s in enumerate(self._rows):
             if keep and s in sids and self._streams.get(s) is not None:
@@ -534,6 +568,7 @@ class Streams:
     def logits(self, sid: int) -> np.ndarray:
         """The stream's next-token logits ``[vocab]`` (a copy)."""
         with self.lock:
+            self._settle([sid])
             return self._stream(sid).logits.copy()
 
     def position(self, sid: int) -> int:
@@ -548,6 +583,7 @@ class Streams:
             if st.parked is not None:  # of a KV buffer the filled slots only, float32, as from the batch rows
                 return self._row([st.parked[e.input] for e in self._entries], 0, st.position)
             self._held(sid)
+            self._settle([sid])
             return self._row(self._current(), self._rows.index(sid), st.position)
 
     def save_state(self, sid: int, path: str | os.PathLike) -> None:
@@ -572,6 +608,7 @@ class Streams:
         with self.lock:
             if not self._rows:
                 return {}
+            self._settle(self._rows)  # tokens a speculative round chose but the state lacks
             out, stopped = {}, []
             toks = self._sample_all(out, stopped, errors)
             if not self._rows:
@@ -585,6 +622,242 @@ class Streams:
                 st = self._streams[sid]
                 st.logits = logits[i]
                 st.position += 1
+            if stopped:
+                self._park(stopped)
+            return out
+
+    # ---- speculative decoding: drafts per stream, the batch verified in one call ----
+
+    def speculative_refusal(self) -> str | None:
+        """Why ``step_speculative`` cannot run on this artifact (None: it can): the batch-1 session's reasons
+        (one graph for any number of tokens on the CPU, its logits at every position)."""
+        return self._single.speculative_refusal()
+
+    def _settle(self, sids) -> None:
+        """Feed each listed live stream's chosen tokens that its state lacks (``todo``, left by a rolled-back
+        speculative round), alone at batch 1 in its own row: then its state, position and ``logits`` are plain
+        decoding's."""
+        for sid in list(sids):
+            st = self._streams.get(sid)
+            if st is None or not st.todo or sid not in self._rows:
+                continue
+            i = self._rows.index(sid)
+            rows = [a[i : i + 1] for a in self._bufs[self._cur]]
+            new, logits = self._run_batch("prefill", np.asarray([st.todo], np.int64), rows)
+            for a, b in zip(rows, new):
+                if b is not a:  # (a KV buffer was written in place)
+                    a[...] = b
+            st.logits = np.array(logits[0, -1], dtype=np.float32)
+            st.position += len(st.todo)
+            st.todo = []
+
+    def _run_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The one graph on ids [N, T] of the live rows, reading the current set of buffers and writing the
+        other (a KV buffer in place); logits [N, T, V]. One token per row: the step's own bindings."""
+        n, T = ids.shape
+        if T == 1:
+            self._ids_np[:, 0] = ids[:, 0]
+            self._step_graph.run_with_iobinding(self._bindings[self._cur])
+            self._cur = 1 - self._cur
+            return self._logits_np.copy()
+        ort = self._ort
+        ids = np.ascontiguousarray(ids, np.int64)
+        logits = np.empty((n, T, self.manifest.vocab_size), np.float32)
+        io = self._step_graph.io_binding()
+        keep = [ort.OrtValue.ortvalue_from_numpy(ids), ort.OrtValue.ortvalue_from_numpy(logits)]
+        io.bind_ortvalue_input(self.manifest.input_ids_name, keep[0])
+        io.bind_ortvalue_output(self.manifest.logits_name, keep[1])
+        for e, a, b in zip(self._entries, self._bufs[self._cur], self._bufs[1 - self._cur]):
+            va, vb = ort.OrtValue.ortvalue_from_numpy(a[:n]), ort.OrtValue.ortvalue_from_numpy(b[:n])
+            keep += [va, vb]
+            io.bind_ortvalue_input(e.input, va)
+            io.bind_ortvalue_output(e.output, vb)
+        self._step_graph.run_with_iobinding(io)
+        self._cur = 1 - self._cur
+        return logits
+
+    def _full(self, st: _Stream, held: int) -> None:
+        """A stream whose KV buffer holds ``held`` tokens once its chosen ones are fed stops at its last slot."""
+        if st.max_length is not None and held >= st.max_length:
+            st.decoder.done = True
+
+    def _batch_k(self, drafts: dict) -> int:
+        """The draft length for every row of a batch: the k that maximizes the tokens all rows expect (``1 + a +
+        ... + a^k`` per row, ``a`` its schedule's chance for its drafts, k cut to the drafts it has) over the
+        measured cost of the call (every row pays for the longest: it is padded to it, and a padded row feeds
+        its tokens again), which must beat the call without drafts by the schedule's margin. The calls' costs
+        are measured for the batch as a whole (``self._timing``)."""
+        from edgeattn.runtimes.speculative import Schedule
+
+        timing = self.__dict__.setdefault("_timing", Schedule())
+        rows = []
+        for sid, d in drafts.items():
+            st = self._streams[sid]
+            a = st.schedule.alphas.get(getattr(st.drafter, "match", None), st.schedule.PRIOR) if d else 0.0
+            rows.append((len(st.todo), len(d), a))
+        base = max(m for m, _, _ in rows)
+        best_k, best = 0, timing.MARGIN * len(rows) / timing.cost(base)
+        for k in range(1, max(n for _, n, _ in rows) + 1):
+            expected = sum(sum(a**j for j in range(min(k, n) + 1)) for _, n, a in rows)
+            rate = expected / timing.cost(max(m + min(k, n) for m, n, _ in rows))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def step_speculative(self, errors: dict | None = None, stats=None) -> dict[int, list[int]]:
+        """``step`` with drafts: each live stream added with ``speculative="ngram"`` drafts its next tokens by
+        prompt lookup (its own schedule sets how many), and ONE call of the one graph at batch N feeds every
+        row its chosen tokens that the state lacks plus its drafts (rows padded to the longest); each row keeps
+        the drafts its own choices reproduce (``edgeattn.runtimes.speculative``: greedy, or sampled with its
+        generator, the tokens plain decoding would give). A row whose drafts were not all kept, or that was
+        padded, goes back to the state before the call (its row of the other buffer set) and feeds the tokens
+        it chose again at the start of the next call. Returns {stream id: [new tokens]}; ``errors`` as ``step``;
+        the rounds are counted in ``stats`` (a ``SpeculativeStats``; default ``self.speculative_stats``, one
+        round per row and call).
+
+        A KV buffer (GroupQueryAttention) takes several tokens with a past at batch 1 only: on such an artifact
+        the streams draft while one stream is live, and step one token each while several are."""
+        from edgeattn.runtimes.speculative import MAX_DRAFT, MAX_TODO, PLAIN_STRETCH, SpeculativeStats
+
+        with self.lock:
+            if not self._rows:
+                return {}
+            if stats is None:
+                stats = self.speculative_stats = (
+                    getattr(self, "speculative_stats", None) or SpeculativeStats()
+                )
+            t0 = time.perf_counter()
+            one_token = len(self._rows) > 1 and any(self._kv(e) for e in self._entries)
+            if one_token:  # pending tokens of a row that drafted alone: fed now, one call per row
+                self._settle([s for s in self._rows if len(self._streams[s].todo) > 1])
+            out: dict[int, list[int]] = {}
+            failed: list[int] = []
+
+            def choose(sid, st, logits) -> int | None:
+                if errors is None:
+                    finite_logits(logits, f"stream {sid}'s logits")
+                tok = st.decoder.next(logits)
+                if tok is not None:
+                    out.setdefault(sid, []).append(tok)
+                    if st.context is not None:
+                        st.context.append(tok)
+                return tok
+
+            for sid in list(self._rows):  # streams with nothing chosen: their next token, as ``step``
+                st = self._streams[sid]
+                if st.todo:
+                    continue
+                try:
+                    choose(sid, st, st.logits)
+                except Exception as e:
+                    if errors is None:
+                        raise
+                    errors[sid], st.decoder.done = e, True
+                    failed.append(sid)
+                    continue
+                st.todo = [st.decoder.last]
+                self._full(st, st.position + 1)
+            if failed:
+                self._park(failed, keep=False)
+                failed = []
+            if not self._rows:
+                return out
+            drafts, skipped = {}, set()
+            for sid in self._rows:
+                st, dec, d = self._streams[sid], self._streams[sid].decoder, []
+                if st.skip:
+                    st.skip -= 1
+                    skipped.add(sid)
+                elif st.drafter is not None and not dec.done and not one_token and len(st.todo) <= MAX_TODO:
+                    remaining = (
+                        None if dec.max_new_tokens is None else dec.max_new_tokens - len(dec.generated)
+                    )
+                    top = MAX_DRAFT if remaining is None else min(MAX_DRAFT, remaining - 1)
+                    if st.max_length is not None:  # the drafts must fit in the KV buffer
+                        top = min(top, st.max_length - st.position - len(st.todo))
+                    if top > 0:
+                        d, qs = st.drafter.propose(st.context, top, dec)
+                        if qs is not None:
+                            raise ValueError("streams take drafts of fixed tokens (no draft distributions)")
+                        if d and (len(self._rows) == 1 or not st.schedule.stretch):  # alone: its own schedule
+                            d = d[
+                                : st.schedule.next_k(
+                                    len(st.todo), remaining, getattr(st.drafter, "match", None)
+                                )
+                            ]
+                drafts[sid] = [int(x) for x in d]
+            n = len(self._rows)
+            if (
+                n > 1
+                and any(drafts.values())
+                and all(st.schedule.stretch for st in self._streams.values() if st.schedule)
+            ):
+                k = self._batch_k(drafts)  # one draft length for the batch
+                drafts = {sid: d[:k] for sid, d in drafts.items()}
+            T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
+            ids = np.empty((n, T), np.int64)
+            for i, sid in enumerate(self._rows):
+                fed = self._streams[sid].todo + drafts[sid]
+                ids[i, : len(fed)], ids[i, len(fed) :] = fed, fed[-1]  # padding: never kept
+            logits = self._run_rows(ids)
+            old = self._bufs[1 - self._cur]
+            stopped, rounds = [], []
+            for i, sid in enumerate(self._rows):
+                st, d = self._streams[sid], drafts[sid]
+                m, chosen = len(st.todo), []
+                try:
+                    for j in range(len(d) + 1 if not st.decoder.done else 0):
+                        tok = choose(sid, st, logits[i, m - 1 + j])
+                        chosen.append(st.decoder.last)
+                        self._full(st, st.position + m + len(chosen))
+                        if st.decoder.done or j == len(d) or tok != d[j]:
+                            break
+                except Exception as e:
+                    if errors is None:
+                        raise
+                    errors[sid], st.decoder.done = e, True
+                    failed.append(sid)
+                    continue
+                kept = next(
+                    (j for j, (a, b) in enumerate(zip(chosen, d)) if a != b), min(len(chosen), len(d))
+                )
+                if (
+                    chosen[: len(d)] == d and m + len(d) == T
+                ):  # every draft kept, nothing padded: the state is right
+                    st.position += T
+                    st.logits = logits[i, T - 1].copy()
+                    st.todo = chosen[len(d) :]
+                else:  # back to the state before the call; what it held that was kept is fed again next call
+                    for e, a, b in zip(self._entries, self._bufs[self._cur], old):
+                        if not e.shared:  # (a KV buffer comes back by its position)
+                            a[i] = b[i]
+                    stats.readvanced += m + kept
+                    st.todo = st.todo + chosen
+                stats.rounds += 1
+                stats.drafting_rounds += bool(d)
+                stats.drafted += len(d)
+                stats.accepted += kept
+                stats.tokens += len(chosen)
+                if st.schedule is not None and sid not in skipped:
+                    rounds.append((st, len(d), kept))
+                if (
+                    d
+                ):  # a stream whose drafts are not kept steps plainly for a stretch (as a lone session does;
+                    # not one whose drafts the batch left out: the rows would fall out of step)
+                    st.idle = 0 if kept else st.idle + 1
+                    st.skip = min(st.idle, PLAIN_STRETCH) if st.schedule.stretch else 0
+                if st.decoder.done:
+                    stopped.append(sid)
+            seconds = time.perf_counter() - t0
+            if n > 1:
+                from edgeattn.runtimes.speculative import Schedule
+
+                self.__dict__.setdefault("_timing", Schedule()).observe(T, seconds)
+            for st, drafted, kept in rounds:
+                st.schedule.observe(T, seconds)
+                st.schedule.update(drafted, kept, getattr(st.drafter, "match", None))
+            if failed:
+                self._park(failed, keep=False)
             if stopped:
                 self._park(stopped)
             return out
@@ -612,6 +885,12 @@ class SerialStreams(Streams):
         self._next_id = 0
 
     _native = False  # the live stream's state goes through Session.set_state / get_state: float32
+
+    def speculative_refusal(self) -> str | None:
+        return (
+            f"{self.manifest.root}: speculative serving verifies the streams' drafts in one batched call; this "
+            "artifact serves one stream at a time (export with --dynamic-batch and --batch 1)"
+        )
 
     @property
     def state_bytes_per_stream(self) -> int:

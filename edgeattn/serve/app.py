@@ -894,6 +894,19 @@ def metric_rows(engine: Engine) -> list[tuple[str, str, str, int]]:
             m["cached_tokens"],
         ),
         ("edgeattn_steps_total", "counter", "Batched step-graph calls.", m["steps"]),
+    ]
+    spec = getattr(engine, "speculative_stats", None)
+    if spec is not None:  # --speculative: drafts and the drafts kept, over every stream
+        rows += [
+            (
+                "edgeattn_speculative_drafted_total",
+                "counter",
+                "Tokens drafted (--speculative).",
+                spec.drafted,
+            ),
+            ("edgeattn_speculative_accepted_total", "counter", "Drafted tokens kept.", spec.accepted),
+        ]
+    rows += [
         (
             "edgeattn_requests_timed_out_total",
             "counter",

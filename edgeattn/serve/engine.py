@@ -19,7 +19,9 @@ and get their text through their own queue. Each iteration of the task:
    every other admitted prompt whose piece has the same length (one batched call: ``Streams.prefill_many``),
    ``PREFILL_ROUND_PIECES`` pieces' worth of tokens at most; a prompt that is done has its state cached
    and joins the batch;
-3. steps every live stream in ONE step-graph call (``Streams.step``) and hands each its token.
+3. steps every live stream in ONE step-graph call (``Streams.step``) and hands each its token; with
+   ``speculative="ngram"`` (``edgeattn serve --speculative ngram``) each stream drafts by prompt lookup and ONE
+   call verifies the batch (``Streams.step_speculative``), handing each stream the tokens it kept.
 
 The graph calls and the cache run in one worker thread, so the loop stays free to serve HTTP while they
 run; nothing else touches the streams. A request whose own sampling fails (its stream cannot start, or a
@@ -168,6 +170,7 @@ class Engine:
         prefill_piece: int = DEFAULT_PREFILL_TOKENS,
         max_tokens: int | None = None,
         max_request_s: float | None = None,
+        speculative: str | None = None,
     ):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and max_queue >= 0, got {slots} and {max_queue}")
@@ -183,6 +186,16 @@ class Engine:
         self.max_request_s = max_request_s  # a request's longest life, queue included (then "length")
         self.threads = threads
         self.streams, self.serial_reason = open_streams(artifact, threads=threads, max_streams=slots)
+        if speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be 'ngram' (prompt lookup) or None, got {speculative!r}")
+        reason = speculative and self.streams.speculative_refusal()
+        if reason:
+            raise ValueError(f"--speculative {speculative}: {reason}")
+        self.speculative = speculative
+        if speculative:
+            from edgeattn.runtimes.speculative import SpeculativeStats
+
+            self.speculative_stats = SpeculativeStats()  # over every stream's rounds (/metrics)
         m = self.manifest = self.streams.manifest
         self.slots = 1 if self.serial_reason else int(slots)
         self.max_queue = int(max_queue)
@@ -436,6 +449,8 @@ class Engine:
                     max_new_tokens=h.max_new,
                     logit_bias=r.logit_bias,
                     processors=h.processors,
+                    speculative=self.speculative,
+                    context=h.prompt if self.speculative else None,
                 )
             except Exception as e:  # its sampling parameters: the others go on
                 failed.append((h, e))
@@ -448,7 +463,10 @@ class Engine:
         """One batched step: the new tokens of every live stream and the streams that ended (their state
         cached, their slot freed)."""
         errors: dict = {}
-        self.streams.step(errors)  # a stream whose sampling fails ends alone
+        if self.speculative:  # several tokens per stream from one call where drafts are kept
+            self.streams.step_speculative(errors, self.speculative_stats)
+        else:
+            self.streams.step(errors)  # a stream whose sampling fails ends alone
         out, finished = {}, []
         for sid, e in errors.items():
             self._live[sid].error = e
@@ -465,7 +483,7 @@ class Engine:
             if (
                 h.error is not None
                 or self.streams.done(sid)
-                or (new and new[-1] in h.eos)
+                or any(t in h.eos for t in new)  # (a speculative round may go on past one)
                 or (c is not None and c.stopped)
             ):
                 finished.append(sid)

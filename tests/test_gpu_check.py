@@ -155,7 +155,9 @@ def test_the_cap_comes_after_the_autotuners_own_pruning(monkeypatch):
     triton = pytest.importorskip("triton")
     from triton.runtime import autotuner
 
-    monkeypatch.setattr(autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs)  # restored after
+    monkeypatch.setattr(
+        autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs
+    )  # restored after
     configs = [triton.Config({}, num_warps=w, num_stages=st) for w in (1, 2, 4, 8) for st in (2, 3)]
 
     def only_one_warp(configs, named_args, **kwargs):  # an early_config_prune that drops num_warps 4

@@ -520,11 +520,11 @@ def share_tied_int4(model, pairs: list[tuple[str, str]], offsets: dict | None = 
             gbq.output[0] = coded
             g.node.insert(
                 i + 1,
-                helper.make_node("Gather", [off_rows, gbq.input[1]], [f"{off_rows}_read"], name=f"{gbq.name}_off"),
+                helper.make_node("Gather", [off_rows, gbq.input[1]], [f"{off_rows}_read"], name=f"{gbq.name}_rows{OFFSET_SUFFIX}"),
             )
             g.node.insert(
                 i + 2,
-                helper.make_node("Add", [coded, f"{off_rows}_read"], [rows], name=f"{gbq.name}_add_off"),
+                helper.make_node("Add", [coded, f"{off_rows}_read"], [rows], name=f"{gbq.name}_add{OFFSET_SUFFIX}"),
             )
         reshape = helper.make_node(
             "Reshape", [scales.name, scales3.name], [gbq.input[2]], name=f"{gbq.name}_scales"

@@ -41,12 +41,12 @@ VARIANTS = {
     "fp32": {},
     "fp16": {"precision": "fp16"},
     "int8": {"precision": "int8"},
-    "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True}},
+    # a GGUF's int4 default: blocks of 32 with offsets (edgeattn.export.precision.offset_blocks)
+    "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True, "offsets": True}},
     "int4-b32-asym": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": False}},
     "int4-b128": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": True}},
     "int4-b128-asym": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": False}},
     "int4-b32-plain": {"precision": "int4", "quantization": {"block_size": 32, "offsets": False}},
-    "int4-b128-plain": {"precision": "int4", "quantization": {"block_size": 128, "offsets": False}},
     "kv-int8": {"kv_dtype": "int8"},
 }
 

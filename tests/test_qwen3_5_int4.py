@@ -114,6 +114,18 @@ def test_weights_on_a_4bit_grid_are_exact_with_block_offsets(hf, ids, tmp_path):
         errs[offsets] = rel_err(logits(art, ids), want)
     assert errs[True] <= DEFAULT_TOLERANCE["fp32"], errs
     assert errs[False] > 10 * DEFAULT_TOLERANCE["fp32"], errs
+    # the head on the last token only (optimize.last_token_logits slices the offsets' input too)
+    last = export_model(
+        tmp_path / "ckpt",
+        tmp_path / "last",
+        precision="int4",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
+        prefill_logits="last",
+        quantization={"block_size": 32, "accuracy_level": 0, "offsets": True},
+    )
+    got = open_session(last, threads=1).prefill(ids[:, :PREFILL])
+    assert rel_err(got, want[:, PREFILL - 1]) <= DEFAULT_TOLERANCE["fp32"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

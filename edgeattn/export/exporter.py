@@ -694,15 +694,17 @@ def export_model(
             _decide_from_config(plan, root)
         source = load_source(root)
     plan.source_notes = list(source.notes)
-    if plan.precision == "int4" and source.kind == GGUF and "block_size" not in (plan.quantization or {}):
+    given = plan.quantization or {}
+    if plan.precision == "int4" and source.kind == GGUF and not {"block_size", "offsets"} <= set(given):
         # a GGUF's 4-bit weights lie on blocks of 32 inputs (Q4_0, Q4_1, Q4_K's sub-blocks): int4 keeps
         # them with block offsets (precision.offset_blocks), where ONNX Runtime's symmetric blocks re-round
         # them (SmolLM2-135M's Q4_1: perplexity +32% at block 32, +84% at 128; with offsets +5%;
         # benchmarks/RESULTS.md, issue 32)
-        plan.quantization = {"offsets": True, **(plan.quantization or {}), "block_size": GGUF_INT4_BLOCK}
+        plan.quantization = {"offsets": True, "block_size": GGUF_INT4_BLOCK, **given}
         plan.source_notes.append(
-            f"int4 from a GGUF file: blocks of {GGUF_INT4_BLOCK} with an offset each (its own grid), not the "
-            f"default {INT4_DEFAULTS['block_size']}; --int4-block-size sets the block size"
+            f"int4 from a GGUF file: blocks of {plan.quantization['block_size']} with an offset each (its "
+            f"4-bit grid kept), not the default {INT4_DEFAULTS['block_size']} without; --int4-block-size sets "
+            "the block size"
         )
     plan.decide(source.model)
     if on_plan is not None:

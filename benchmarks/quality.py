@@ -11,9 +11,26 @@ at each precision, against its own fp32 export.
   standard library's functions (each ``def`` line of the modules above and the next two lines).
 
 Variants: fp32, fp16, int8, int4 with blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with
-the int8 KV buffer. Exports are kept in ``--workdir`` and reused by later runs.
+the int8 KV buffer; ``int4-b32`` is a GGUF's int4 default (blocks of 32 with offsets,
+``edgeattn.export.precision.offset_blocks``), ``int4-b32-plain`` ONNX Runtime's symmetric blocks of 32.
+Exports are kept in ``--workdir`` and reused by later runs.
+
+llama.cpp beside them (``--llama-ggufs NAME=GGUF,...``): the same texts' same token ids, one batch per text
+from an empty cache with every position's logits, scored as above (``llama-perplexity`` tokenizes the text
+itself and scores only the second half of each window, so its figure is not comparable). It runs
+llama-cpp-python's ctypes bindings from its source package (``LLAMA_CPP_PYTHON_SRC``) over a llama.cpp
+built from the same package's vendored sources (``--llama-lib``: the folder of libllama.so), no install::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF $(python -c \
+        'from edgeattn.bench.machine import ggml_cmake_args; print(ggml_cmake_args())') \
+        && cmake --build build -j2 --target llama-perplexity llama-quantize
+    build/bin/llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf f16.gguf F16
+    build/bin/llama-quantize f16.gguf q4_k_m.gguf Q4_K_M   # and Q4_0, Q8_0
 
     python benchmarks/quality.py [--variants fp32,int4-b32] [--tokens 512] [--prompts 50] [--new 64] [--workdir DIR]
+        [--llama-lib DIR/build/bin --llama-ggufs Q4_1=SHIPPED.gguf,Q4_K_M=q4_k_m.gguf]   # LLAMA_CPP_PYTHON_SRC=...
 
 Prints a table, then ONE JSON line.
 """

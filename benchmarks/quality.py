@@ -177,13 +177,24 @@ def llama_perplexity(gguf: Path, lib: str, lists: list[list[int]], threads: int)
     import subprocess
 
     res = subprocess.run(
-        [sys.executable, __file__, "--llama-worker", str(gguf), "--llama-lib", lib, "--threads", str(threads)],
+        [
+            sys.executable,
+            __file__,
+            "--llama-worker",
+            str(gguf),
+            "--llama-lib",
+            lib,
+            "--threads",
+            str(threads),
+        ],
         input=json.dumps(lists),
         capture_output=True,
         text=True,
     )
     if res.returncode != 0:
-        raise SystemExit(f"error: llama.cpp on {gguf}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+        raise SystemExit(
+            f"error: llama.cpp on {gguf}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
+        )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     return math.exp(out["nll"] / out["tokens"])
 

@@ -110,7 +110,9 @@ def test_weights_on_a_4bit_grid_are_exact_with_block_offsets(hf, ids, tmp_path):
         graph = onnx.load(str(art / "step.onnx"), load_external_data=False).graph
         if offsets:  # the tied embedding still reads the head's packed table
             gbq = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
-            assert len(gbq) == 1 and any(n.input[1] == gbq[0].input[0] for n in graph.node if n.op_type == "MatMulNBits")
+            assert len(gbq) == 1 and any(
+                n.input[1] == gbq[0].input[0] for n in graph.node if n.op_type == "MatMulNBits"
+            )
         errs[offsets] = rel_err(logits(art, ids), want)
     assert errs[True] <= DEFAULT_TOLERANCE["fp32"], errs
     assert errs[False] > 10 * DEFAULT_TOLERANCE["fp32"], errs

@@ -21,7 +21,8 @@
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
   Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
   points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path),
-  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
+  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``), ``offsets`` (each block a step and
+  a minimum, as llama.cpp's Q4_1: ``offset_blocks``; the export's default for a GGUF file's weights only).
 - KV buffers (``set_kv_dtype``): the softmax layers' preallocated GroupQueryAttention buffers in float16
   while q, k and v stay float32 (ONNX Runtime 1.32's GroupQueryAttention types its cache apart, ``T_CACHE``).
   Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
@@ -517,16 +518,25 @@ def share_tied_int4(model, pairs: list[tuple[str, str]], offsets: dict | None = 
 
             table_off = initializer_array(inits[offsets[head_out][1]])  # [D/bs, V]
             off_rows = f"{offsets[head_out][1]}_rows"
-            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table_off.T[..., None]), off_rows))
+            g.initializer.append(
+                numpy_helper.from_array(np.ascontiguousarray(table_off.T[..., None]), off_rows)
+            )
             coded = f"{rows}_codes"
             gbq.output[0] = coded
             g.node.insert(
                 i + 1,
-                helper.make_node("Gather", [off_rows, gbq.input[1]], [f"{off_rows}_read"], name=f"{gbq.name}_rows{OFFSET_SUFFIX}"),
+                helper.make_node(
+                    "Gather",
+                    [off_rows, gbq.input[1]],
+                    [f"{off_rows}_read"],
+                    name=f"{gbq.name}_rows{OFFSET_SUFFIX}",
+                ),
             )
             g.node.insert(
                 i + 2,
-                helper.make_node("Add", [coded, f"{off_rows}_read"], [rows], name=f"{gbq.name}_add{OFFSET_SUFFIX}"),
+                helper.make_node(
+                    "Add", [coded, f"{off_rows}_read"], [rows], name=f"{gbq.name}_add{OFFSET_SUFFIX}"
+                ),
             )
         reshape = helper.make_node(
             "Reshape", [scales.name, scales3.name], [gbq.input[2]], name=f"{gbq.name}_scales"
@@ -643,9 +653,14 @@ def offset_blocks(model, block_size: int, accuracy_level: int) -> dict[str, tupl
                 ),
                 helper.make_node("MatMul", [x, indicators[K, block_size]], [sums], name=sums),
                 helper.make_node(
-                    "MatMul", [sums, f"{w.name}{OFFSET_SUFFIX}"], [f"{y}{OFFSET_SUFFIX}"], name=f"{y}{OFFSET_SUFFIX}"
+                    "MatMul",
+                    [sums, f"{w.name}{OFFSET_SUFFIX}"],
+                    [f"{y}{OFFSET_SUFFIX}"],
+                    name=f"{y}{OFFSET_SUFFIX}",
                 ),
-                helper.make_node("Add", [f"{y}_codes", f"{y}{OFFSET_SUFFIX}"], [y], name=f"{name}_add{OFFSET_SUFFIX}"),
+                helper.make_node(
+                    "Add", [f"{y}_codes", f"{y}{OFFSET_SUFFIX}"], [y], name=f"{name}_add{OFFSET_SUFFIX}"
+                ),
             ]
         )
         done[y] = (f"{name}_Q4", f"{w.name}{OFFSET_SUFFIX}")

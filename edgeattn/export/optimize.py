@@ -676,7 +676,7 @@ def last_token_logits(model, logits: str = "logits") -> bool:
     Qwen3.5-0.8B the tied head is a third of a token's multiply-adds (1024 x 248320 of ~0.75G)."""
     from onnx import helper, numpy_helper
 
-    from edgeattn.export.precision import OFFSET_SUFFIX
+    from edgeattn.export.graph import OFFSET_SUFFIX
 
     g = model.graph
     head = next((n for n in g.node if logits in n.output), None)

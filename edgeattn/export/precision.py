@@ -52,7 +52,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES
-from edgeattn.export.graph import sort_topologically
+from edgeattn.export.graph import OFFSET_SUFFIX, sort_topologically
 
 
 class PrecisionWarning(UserWarning):
@@ -575,9 +575,6 @@ def _weights_read_by_copy():
         yield
     finally:
         mnq.get_initializer = find
-
-
-OFFSET_SUFFIX = "_offsets"  # the names of what ``offset_blocks`` adds end in it
 
 
 def offset_blocks(model, block_size: int, accuracy_level: int) -> dict[str, tuple[str, str]]:

@@ -367,3 +367,21 @@ def test_rotary_rows_at_different_positions(hf, ids, tmp_path):
     for sid, r, lg in zip(sids, refs, logits):
         assert got[sid] == int(np.argmax(lg))
         np.testing.assert_allclose(streams.logits(sid), r.step(np.array([[got[sid]]]))[0], atol=1e-4)
+
+
+def test_check_reports_perplexity_as_transformers_gives_it(hf, tmp_path):
+    """`edgeattn check`'s perplexity (the torch model's and the artifact's, over the check text's tokens)
+    equals exp of the mean negative log-likelihood of transformers' own logits over those tokens."""
+    import torch
+
+    from edgeattn.export.check import check_artifact
+
+    model, root = hf
+    art = export_model(root / "ckpt", tmp_path / "fp32", prefill_chunk=PREFILL, force=True)
+    text = b"def area(width, height):\n    return width * height\n" * 4
+    report = check_artifact(art, tokens=40, text=text)
+    ids = np.asarray(open_session(art).tokenizer.encode(text.decode())[:41], np.int64)[None]
+    logp = torch.log_softmax(torch.from_numpy(hf_logits(model, ids[:, :-1])[0]).double(), -1)
+    want = float(torch.exp(-logp[torch.arange(ids.shape[1] - 1), torch.from_numpy(ids[0, 1:])].mean()))
+    assert report.perplexity["torch"] == pytest.approx(want, rel=1e-4)
+    assert report.perplexity["artifact"] == pytest.approx(want, rel=1e-4)

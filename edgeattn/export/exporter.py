@@ -695,16 +695,23 @@ def export_model(
         source = load_source(root)
     plan.source_notes = list(source.notes)
     given = plan.quantization or {}
-    if plan.precision == "int4" and source.kind == GGUF and not {"block_size", "offsets"} <= set(given):
+    if (
+        plan.precision == "int4"
+        and source.kind == GGUF
+        and given.get("symmetric", True)
+        and not {"block_size", "offsets"} <= set(given)
+    ):
         # a GGUF's 4-bit weights lie on blocks of 32 inputs (Q4_0, Q4_1, Q4_K's sub-blocks): int4 keeps
         # them with block offsets (precision.offset_blocks), where ONNX Runtime's symmetric blocks re-round
         # them (SmolLM2-135M's Q4_1: perplexity +32% at block 32, +84% at 128; with offsets +5%;
         # benchmarks/RESULTS.md, issue 32)
         plan.quantization = {"offsets": True, "block_size": GGUF_INT4_BLOCK, **given}
+        q = plan.quantization
         plan.source_notes.append(
-            f"int4 from a GGUF file: blocks of {plan.quantization['block_size']} with an offset each (its "
-            f"4-bit grid kept), not the default {INT4_DEFAULTS['block_size']} without; --int4-block-size sets "
-            "the block size"
+            f"int4 from a GGUF file: blocks of {q['block_size']}"
+            + (" with an offset each (its 4-bit grid kept)" if q["offsets"] else "")
+            + f", not the default {INT4_DEFAULTS['block_size']} without; --int4-block-size and "
+            "--no-int4-offsets change them"
         )
     plan.decide(source.model)
     if on_plan is not None:

@@ -11,9 +11,26 @@ at each precision, against its own fp32 export.
   standard library's functions (each ``def`` line of the modules above and the next two lines).
 
 Variants: fp32, fp16, int8, int4 with blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with
-the int8 KV buffer. Exports are kept in ``--workdir`` and reused by later runs.
+the int8 KV buffer; ``int4-b32`` is a GGUF's int4 default (blocks of 32 with offsets,
+``edgeattn.export.precision.offset_blocks``), ``int4-b32-plain`` ONNX Runtime's symmetric blocks of 32.
+Exports are kept in ``--workdir`` and reused by later runs.
+
+llama.cpp beside them (``--llama-ggufs NAME=GGUF,...``): the same texts' same token ids, one batch per text
+from an empty cache with every position's logits, scored as above (``llama-perplexity`` tokenizes the text
+itself and scores only the second half of each window, so its figure is not comparable). It runs
+llama-cpp-python's ctypes bindings from its source package (``LLAMA_CPP_PYTHON_SRC``) over a llama.cpp
+built from the same package's vendored sources (``--llama-lib``: the folder of libllama.so), no install::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF $(python -c \
+        'from edgeattn.bench.machine import ggml_cmake_args; print(ggml_cmake_args())') \
+        && cmake --build build -j2 --target llama-perplexity llama-quantize
+    build/bin/llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf f16.gguf F16
+    build/bin/llama-quantize f16.gguf q4_k_m.gguf Q4_K_M   # and Q4_0, Q8_0
 
     python benchmarks/quality.py [--variants fp32,int4-b32] [--tokens 512] [--prompts 50] [--new 64] [--workdir DIR]
+        [--llama-lib DIR/build/bin --llama-ggufs Q4_1=SHIPPED.gguf,Q4_K_M=q4_k_m.gguf]   # LLAMA_CPP_PYTHON_SRC=...
 
 Prints a table, then ONE JSON line.
 """
@@ -41,10 +58,12 @@ VARIANTS = {
     "fp32": {},
     "fp16": {"precision": "fp16"},
     "int8": {"precision": "int8"},
-    "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True}},
+    # a GGUF's int4 default: blocks of 32 with offsets (edgeattn.export.precision.offset_blocks)
+    "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True, "offsets": True}},
     "int4-b32-asym": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": False}},
     "int4-b128": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": True}},
     "int4-b128-asym": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": False}},
+    "int4-b32-plain": {"precision": "int4", "quantization": {"block_size": 32, "offsets": False}},
     "kv-int8": {"kv_dtype": "int8"},
 }
 
@@ -106,6 +125,80 @@ def nll(sess, ids: list[int]) -> tuple[float, int]:
     return bits_per_byte(logits, targets) * math.log(2) * len(targets), len(targets)
 
 
+def llama_worker(gguf: str, lib: str, threads: int) -> None:
+    """``--llama-worker``: llama.cpp's summed negative log-likelihood (nats) and token count over the token
+    id lists on stdin (JSON), each from an empty cache in one batch with every position's logits: the
+    texts' tokens exactly as edgeattn scores them (``llama-perplexity`` tokenizes itself and scores only
+    the second half of each window). The low-level ctypes bindings of llama-cpp-python's source package
+    over the shared libraries in ``lib`` (the package's ``__init__`` wants its high-level dependencies)."""
+    import types
+
+    os.environ["LLAMA_CPP_LIB_PATH"] = lib
+    src = os.environ["LLAMA_CPP_PYTHON_SRC"]
+    pkg = types.ModuleType("llama_cpp")
+    pkg.__path__ = [str(Path(src) / "llama_cpp")]
+    sys.modules["llama_cpp"] = pkg
+    import ctypes
+
+    import llama_cpp.llama_cpp as lc
+
+    lists = json.loads(sys.stdin.read())
+    n_max = max(len(x) for x in lists)
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf.encode(), lc.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"error: llama.cpp cannot load {gguf}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = n_max
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cp)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(n_max, 0, 1)
+    total, count = 0.0, 0
+    for ids in lists:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        batch.n_tokens = len(ids)
+        for i, t in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = int(t), i, 1, 1
+            batch.seq_id[i][0] = 0
+        if lc.llama_decode(ctx, batch) != 0:
+            raise SystemExit("error: llama_decode failed")
+        ptr = lc.llama_get_logits(ctx)
+        logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (len(ids), vocab))
+        z = logits[:-1].astype(np.float64)
+        m = z.max(-1)
+        lse = m + np.log(np.exp(z - m[:, None]).sum(-1))
+        total += float((lse - z[np.arange(len(ids) - 1), ids[1:]]).sum())
+        count += len(ids) - 1
+    print(json.dumps({"nll": total, "tokens": count}))
+
+
+def llama_perplexity(gguf: Path, lib: str, lists: list[list[int]], threads: int) -> float:
+    import subprocess
+
+    res = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--llama-worker",
+            str(gguf),
+            "--llama-lib",
+            lib,
+            "--threads",
+            str(threads),
+        ],
+        input=json.dumps(lists),
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        raise SystemExit(
+            f"error: llama.cpp on {gguf}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
+        )
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    return math.exp(out["nll"] / out["tokens"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -114,7 +207,15 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeattn-quality"))
+    ap.add_argument("--llama-lib", default=None, help="folder of llama.cpp's libllama.so (see below)")
+    ap.add_argument(
+        "--llama-ggufs", default="", help="NAME=GGUF,...: llama.cpp perplexity of these on the same tokens"
+    )
+    ap.add_argument("--llama-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.llama_worker:
+        llama_worker(args.llama_worker, args.llama_lib, args.threads)
+        return 0
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -157,7 +258,18 @@ def main(argv=None) -> int:
             f"{r['perplexity_prose']:7.3f})  greedy agreement {agree:6.1%}  {r['bytes_on_disk'] / 2**20:7.1f} MiB",
             flush=True,
         )
+    llama = {}
+    if args.llama_ggufs:
+        from edgeattn.runtimes import open_session
+
+        tok = open_session(args.workdir / "fp32", threads=args.threads).tokenizer
+        lists = [tok.encode(text)[: args.tokens + 1] for _, _, text in texts]
+        for spec in args.llama_ggufs.split(","):
+            name, path = spec.split("=", 1)
+            llama[name] = {"perplexity": llama_perplexity(Path(path), args.llama_lib, lists, args.threads)}
+            print(f"llama.cpp {name:10s} ppl {llama[name]['perplexity']:7.3f}", flush=True)
     result = {
+        "llama_cpp": llama,
         "model": GGUF_NAME,
         "texts": [f"{k}:{n}" for k, n, _ in texts],
         "missing_texts": missing,

@@ -55,6 +55,7 @@ def test_export_run_check_happy_path(artifact, tmp_path):
     res = invoke("check", artifact, "--tokens", 100)
     assert res.exit_code == 0, res.output
     assert "prefill" in res.output and "step" in res.output and "OK" in res.output
+    assert "perplexity: torch" in res.output  # and the change the artifact makes to it
 
 
 @pytest.mark.parametrize("window", [0, 8])

@@ -177,6 +177,16 @@ def test_cli_export_no_checkpoint_and_int4_options(ckpts, tmp_path):
     attrs = {a.name: a for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute}
     assert attrs["block_size"].i == 16
     assert any(n.op_type == "MatMulNBits" and len(n.input) >= 4 and n.input[3] for n in nodes)  # zero points
+    assert not any(n.name.endswith("_offsets") for n in nodes)  # no block offsets but from a GGUF's
+    res = runner.invoke(
+        app,
+        ["export", str(ckpts["gla"]), "--out", str(tmp_path / "e"), "--precision", "int4", "--int4-offsets"],
+    )
+    assert res.exit_code == 0, res.output
+    nodes = onnx.load(str(tmp_path / "e" / "step.onnx"), load_external_data=False).graph.node
+    coded = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert coded and all(len(n.input) == 3 for n in coded)  # symmetric codes, offsets beside them:
+    assert len([n for n in nodes if n.op_type == "MatMul" and n.name.endswith("_offsets")]) == 2 * len(coded)
 
 
 INT4_MAX_REL = 0.15  # max |logit diff| / max |logit| against the fp32 PyTorch model, d_model 64

@@ -58,6 +58,12 @@ def check(
         f"artifact {report.bpb['artifact']:.4f} (difference {report.bpb['artifact'] - report.bpb['torch']:+.4f})",
         soft_wrap=True,
     )
+    ppl = report.perplexity
+    console.print(
+        f"perplexity: torch {ppl['torch']:.4g}, artifact {ppl['artifact']:.4g} "
+        f"({ppl['artifact'] / ppl['torch'] - 1:+.2%})",
+        soft_wrap=True,
+    )
     for note in report.notes:
         console.print(f"[yellow]note[/yellow]: {escape(note)}", soft_wrap=True)
     if report.tensorrt is not None:

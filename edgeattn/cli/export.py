@@ -52,6 +52,14 @@ def export(
     int4_asymmetric: Annotated[
         bool, typer.Option("--int4-asymmetric", help="int4: a zero point per block (default: symmetric).")
     ] = False,
+    int4_offsets: Annotated[
+        bool | None,
+        typer.Option(
+            "--int4-offsets/--no-int4-offsets",
+            help="int4: a step and a minimum per block, as llama.cpp's Q4_1 (default: on for a GGUF file, "
+            "whose 4-bit weights it keeps; off elsewhere, 1.5x slower decode).",
+        ),
+    ] = None,
     int8_weights: Annotated[
         Int8Weights,
         typer.Option(
@@ -126,6 +134,7 @@ def export(
         include_checkpoint=not no_checkpoint,
         quantization={"symmetric": not int4_asymmetric}
         | ({"block_size": int4_block_size} if int4_block_size is not None else {})
+        | ({"offsets": int4_offsets} if int4_offsets is not None else {})
         if precision == Precision.int4
         else {"weights": int8_weights.value}
         if precision == Precision.int8

@@ -35,6 +35,7 @@ class CheckReport:
     graphs: dict[str, dict] = field(default_factory=dict)  # name -> {max_abs, rel, ops}
     bpb: dict[str, float] = field(default_factory=dict)  # "torch" / "artifact"
     bpb_text: str = ""  # what the bits per byte measured: which text, how many tokens and bytes
+    perplexity: dict[str, float] = field(default_factory=dict)  # "torch" / "artifact": exp(mean NLL a token)
     tensorrt: list[str] | None = None
     tolerance: float = 0.0
     # the CPU the artifact ran on (edgeattn._cpu.cpu_record: model, kind, flags)
@@ -176,6 +177,8 @@ def check_artifact(
         "torch": bits_per_byte(full_want, targets[got["positions"]]) * per_byte,
         "artifact": bits_per_byte(full_got, targets[got["positions"]]) * per_byte,
     }
+    # per token over the same positions: 2 ** (bits a token)
+    report.perplexity = {k: 2 ** (v / per_byte) for k, v in report.bpb.items()}
     n_bytes = round(len(targets) / per_byte)
     name = text_name if text is not None else os.__file__
     report.bpb_text = f"{len(targets)} tokens ({n_bytes} bytes) predicted from the start of {name}" + (

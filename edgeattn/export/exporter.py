@@ -34,10 +34,11 @@ from edgeattn.artifact.manifest import (
     build_manifest,
     sha256_file,
 )
-from edgeattn.artifact.sources import CHECKPOINT
+from edgeattn.artifact.sources import CHECKPOINT, GGUF
 from edgeattn.export.genai import GENAI_CONFIG, GENAI_GRAPH
 from edgeattn.export.graph import release_memory
 from edgeattn.export.optimize import TOKEN_AXIS  # the one graph's dynamic token dimension
+from edgeattn.export.precision import INT4_DEFAULTS
 
 torch = require("torch")
 
@@ -599,6 +600,9 @@ class ExportPlan:
         return out
 
 
+GGUF_INT4_BLOCK = 32  # int4's block size for a model read from a GGUF file, unless one is given
+
+
 def export_model(
     checkpoint,
     out: str | os.PathLike,
@@ -689,7 +693,26 @@ def export_model(
         if kind == CHECKPOINT:  # the model's refusals from its config alone, before its weights are read
             _decide_from_config(plan, root)
         source = load_source(root)
-    plan.source_notes = source.notes
+    plan.source_notes = list(source.notes)
+    given = plan.quantization or {}
+    if (
+        plan.precision == "int4"
+        and source.kind == GGUF
+        and given.get("symmetric", True)
+        and not {"block_size", "offsets"} <= set(given)
+    ):
+        # a GGUF's 4-bit weights lie on blocks of 32 inputs (Q4_0, Q4_1, Q4_K's sub-blocks): int4 keeps
+        # them with block offsets (precision.offset_blocks), where ONNX Runtime's symmetric blocks re-round
+        # them (SmolLM2-135M's Q4_1: perplexity +32% at block 32, +84% at 128; with offsets +5%;
+        # benchmarks/RESULTS.md, issue 32)
+        plan.quantization = {"offsets": True, "block_size": GGUF_INT4_BLOCK, **given}
+        q = plan.quantization
+        plan.source_notes.append(
+            f"int4 from a GGUF file: blocks of {q['block_size']}"
+            + (" with an offset each (its 4-bit grid kept)" if q["offsets"] else "")
+            + f", not the default {INT4_DEFAULTS['block_size']} without; --int4-block-size and "
+            "--no-int4-offsets change them"
+        )
     plan.decide(source.model)
     if on_plan is not None:
         on_plan(plan)

@@ -29,6 +29,11 @@ def initializer_nbytes(init) -> int:
     return n * np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
 
 
+# the names of the nodes and initializers that int4's block offsets add (precision.offset_blocks) end in it;
+# optimize.last_token_logits finds an int4 head with offsets by it
+OFFSET_SUFFIX = "_offsets"
+
+
 def is_by_reference(init) -> bool:
     """Whether ``init``'s values are in a scratch file at an absolute path (``reference_large``), not in
     the message."""

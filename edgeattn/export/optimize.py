@@ -676,8 +676,20 @@ def last_token_logits(model, logits: str = "logits") -> bool:
     Qwen3.5-0.8B the tied head is a third of a token's multiply-adds (1024 x 248320 of ~0.75G)."""
     from onnx import helper, numpy_helper
 
+    from edgeattn.export.graph import OFFSET_SUFFIX
+
     g = model.graph
     head = next((n for n in g.node if logits in n.output), None)
+    readers = [head]  # the nodes that read the head's input
+    if head is not None and head.op_type == "Add" and head.name.endswith(f"_add{OFFSET_SUFFIX}"):
+        # an int4 head with block offsets (precision.offset_blocks): MatMulNBits + x @ blocks @ offsets
+        producer = {o: n for n in g.node for o in n.output}
+        codes, offsets = (producer.get(x) for x in head.input)
+        sums = producer.get(offsets.input[0]) if offsets is not None else None
+        readers = [codes, sums]
+        if any(r is None for r in readers) or codes.input[0] != sums.input[0]:
+            return False
+        head = codes
     if head is None or head.op_type not in ("MatMul", "MatMulNBits", "FusedMatMul"):
         return False
     names = [f"{logits}_last.{k}" for k in ("starts", "ends", "axes")]
@@ -685,10 +697,11 @@ def last_token_logits(model, logits: str = "logits") -> bool:
     g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in zip(names, values))
     last = f"{logits}_last.input"
     g.node.insert(
-        list(g.node).index(head),
+        min(list(g.node).index(r) for r in readers),
         helper.make_node("Slice", [head.input[0], *names], [last], name=f"{head.name}_last_token"),
     )
-    head.input[0] = last
+    for r in readers:
+        r.input[0] = last
     out = next(o for o in g.output if o.name == logits)
     dim = out.type.tensor_type.shape.dim[1]
     dim.ClearField("dim_param")

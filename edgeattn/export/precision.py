@@ -21,7 +21,8 @@
   ``Gather`` becomes ``com.microsoft.GatherBlockQuantized``; activations, gates and the state stay float32.
   Options (``INT4_DEFAULTS``): ``block_size`` (a power of two >= 16: 32 or 128), ``symmetric`` (no zero
   points), ``accuracy_level`` (4: int8 activations inside MatMulNBits, ONNX Runtime's fast CPU path),
-  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``).
+  ``share_embedding`` (a tied embedding stored once: ``share_tied_int4``), ``offsets`` (each block a step and
+  a minimum, as llama.cpp's Q4_1: ``offset_blocks``; the export's default for a GGUF file's weights only).
 - KV buffers (``set_kv_dtype``): the softmax layers' preallocated GroupQueryAttention buffers in float16
   while q, k and v stay float32 (ONNX Runtime 1.32's GroupQueryAttention types its cache apart, ``T_CACHE``).
   Half the memory per token held; on a 2-core AVX-512 CPU its kernel ran 1.4x slower than over the
@@ -51,7 +52,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES
-from edgeattn.export.graph import sort_topologically
+from edgeattn.export.graph import OFFSET_SUFFIX, sort_topologically
 
 
 class PrecisionWarning(UserWarning):
@@ -381,7 +382,15 @@ def check_logits(
         _warn_over(rel, KV_TOLERANCE[kv_dtype], message)
 
 
-INT4_DEFAULTS = {"block_size": 128, "symmetric": True, "accuracy_level": 4, "share_embedding": True}
+INT4_DEFAULTS = {
+    "block_size": 128,
+    "symmetric": True,
+    "accuracy_level": 4,
+    "share_embedding": True,
+    # blocks with an offset (offset_blocks): the default only for a GGUF file's weights (export_model), which
+    # they keep exactly; elsewhere +25% bytes read per token (fp32 offsets), decode 1.3x slower at SmolLM2
+    "offsets": False,
+}
 INT4_OPSET = 21  # GatherBlockQuantized stores int4 tensors, a type of opset 21 (IR 10)
 
 
@@ -452,7 +461,7 @@ def tied_heads(model) -> list[tuple[str, str]]:
     return pairs
 
 
-def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
+def share_tied_int4(model, pairs: list[tuple[str, str]], offsets: dict | None = None) -> int:
     """A tied int4 embedding stored once: each ``GatherBlockQuantized`` of ``pairs`` (by output) reads its
     head's ``MatMulNBits`` table B [V, D/bs, bs/2] (the same blocks along D: the quantizer gives both the
     same values) as 3-D packed uint8 data, quantized along its last axis, with the head's scales reshaped
@@ -460,15 +469,20 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
     Runtime folds a Reshape of an initializer into a copy in memory, which for the scales (V x D/bs floats,
     32 MB at Qwen3.5-0.8B) costs less than storing them twice on disk, for the table (4x that) too much.
     Symmetric blocks only (the implied zero point 8 of both ops), and D a multiple of the block size (the
-    quantizer pads a shorter last block); returns the tables shared."""
+    quantizer pads a shorter last block); returns the tables shared. ``offsets`` (``offset_blocks``'s
+    answer): a head with block offsets gives the gathered rows theirs (a Gather of them as [V, D/bs, 1])."""
     from onnx import helper, numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
+    by_name = {n.name: n for n in g.node}
+    offsets = offsets or {}
     shared = 0
     for gather_out, head_out in pairs:
         gbq, head = producer.get(gather_out), producer.get(head_out)
+        if head_out in offsets:
+            head = by_name.get(offsets[head_out][0])
         if (
             gbq is None
             or head is None
@@ -499,6 +513,31 @@ def share_tied_int4(model, pairs: list[tuple[str, str]]) -> int:
         g.node.insert(
             i + 1, helper.make_node("Reshape", [rows, shape.name], [gather_out], name=f"{gbq.name}_rows")
         )
+        if head_out in offsets:  # rows + their blocks' offsets, gathered from [V, D/bs, 1]
+            from edgeattn.export.graph import initializer_array
+
+            table_off = initializer_array(inits[offsets[head_out][1]])  # [D/bs, V]
+            off_rows = f"{offsets[head_out][1]}_rows"
+            g.initializer.append(
+                numpy_helper.from_array(np.ascontiguousarray(table_off.T[..., None]), off_rows)
+            )
+            coded = f"{rows}_codes"
+            gbq.output[0] = coded
+            g.node.insert(
+                i + 1,
+                helper.make_node(
+                    "Gather",
+                    [off_rows, gbq.input[1]],
+                    [f"{off_rows}_read"],
+                    name=f"{gbq.name}_rows{OFFSET_SUFFIX}",
+                ),
+            )
+            g.node.insert(
+                i + 2,
+                helper.make_node(
+                    "Add", [coded, f"{off_rows}_read"], [rows], name=f"{gbq.name}_add{OFFSET_SUFFIX}"
+                ),
+            )
         reshape = helper.make_node(
             "Reshape", [scales.name, scales3.name], [gbq.input[2]], name=f"{gbq.name}_scales"
         )
@@ -538,15 +577,110 @@ def _weights_read_by_copy():
         mnq.get_initializer = find
 
 
+def offset_blocks(model, block_size: int, accuracy_level: int) -> dict[str, tuple[str, str]]:
+    """Every MatMul whose weight B [K, N] is an initializer as MatMulNBits plus block offsets: each block of
+    ``block_size`` weights along K (of one output column) spans [lo, hi] in 16 steps of d = (hi - lo) / 15,
+    the codes q = rint((w - lo) / d) in 0..15 (llama.cpp's Q4_1 and Q4_K blocks: a scale and a minimum
+    per block). MatMulNBits holds d (q - 8) (symmetric, its implied zero point 8: its fast int8 path, which
+    a float zero point leaves for a dequantize per call 60x slower at one token); the rest of each weight,
+    the block's offset o = lo + 8 d, is added by x @ blocks [K, K/bs] (0/1: which block row k is in) @
+    offsets [K/bs, N], two matmuls of K/bs (18 at K 576, block 32) columns. Where the weights already lie
+    on such a grid (a GGUF's Q4_0/Q4_1 at block 32) this is exact; ONNX Runtime's symmetric blocks (scale
+    max|w| / 8, no offset) re-round them onto another grid, and cost SmolLM2-135M's Q4_1 weights 30% of
+    perplexity (benchmarks/RESULTS.md, issue 32). Returns, per replaced MatMul's output, its MatMulNBits
+    node's name and its offsets' initializer (``share_tied_int4`` gives a tied embedding the same)."""
+    from onnx import helper, numpy_helper
+
+    from edgeattn.export.graph import initializer_array, remove_initializers
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    users: dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            users[x] = users.get(x, 0) + 1
+    done, drop, indicators = {}, set(), {}
+    nodes = list(g.node)
+    del g.node[:]
+    for n in nodes:
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if w is None or len(w.dims) != 2:
+            g.node.append(n)
+            continue
+        B = initializer_array(w).astype(np.float32)  # [K, N]
+        K, N = B.shape
+        nb = -(-K // block_size)
+        pad = nb * block_size - K
+        blocks = np.pad(B.T, ((0, 0), (0, pad)), constant_values=np.nan).reshape(N, nb, block_size)
+        lo, hi = np.nanmin(blocks, -1), np.nanmax(blocks, -1)  # [N, nb]
+        d = (hi - lo) / 15
+        safe = np.where(d > 0, d, 1)
+        q = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15)
+        q = np.where(np.isnan(q), 8, q).astype(np.uint8)  # the padding: code 8 is 0
+        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [N, nb, bs/2], the even k in the low nibble
+        offsets = (lo + 8 * d).T.astype(np.float32)  # [nb, N]
+        name = n.name or n.output[0]
+        if (K, block_size) not in indicators:
+            ind = np.zeros((K, nb), np.float32)
+            ind[np.arange(K), np.arange(K) // block_size] = 1
+            indicators[K, block_size] = f"blocks_{K}_{block_size}{OFFSET_SUFFIX}"
+            g.initializer.append(numpy_helper.from_array(ind, indicators[K, block_size]))
+        g.initializer.extend(
+            [
+                numpy_helper.from_array(packed, f"{w.name}_Q4"),
+                numpy_helper.from_array(d.astype(np.float32), f"{w.name}_scales"),
+                numpy_helper.from_array(offsets, f"{w.name}{OFFSET_SUFFIX}"),
+            ]
+        )
+        x, y = n.input[0], n.output[0]
+        sums = f"{name}_block_sums{OFFSET_SUFFIX}"  # [.., nb]
+        g.node.extend(
+            [
+                helper.make_node(
+                    "MatMulNBits",
+                    [x, f"{w.name}_Q4", f"{w.name}_scales"],
+                    [f"{y}_codes"],
+                    name=f"{name}_Q4",
+                    domain="com.microsoft",
+                    K=K,
+                    N=N,
+                    bits=4,
+                    block_size=block_size,
+                    accuracy_level=accuracy_level,
+                ),
+                helper.make_node("MatMul", [x, indicators[K, block_size]], [sums], name=sums),
+                helper.make_node(
+                    "MatMul",
+                    [sums, f"{w.name}{OFFSET_SUFFIX}"],
+                    [f"{y}{OFFSET_SUFFIX}"],
+                    name=f"{y}{OFFSET_SUFFIX}",
+                ),
+                helper.make_node(
+                    "Add", [f"{y}_codes", f"{y}{OFFSET_SUFFIX}"], [y], name=f"{name}_add{OFFSET_SUFFIX}"
+                ),
+            ]
+        )
+        done[y] = (f"{name}_Q4", f"{w.name}{OFFSET_SUFFIX}")
+        users[w.name] -= 1
+        if not users[w.name]:
+            drop.add(w.name)
+    remove_initializers(g, drop)
+    if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return done
+
+
 def quantize_int4(
     model,
     block_size: int = 128,
     symmetric: bool = True,
     accuracy_level: int = 4,
     share_embedding: bool = True,
+    offsets: bool = False,
 ):
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
-    ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``)."""
+    ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``); ``offsets``: the
+    MatMuls' blocks with an offset each (``offset_blocks``; symmetric only)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
@@ -569,6 +703,8 @@ def quantize_int4(
         for n in model.graph.node:
             if n.domain == "com.microsoft" and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
                 n.domain = ""
+        pairs = tied_heads(model) if share_embedding and symmetric else []
+        by_offset = offset_blocks(model, block_size, accuracy_level) if offsets and symmetric else {}
         q = MatMulNBitsQuantizer(
             model,
             bits=4,
@@ -576,14 +712,14 @@ def quantize_int4(
             is_symmetric=symmetric,
             accuracy_level=accuracy_level,
             op_types_to_quantize=("MatMul", "Gather"),
+            nodes_to_exclude=[n.name for n in model.graph.node if n.name.endswith(OFFSET_SUFFIX)],
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
-        pairs = tied_heads(model) if share_embedding and symmetric else []
         with _weights_read_by_copy():
             q.process()
     finally:
         root.setLevel(level)
-    share_tied_int4(q.model.model, pairs)
+    share_tied_int4(q.model.model, pairs, by_offset)
     return q.model.model
 
 

@@ -49,6 +49,9 @@ def linearize(
     transfer_share: Annotated[float, typer.Option(help="Share of the budget for attention transfer.")] = 0.5,
     seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 256,
     batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 1,
+    max_train_tokens: Annotated[
+        int, typer.Option(help="Tokens of the corpus's training split read (standard-library files).")
+    ] = 4_000_000,
     save_every: Annotated[int, typer.Option(help="Steps between saves of --out.")] = 25,
     seed: Annotated[int, typer.Option(help="Seed of the batches and of the new weights.")] = 0,
     device: Annotated[Device, typer.Option(help="Where to train.")] = Device.cpu,
@@ -79,6 +82,7 @@ def linearize(
         seq_len=seq_len,
         batch_size=batch_size,
         save_every=save_every,
+        max_train_tokens=max_train_tokens,
         seed=seed,
         device=device.value,
     )

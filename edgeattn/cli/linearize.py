@@ -33,17 +33,25 @@ class Device(str, Enum):
 def linearize(
     teacher: Annotated[
         Path,
-        typer.Argument(help="The transformer: a GGUF file, a Hugging Face directory or an edgeattn checkpoint."),
+        typer.Argument(
+            help="The transformer: a GGUF file, a Hugging Face directory or an edgeattn checkpoint."
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write (and resume).")],
-    form: Annotated[Form, typer.Option(help="Fixed-state form of the linearized layers.")] = Form.linear_window,
+    form: Annotated[
+        Form, typer.Option(help="Fixed-state form of the linearized layers.")
+    ] = Form.linear_window,
     window: Annotated[int, typer.Option(help="linear+window: softmax over the last W tokens.")] = 64,
     feature_dim: Annotated[int, typer.Option(help="Hedgehog forms: feature map width F (2F features).")] = 64,
     keep_softmax: Annotated[
         str, typer.Option(help="Layers kept as full softmax, e.g. 0,8,16 (their KV cache grows).")
     ] = "",
-    stage: Annotated[Stage, typer.Option(help="Attention transfer, distillation, or both in turn.")] = Stage.both,
-    lora: Annotated[int, typer.Option(help="Rank of the distillation's low-rank adapters; 0: full fine-tuning.")] = 8,
+    stage: Annotated[
+        Stage, typer.Option(help="Attention transfer, distillation, or both in turn.")
+    ] = Stage.both,
+    lora: Annotated[
+        int, typer.Option(help="Rank of the distillation's low-rank adapters; 0: full fine-tuning.")
+    ] = 8,
     steps: Annotated[int | None, typer.Option(help="Total steps (both stages).")] = None,
     minutes: Annotated[float | None, typer.Option(help="Total time budget in minutes (both stages).")] = None,
     transfer_share: Annotated[float, typer.Option(help="Share of the budget for attention transfer.")] = 0.5,

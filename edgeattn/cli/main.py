@@ -39,7 +39,17 @@ def _root(
 
 # Each module defines `register(app)`; torch is imported inside the commands that need it only.
 COMMANDS = (
-    "train", "sample", "import", "linearize", "export", "run", "check", "bench", "analyze", "serve", "web"
+    "train",
+    "sample",
+    "import",
+    "linearize",
+    "export",
+    "run",
+    "check",
+    "bench",
+    "analyze",
+    "serve",
+    "web",
 )
 _MODULES = {"import": "import_"}  # `import` is a Python keyword
 

@@ -70,7 +70,10 @@ class Hedgehog(Mixer):
         B, H, Hkv, Dh, F2 = batch_size, self.n_heads, self.n_kv_heads, self.head_dim, 2 * self.cfg.feature_dim
         specs = [StateSpec("recurrent_state", (B, H, F2, Dh)), StateSpec("normalizer", (B, H, F2))]
         if self.window:
-            specs += [StateSpec("key", (B, Hkv, self.window, Dh)), StateSpec("value", (B, Hkv, self.window, Dh))]
+            specs += [
+                StateSpec("key", (B, Hkv, self.window, Dh)),
+                StateSpec("value", (B, Hkv, self.window, Dh)),
+            ]
         return [*specs, StateSpec("position", (B,))]
 
     def forward(self, x, state=None):

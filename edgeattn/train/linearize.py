@@ -173,7 +173,9 @@ def _copy_projection(dst, w, head_dim: int) -> None:
     w = w.detach()
     if w.shape != dst.weight.shape:
         if w.shape[1] != dst.weight.shape[1] or dst.weight.shape[0] % w.shape[0]:
-            raise ValueError(f"cannot initialise a {tuple(dst.weight.shape)} projection from {tuple(w.shape)}")
+            raise ValueError(
+                f"cannot initialise a {tuple(dst.weight.shape)} projection from {tuple(w.shape)}"
+            )
         rep = dst.weight.shape[0] // w.shape[0]
         w = w.view(-1, head_dim, w.shape[1]).repeat_interleave(rep, dim=0).reshape(dst.weight.shape)
     with torch.no_grad():
@@ -307,7 +309,9 @@ class Corpus:
         """[B, seq_len] int64: windows at starts drawn from default_rng([seed, step])."""
         n = len(self.train) - seq_len
         if n < 1:
-            raise ValueError(f"the training split has {len(self.train)} tokens, fewer than --seq-len {seq_len}")
+            raise ValueError(
+                f"the training split has {len(self.train)} tokens, fewer than --seq-len {seq_len}"
+            )
         starts = np.random.default_rng([seed, step]).integers(0, n, size=batch_size)
         return torch.from_numpy(np.stack([self.train[s : s + seq_len] for s in starts]).astype(np.int64))
 
@@ -432,7 +436,9 @@ def linearize(
     device = _device(cfg.device)
     teacher, source = load_teacher(teacher_path)
     check_layers(cfg.keep_softmax, teacher.cfg.n_layers)
-    corpus = load_corpus(Path(source.root) / TOKENIZER_JSON, cfg.max_train_tokens, cfg.held_out_tokens, cfg.seed)
+    corpus = load_corpus(
+        Path(source.root) / TOKENIZER_JSON, cfg.max_train_tokens, cfg.held_out_tokens, cfg.seed
+    )
     student = build_student(teacher, cfg)
     teacher.to(device).requires_grad_(False)
     student.to(device)
@@ -478,7 +484,9 @@ def linearize(
     def save() -> None:
         tmp = make_temp_dir(out)
         try:
-            plain, _, _ = EdgeLM.from_state_dict(student.cfg, {k: v.cpu().clone() for k, v in merged_state_dict(student).items()})
+            plain, _, _ = EdgeLM.from_state_dict(
+                student.cfg, {k: v.cpu().clone() for k, v in merged_state_dict(student).items()}
+            )
             plain.save_files(tmp)
             for name in TOKENIZER_FILES:
                 if (Path(source.root) / name).is_file():
@@ -499,8 +507,14 @@ def linearize(
             )
             (tmp / "linearize.json").write_text(
                 json.dumps(
-                    {"teacher": str(teacher_path), "step": step, "elapsed_s": round(elapsed, 1),
-                     "options": cfg.fingerprint(), "corpus": corpus.info, "history": history[-200:]},
+                    {
+                        "teacher": str(teacher_path),
+                        "step": step,
+                        "elapsed_s": round(elapsed, 1),
+                        "options": cfg.fingerprint(),
+                        "corpus": corpus.info,
+                        "history": history[-200:],
+                    },
                     indent=2,
                 )
             )
@@ -535,8 +549,13 @@ def linearize(
             elapsed = time.monotonic() - t0
             history.append([step, stage, round(loss.item(), 6), round(elapsed, 2)])
             tps = ids.numel() / max(time.monotonic() - tic, 1e-9)
-            bar.update(task, description=stage, completed=int(1000 * min(progress(step, elapsed), 1.0)),
-                       loss=f"{loss.item():.4f}", tps=f"{tps:.0f}")
+            bar.update(
+                task,
+                description=stage,
+                completed=int(1000 * min(progress(step, elapsed), 1.0)),
+                loss=f"{loss.item():.4f}",
+                tps=f"{tps:.0f}",
+            )
             if callback is not None:  # its time (an evaluation) is not training time
                 tic = time.monotonic()
                 callback(step, stage, loss.item(), student, elapsed)

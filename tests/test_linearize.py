@@ -247,3 +247,19 @@ def test_bad_options_are_one_line(hf_teacher, tmp_path):
     ):
         r = CliRunner().invoke(app, ["linearize", str(teacher), "--out", str(outdir), "--steps", "2"])
         assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_gated_deltanet_starts_from_the_teachers_grouped_projections(hf_teacher):
+    """Gated DeltaNet has a key head per query head: transformers' grouped k/v rows, each head repeated."""
+    hf, d = hf_teacher
+    teacher, _ = L.load_teacher(d)
+    student = L.build_student(teacher, L.LinearizeConfig(form="gated_deltanet", steps=1))
+    attn, mixer = hf.model.layers[1].self_attn, student.blocks[1].mixer
+    H, Hkv, Dh = 4, 2, 16
+    for name in ("k_proj", "v_proj"):
+        want = (
+            getattr(attn, name).weight.view(Hkv, 1, Dh, -1).expand(Hkv, H // Hkv, Dh, -1).reshape(H * Dh, -1)
+        )
+        torch.testing.assert_close(getattr(mixer, name).weight, want)
+    torch.testing.assert_close(mixer.q_proj.weight, attn.q_proj.weight)
+    torch.testing.assert_close(mixer.o_proj.weight, attn.o_proj.weight)

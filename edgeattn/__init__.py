@@ -26,6 +26,8 @@ MIXERS: tuple[str, ...] = (
     "mamba2",  # Mamba2 SSD: scalar-gated recurrence with B/C as key/query, D skip, gated norm
     "reformer",  # Reformer shared-QK LSH attention, a KV cache like softmax
     "rwkv",  # RWKV-4: token shift + AFT with a decay and a one-token bonus; channel mixing as the MLP
+    "hedgehog",  # learned softmax feature maps over a pretrained layer's rotated q/k (edgeattn linearize)
+    "hedgehog_window",  # hedgehog plus a sliding softmax window in the same layer (LoLCATs)
 )
 
 _LAZY = {

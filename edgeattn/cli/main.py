@@ -38,7 +38,19 @@ def _root(
 
 
 # Each module defines `register(app)`; torch is imported inside the commands that need it only.
-COMMANDS = ("train", "sample", "import", "export", "run", "check", "bench", "analyze", "serve", "web")
+COMMANDS = (
+    "train",
+    "sample",
+    "import",
+    "linearize",
+    "export",
+    "run",
+    "check",
+    "bench",
+    "analyze",
+    "serve",
+    "web",
+)
 _MODULES = {"import": "import_"}  # `import` is a Python keyword
 
 for _name in COMMANDS:

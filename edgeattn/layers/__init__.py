@@ -5,6 +5,7 @@ from edgeattn.layers import (  # noqa: F401  (each registers its mixers)
     delta,
     flash,
     gated,
+    hedgehog,
     mamba2,
     reformer,
     rwkv,

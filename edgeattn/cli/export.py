@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
+from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -108,7 +108,7 @@ def export(
             "rest; one-graph artifacts). all: every token's.",
         ),
     ] = PrefillLogits.all,
-    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    force: Force = False,
     genai: Annotated[
         bool,
         typer.Option(

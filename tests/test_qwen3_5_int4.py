@@ -194,7 +194,10 @@ def test_last_token_prefill_equals_every_token_prefill_and_transformers(hf, ids,
         for p in ("all", "last")
     }
     graph = onnx.load(str(arts["last"] / "step.onnx"), load_external_data=False).graph
-    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
+    assert graph.output[0].type.tensor_type.shape.dim[1].dim_param == "logits"
+    assert "logits_count" in [i.name for i in graph.input] and "logits_count" in [
+        i.name for i in graph.initializer
+    ]
     want = hf_logits(model, ids)
     runs = {}
     for p, art in arts.items():
@@ -202,10 +205,22 @@ def test_last_token_prefill_equals_every_token_prefill_and_transformers(hf, ids,
         runs[p] = [sess.prefill(ids[:, :40]), *(sess.step(ids[:, t : t + 1]) for t in range(40, 50))]
         runs[p] = np.stack(runs[p], 1)  # [B, 11, V]: positions 39 .. 49
     assert rel_err(runs["last"], runs["all"]) <= 1e-5
+    assert runs["last"].shape[1] == 11
+    # the logits_count input: a call's every position on request (scoring, speculative verify), one by default
+    every = {}
+    for p, art in arts.items():
+        sess = open_session(art, threads=1)
+        every[p] = sess.run_graph("prefill", ids[:, :PREFILL], every=True)
+        assert sess.run_graph("prefill", ids[:, PREFILL : 2 * PREFILL]).shape[1] == (
+            1 if p == "last" else PREFILL
+        )
+        every[p] = np.concatenate([every[p], sess._verify(ids[:, 2 * PREFILL : 2 * PREFILL + 5])], axis=1)
+    assert every["last"].shape == every["all"].shape == (1, PREFILL + 5, want.shape[2])
+    assert rel_err(every["last"], every["all"]) <= 1e-5
     tol = 1e-4 if precision == "fp32" else DEFAULT_TOLERANCE["int4"]
     assert rel_err(runs["last"], want[:, 39:50]) <= tol
     report = check_artifact(arts["last"], tokens=N)
-    assert report.ok and report.graphs["prefill"]["tokens"] == (N - 1) // PREFILL
+    assert report.ok and report.graphs["prefill"]["tokens"] == (N - 1) // PREFILL * PREFILL
     with pytest.raises(ValueError, match="prefill_logits"):
         export_model(root / "ckpt", root / "bad", prefill_logits="first", **kw)
 

@@ -7,6 +7,7 @@ kept, a wrong draft in the middle, a wrong first draft, drafts that run past a s
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -254,7 +255,16 @@ def test_refusals(tmp_path, artifacts):
         include_checkpoint=False,
         prefill_logits="last",
     )
-    with pytest.raises(ValueError, match="prefill-logits last"):
+    # its logits_count input gives the verify call every position's logits; an older export without it
+    # (its manifest names none) is refused
+    sess_last = open_session(last, threads=1)
+    assert list(sess_last.generate_ids(PROMPT, 12, speculative="ngram")) == list(
+        open_session(last, threads=1).generate_ids(PROMPT, 12)
+    )
+    m = json.loads((last / "edgeattn.json").read_text())
+    del m["logits_count"]
+    (last / "edgeattn.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="no logits_count input"):
         list(open_session(last, threads=1).generate_ids(PROMPT, 4, speculative="ngram"))
     two = export_model(
         make_checkpoint(tmp_path / "c3", "gla"),

@@ -123,6 +123,12 @@ class Manifest:
         return self.data.get("prefill_logits", "all")
 
     @property
+    def logits_count(self) -> str | None:
+        """The name of a "last" graph's optional int64 [1] input n: a call returns the logits of its last n
+        tokens (1 when not fed); None where the graph has none (then a "last" call returns one row)."""
+        return self.data.get("logits_count")
+
+    @property
     def input_ids_name(self) -> str:
         return self.data.get("inputs", {}).get("input_ids", "input_ids")
 
@@ -355,9 +361,17 @@ def check_structure(data: dict, where: str) -> None:
                 )
     if data.get("prefill_logits", "all") not in ("all", "last"):
         raise ValueError(f"{where}: 'prefill_logits' must be 'all' or 'last', got {data['prefill_logits']!r}")
+    count = data.get("logits_count")
+    if count is not None and (
+        not isinstance(count, str) or not count or data.get("prefill_logits") != "last"
+    ):
+        raise ValueError(
+            f"{where}: 'logits_count' must be the name of a graph input, with 'prefill_logits' 'last'; got {count!r}"
+        )
     names = [
         data.get("inputs", {}).get("input_ids", "input_ids"),
         data.get("outputs", {}).get("logits", "logits"),
+        *([count] if count else []),
     ]
     names += [e["input"] for e in state] + [e["output"] for e in state]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -49,20 +49,21 @@ class CheckReport:
 
 def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
     """Logits of every position: prefill graph over full chunks, then the step graph token by token. An
-    artifact whose calls return their last token's logits (``prefill_logits`` "last"): of each chunk's
-    last position only, for every backend. ``positions``: the positions the logits are of."""
+    artifact whose calls return their last token's logits (``prefill_logits`` "last") gives every position's
+    through its ``logits_count`` input; one without that input (an older export): each chunk's last position
+    only, for every backend. ``positions``: the positions the logits are of."""
     C = sess.manifest.prefill_tokens
-    last = sess.manifest.prefill_logits == "last"
+    every = sess.manifest.prefill_logits != "last" or bool(sess.manifest.logits_count)
     n_full = ids.shape[1] // C if ids.shape[1] > C else 0
     out = {"prefill": [], "step": []}
     sess.reset()
     for c in range(n_full):
-        logits = sess.run_graph("prefill", ids[:, c * C : (c + 1) * C])
-        out["prefill"].append(logits[:, -1:] if last else logits)
+        logits = sess.run_graph("prefill", ids[:, c * C : (c + 1) * C], every=every)
+        out["prefill"].append(logits if every else logits[:, -1:])
     for t in range(n_full * C, ids.shape[1]):
         out["step"].append(sess.run_graph("step", ids[:, t : t + 1]))
     res = {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
-    firsts = [c * C + C - 1 for c in range(n_full)] if last else list(range(n_full * C))
+    firsts = list(range(n_full * C)) if every else [c * C + C - 1 for c in range(n_full)]
     res["positions"] = np.array(firsts + list(range(n_full * C, ids.shape[1])), np.int64)
     return res
 

@@ -881,7 +881,10 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         tokenizer=tokenizer,
     )
     if plan.prefill_logits == "last":
+        from edgeattn.export.optimize import LOGITS_COUNT
+
         manifest["prefill_logits"] = "last"
+        manifest["logits_count"] = LOGITS_COUNT  # the optional input: logits of a call's last n tokens
     package.manifest(manifest)
 
 

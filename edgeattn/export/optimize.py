@@ -670,11 +670,18 @@ def checkable(model):
     return copy
 
 
+# the optional input of a "last" artifact's graph: how many of a call's last tokens get logits (default 1)
+LOGITS_COUNT = "logits_count"
+
+
 def last_token_logits(model, logits: str = "logits") -> bool:
-    """The head (the MatMul that writes ``logits``) on the last token of the call only: a Slice of its input
-    [B, T, D] -> [B, 1, D], so a prefill call of T tokens returns logits [B, 1, V] (the next token's). At
-    Qwen3.5-0.8B the tied head is a third of a token's multiply-adds (1024 x 248320 of ~0.75G)."""
-    from onnx import helper, numpy_helper
+    """The head (the MatMul that writes ``logits``) on the last tokens of the call only: a Slice of its input
+    [B, T, D] -> [B, L, D], so a call of T tokens returns logits [B, L, V] of its last L = min(n, T) tokens,
+    where n is the optional input ``LOGITS_COUNT`` (int64 [1]; an initializer that is also a graph input, so a
+    caller that does not feed it gets 1: the next token's logits). A prefill feeds nothing; a speculative
+    verify call or scoring feeds T and gets every position's. At Qwen3.5-0.8B the tied head is a third of a
+    token's multiply-adds (1024 x 248320 of ~0.75G)."""
+    from onnx import TensorProto, helper, numpy_helper
 
     from edgeattn.export.graph import OFFSET_SUFFIX
 
@@ -692,20 +699,25 @@ def last_token_logits(model, logits: str = "logits") -> bool:
         head = codes
     if head is None or head.op_type not in ("MatMul", "MatMulNBits", "FusedMatMul"):
         return False
+    if any(i.name == LOGITS_COUNT for i in g.input) or any(i.name == LOGITS_COUNT for i in g.initializer):
+        return False  # (a name the graph already uses)
     names = [f"{logits}_last.{k}" for k in ("starts", "ends", "axes")]
-    values = ([-1], [np.iinfo(np.int64).max], [1])
-    g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in zip(names, values))
+    values = ([np.iinfo(np.int64).max], [1])
+    g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in zip(names[1:], values))
+    g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), LOGITS_COUNT))
+    g.input.append(helper.make_tensor_value_info(LOGITS_COUNT, TensorProto.INT64, [1]))
     last = f"{logits}_last.input"
+    at = min(list(g.node).index(r) for r in readers)
     g.node.insert(
-        min(list(g.node).index(r) for r in readers),
-        helper.make_node("Slice", [head.input[0], *names], [last], name=f"{head.name}_last_token"),
+        at, helper.make_node("Slice", [head.input[0], *names], [last], name=f"{head.name}_last_token")
     )
+    g.node.insert(at, helper.make_node("Neg", [LOGITS_COUNT], [names[0]], name=f"{head.name}_last_starts"))
     for r in readers:
         r.input[0] = last
     out = next(o for o in g.output if o.name == logits)
     dim = out.type.tensor_type.shape.dim[1]
-    dim.ClearField("dim_param")
-    dim.dim_value = 1
+    dim.ClearField("dim_value")
+    dim.dim_param = "logits"
     return True
 
 

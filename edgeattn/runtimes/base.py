@@ -143,15 +143,23 @@ class Session(ABC):
         return ids.astype(np.int64, copy=False)
 
     @_locked
-    def run_graph(self, graph: str, ids) -> np.ndarray:
-        """Run one graph ("step": [B, 1], "prefill": [B, C]) and return the logits of every position, [B, T, V]."""
+    def run_graph(self, graph: str, ids, *, every: bool = False) -> np.ndarray:
+        """Run one graph ("step": [B, 1], "prefill": [B, C]) and return its logits, [B, T, V]: every position's,
+        or the last one's ([B, 1, V]) from an artifact exported with ``prefill_logits`` "last" unless ``every``
+        (through its ``logits_count`` input)."""
         if graph not in ("step", "prefill"):
             raise ValueError(f"graph must be 'step' or 'prefill', got {graph!r}")
         ids = self._check_ids(ids)
         tokens = 1 if graph == "step" else self.manifest.prefill_tokens
         if ids.shape[1] != tokens:
             raise ValueError(f"the {graph} graph takes ids of shape [B, {tokens}], got {list(ids.shape)}")
+        if every and graph == "prefill" and self.manifest.prefill_logits == "last":
+            return self._advance_every(ids)
         return self._advance(graph, ids)
+
+    def _advance_every(self, ids: np.ndarray) -> np.ndarray:
+        """A prefill call that returns every position's logits (backends that compute them anyway)."""
+        return self._advance("prefill", ids)
 
     def _advance(self, graph: str, ids: np.ndarray) -> np.ndarray:
         """Run a graph on checked ids and count the tokens."""

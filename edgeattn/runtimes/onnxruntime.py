@@ -237,16 +237,27 @@ class OnnxRuntimeSession(Session):
             self.position += ids[:, c : c + n].shape[1]
         return logits[:, -1]
 
-    def _run_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """Run the one graph on ids [B, n] (any n), advancing the state; logits [B, n, V]."""
-        if ids.shape[1] == self.manifest.prefill_tokens:
+    def _run_tokens(self, ids: np.ndarray, every: bool = False) -> np.ndarray:
+        """Run the one graph on ids [B, n] (any n), advancing the state; logits [B, n, V] (an artifact whose
+        calls return their last token's logits: [B, 1, V], or with ``every`` [B, n, V] through its
+        ``logits_count`` input)."""
+        m = self.manifest
+        count = m.logits_count if m.prefill_logits == "last" and every and ids.shape[1] > 1 else None
+        if every and m.prefill_logits == "last" and count is None and ids.shape[1] > 1:
+            raise ValueError(
+                f"{m.root}: this artifact returns a call's last logits only (no logits_count input)"
+            )
+        if ids.shape[1] == m.prefill_tokens and count is None:
             return self._run("prefill", ids)
         ids = np.ascontiguousarray(ids, np.int64)
-        n = 1 if self.manifest.prefill_logits == "last" else ids.shape[1]
-        logits = np.empty((ids.shape[0], n, self.manifest.vocab_size), np.float32)
+        n = 1 if m.prefill_logits == "last" and count is None else ids.shape[1]
+        logits = np.empty((ids.shape[0], n, m.vocab_size), np.float32)
         io = self.sessions["prefill"].io_binding()
-        io.bind_ortvalue_input(self.manifest.input_ids_name, self._alloc_from(ids))
-        io.bind_ortvalue_output(self.manifest.logits_name, self._alloc_from(logits))
+        io.bind_ortvalue_input(m.input_ids_name, self._alloc_from(ids))
+        io.bind_ortvalue_output(m.logits_name, self._alloc_from(logits))
+        if count is not None:
+            n_np = np.array([n], np.int64)
+            io.bind_ortvalue_input(count, self._alloc_from(n_np))
         for e, bufs in zip(self.manifest.state, self._bufs):
             io.bind_ortvalue_input(e.input, bufs[self._cur])
             io.bind_ortvalue_output(e.output, bufs[1 - self._cur])
@@ -267,10 +278,11 @@ class OnnxRuntimeSession(Session):
                 "on the CPU (the onnxruntime target, fp32 or int4, fused recurrences and KV-buffer softmax "
                 "layers; export without --target portable)"
             )
-        if self.manifest.prefill_logits == "last":
+        if self.manifest.prefill_logits == "last" and not self.manifest.logits_count:
             return (
                 f"{self.manifest.root}: speculative decoding reads the logits of every drafted position; this "
-                "artifact returns the last one only (exported with --prefill-logits last)"
+                "artifact returns the last one only and has no logits_count input (exported with --prefill-logits "
+                "last by an older edgeattn): export it again"
             )
         return None
 
@@ -288,11 +300,16 @@ class OnnxRuntimeSession(Session):
             raise RuntimeError(f"cannot rewind {self._calls - calls} graph calls; one at most")
         self._cur, self.position, self._calls = cur, position, calls
 
+    def _advance_every(self, ids: np.ndarray) -> np.ndarray:
+        logits = self._run_tokens(ids, every=True)
+        self.position += ids.shape[1]
+        return logits
+
     def _verify(self, ids) -> np.ndarray:
         """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V]."""
         ids = self._check_ids(ids)
         # one token: the step graph's bindings, made once (a call on another length binds its own buffers)
-        logits = self._run("step", ids) if ids.shape[1] == 1 else self._run_tokens(ids)
+        logits = self._run("step", ids) if ids.shape[1] == 1 else self._run_tokens(ids, every=True)
         self.position += ids.shape[1]
         return logits
 

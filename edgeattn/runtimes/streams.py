@@ -672,6 +672,9 @@ class Streams:
         keep = [ort.OrtValue.ortvalue_from_numpy(ids), ort.OrtValue.ortvalue_from_numpy(logits)]
         io.bind_ortvalue_input(self.manifest.input_ids_name, keep[0])
         io.bind_ortvalue_output(self.manifest.logits_name, keep[1])
+        if self.manifest.prefill_logits == "last":  # every position's logits (speculative_refusal checked)
+            keep.append(ort.OrtValue.ortvalue_from_numpy(np.array([T], np.int64)))
+            io.bind_ortvalue_input(self.manifest.logits_count, keep[-1])
         for e, a, b in zip(self._entries, self._bufs[self._cur], self._bufs[1 - self._cur]):
             va, vb = ort.OrtValue.ortvalue_from_numpy(a[:n]), ort.OrtValue.ortvalue_from_numpy(b[:n])
             keep += [va, vb]

@@ -219,7 +219,7 @@ def _f32_dot_override() -> str | None:
     return value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _major(index: int) -> int:
     """CUDA device ``index``'s compute capability major: asked once per device, not per launch."""
     return torch.cuda.get_device_capability(index)[0]

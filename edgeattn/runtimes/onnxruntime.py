@@ -305,6 +305,17 @@ class OnnxRuntimeSession(Session):
         self.position += ids.shape[1]
         return logits
 
+    def forward(self, ids) -> np.ndarray:
+        """Run ids [B, n] (any n) through the one graph from the current state, advancing it, and return every
+        position's logits [B, n, V] (a ``--prefill-logits last`` artifact's through its ``logits_count``
+        input): prompt scoring, speculative decoding's verify call. ``speculative_refusal`` says why an
+        artifact cannot (None: it can)."""
+        why = self.speculative_refusal()
+        if why is not None:
+            raise ValueError(why)
+        with self.lock:
+            return self._verify(ids)
+
     def _verify(self, ids) -> np.ndarray:
         """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V]."""
         ids = self._check_ids(ids)

@@ -5,9 +5,9 @@ backend asks).
 Every number is the log-softmax of the artifact's own logits for that position (float64), before any grammar
 mask, temperature or top-k/top-p: what the model says, not what the sampler drew from. The generated tokens'
 come from a ``Decoder`` processor (``Recorder``), the prompt's from ``prompt_logprobs``, which feeds the
-prompt to the step graph one token at a time (every artifact has it; a prefill graph exported with
-``--prefill-logits last`` returns only its last token's logits), so the first prompt token has none (null,
-as OpenAI).
+prompt in calls that return every position's logits (a ``--prefill-logits last`` artifact through its
+``logits_count`` input) or, where the artifact cannot, to the step graph one token at a time; the first
+prompt token has none (null, as OpenAI).
 """
 
 from __future__ import annotations
@@ -49,15 +49,24 @@ class Recorder:
 
 
 def prompt_logprobs(session, ids: list[int], top: int) -> list:
-    """An entry per prompt token, token i's logprob given tokens 0..i-1 (the first one's None), from the step
-    graph of a batch-1 ``session`` (reset first and left reset)."""
+    """An entry per prompt token, token i's logprob given tokens 0..i-1 (the first one's None), from a batch-1
+    ``session`` (reset first and left reset): with one graph for any number of tokens, calls of the prefill
+    length that return every position's logits (``OnnxRuntimeSession.forward``; a ``--prefill-logits last``
+    artifact through its ``logits_count`` input), else the step graph a token at a time."""
     out: list = [(int(ids[0]), None, [])]
+    chunked = getattr(session, "any_tokens", False) and session.speculative_refusal() is None
     with session.lock:
         session.reset()
         try:
-            for i in range(len(ids) - 1):
-                logits = session.step(np.array([[ids[i]]], np.int64))[0]
-                out.append(entry(log_softmax(logits), ids[i + 1], top))
+            if chunked:
+                x, C = np.array([ids[:-1]], np.int64), session.manifest.prefill_tokens
+                for c in range(0, x.shape[1], C):
+                    logits = session.forward(x[:, c : c + C])[0]
+                    out += [entry(log_softmax(row), ids[c + j + 1], top) for j, row in enumerate(logits)]
+            else:
+                for i in range(len(ids) - 1):
+                    logits = session.step(np.array([[ids[i]]], np.int64))[0]
+                    out.append(entry(log_softmax(logits), ids[i + 1], top))
         finally:
             session.reset()
     return out

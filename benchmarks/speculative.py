@@ -26,6 +26,14 @@ ngram`` (an artifact exported with ``--dynamic-batch``), driven by N concurrent 
 tokens/s over the round (all tokens / wall time), per server and number of clients, grounded and free tasks
 apart, and whether every text equals the plain server's.
 
+``--llama GGUF --llama-bin DIR``: beside edgeattn, llama.cpp's own self-speculative decoding on the same prompts
+(the GGUF the artifact was exported from): ``llama-speculative-simple --spec-type ngram-simple`` (prompt lookup),
+greedy, with drafts and without (a lookup n-gram too long to match: the same loop and timer), built from
+llama-cpp-python 0.3.36's vendored sources into DIR (``cmake -S vendor/llama.cpp -B DIR $(ggml_cmake_args)
+-DLLAMA_BUILD_EXAMPLES=ON`` then ``cmake --build DIR --target llama-speculative-simple``), interleaved with
+edgeattn's runs task by task. (``llama-completion`` decoded the same prompts 2-3x slower per token here, so it
+is not the baseline.)
+
 ``--chat`` feeds each task's ``chat`` message through the artifact's chat template (an instruct model such
 as SmolLM2-135M-Instruct), otherwise its ``raw`` prompt (a base model). Prints a markdown table, then one
 JSON line.
@@ -39,6 +47,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -187,6 +196,35 @@ def server_main(args, tasks) -> None:
     )
 
 
+LLAMA_NGRAM = "ngram-simple"  # llama.cpp's prompt-lookup drafter (common/speculative.cpp)
+
+
+def llama_run(bin_dir: Path, gguf: Path, text: str, n: int, threads: int, drafts: bool) -> dict:
+    """llama.cpp's own ``llama-speculative-simple --spec-type ngram-simple`` (self-speculative prompt lookup,
+    greedy), built from the vendored sources (``--llama-bin``), on ``text`` (special tokens parsed, as the
+    chat template writes them), about ``n`` new tokens; ``drafts`` False: the same program with a lookup
+    n-gram of 1024 tokens, which never matches (no drafts: plain decoding through the same loop and timer).
+    {"tok_s", "tokens", "drafted", "accepted"} from what it prints (decode only: the prompt timed apart)."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(gguf), "-f", f.name, "-n", str(n)]
+        cmd += ["--temp", "0", "-t", str(threads), "-c", "4096", "--spec-type", LLAMA_NGRAM]
+        cmd += [] if drafts else ["--spec-ngram-simple-size-n", "1024"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    d, a = re.search(r"n_drafted = (\d+)", log), re.search(r"n_accept  = (\d+)", log)
+    if proc.returncode != 0 or not m or not d or not a:
+        sys.exit(f"{cmd[0]} failed ({proc.returncode}) or printed no decode timing: {log[-1500:]}")
+    tokens, secs = int(m.group(1)), float(m.group(2))
+    return {"tok_s": tokens / secs, "tokens": tokens, "drafted": int(d.group(1)), "accepted": int(a.group(1))}
+
+
 def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
@@ -206,7 +244,16 @@ def main() -> None:
     ap.add_argument("--repetition-window", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server", default=None, help="comma-separated numbers of clients: the server instead")
+    ap.add_argument("--llama", type=Path, default=None, help="a GGUF: llama.cpp plain and ngram beside")
+    ap.add_argument("--llama-bin", type=Path, default=None, help="llama.cpp's built binaries (with --llama)")
     args = ap.parse_args()
+    bins = ("llama-speculative-simple",)
+    if args.llama is not None and (
+        not args.llama.is_file()
+        or args.llama_bin is None
+        or not all((args.llama_bin / b).is_file() for b in bins)
+    ):
+        ap.error(f"--llama needs a GGUF file and --llama-bin, a folder with {' and '.join(bins)}")
     sampling = {
         "temperature": args.temperature,
         "repetition_penalty": args.repetition_penalty,
@@ -236,7 +283,8 @@ def main() -> None:
     # a draft artifact is opened once (its own session, the same threads)
     opened = {d: d if d == "ngram" else open_session(d, threads=args.threads) for d in drafters}
     tok = sess.tokenizer
-    rows = []
+    rows, llama_rows = [], []
+    llama = args.llama is not None
     for task in tasks:
         text = tok.apply_chat_template(task["chat"]) if args.chat else task["raw"]
         ids = tok.encode(text)
@@ -253,6 +301,26 @@ def main() -> None:
                 same[d] &= got == want
                 spec[d][0].append((len(got) - 1) / max(t, 1e-9))
                 spec[d][1].append(per_call)
+        if llama:  # the same prompt through llama.cpp, plain and self-speculative, interleaved
+            runs = {k: [] for k in ("plain", "spec")}
+            for _ in range(args.repeats):
+                for k, drafts in (("plain", False), ("spec", True)):
+                    runs[k].append(
+                        llama_run(args.llama_bin, args.llama, text, args.max_new_tokens, args.threads, drafts)
+                    )
+            lp, ls = (statistics.median(r["tok_s"] for r in runs[k]) for k in ("plain", "spec"))
+            last = runs["spec"][-1]
+            llama_rows.append(
+                {
+                    "task": task["name"],
+                    "kind": task["kind"],
+                    "tokens": runs["plain"][-1]["tokens"],
+                    "plain_tok_s": round(lp, 1),
+                    "spec_tok_s": round(ls, 1),
+                    "speedup": round(ls / lp, 3),
+                    "accepted_per_drafted": round(last["accepted"] / max(last["drafted"], 1), 3),
+                }
+            )
         plain = statistics.median(plain_t)
         for d in drafters:
             s = statistics.median(spec[d][0])
@@ -294,6 +362,34 @@ def main() -> None:
                 if sel
                 else None,
             }
+    if llama:
+        print()
+        print(
+            f"llama.cpp ({args.llama.name}): llama-completion, and llama-speculative-simple --spec-type {LLAMA_NGRAM}"
+        )
+        print()
+        print("| task | kind | tokens | plain tok/s | ngram tok/s | ratio | accepted / drafted |")
+        print("|---|---|---|---|---|---|---|")
+        for r in llama_rows:
+            print(
+                f"| {r['task']} | {r['kind']} | {r['tokens']} | {r['plain_tok_s']} | {r['spec_tok_s']} | "
+                f"{r['speedup']:.2f}x | {r['accepted_per_drafted']} |"
+            )
+        for kind in ("grounded", "free"):
+            sel = [r for r in llama_rows if r["kind"] == kind]
+            summary[f"llama.cpp-{LLAMA_NGRAM}/{kind}"] = {
+                "speedup_geomean": round(geomean([r["speedup"] for r in sel]), 3),
+                "tokens_per_call_mean": None,
+            }
+            # edgeattn's speculative tokens/s against llama.cpp's, each at its best (geomean over the tasks)
+            mine = [r for r in rows if r["kind"] == kind and r["drafter"] == "ngram"]
+            if mine and sel:
+                summary[f"edgeattn-ngram-vs-llama.cpp-{LLAMA_NGRAM}/{kind}"] = {
+                    "speedup_geomean": round(
+                        geomean([a["spec_tok_s"] / b["spec_tok_s"] for a, b in zip(mine, sel)]), 3
+                    ),
+                    "tokens_per_call_mean": None,
+                }
     print()
     for k, v in sorted(summary.items()):
         print(f"{k}: {v['speedup_geomean']:.2f}x, {v['tokens_per_call_mean']} tokens per call")
@@ -311,6 +407,9 @@ def main() -> None:
                 "load": os.getloadavg(),
                 "summary": summary,
                 "rows": rows,
+                "llama": {"gguf": str(args.llama), "spec_type": LLAMA_NGRAM, "rows": llama_rows}
+                if llama
+                else None,
             }
         )
     )

@@ -120,9 +120,8 @@ def nll(sess, ids: list[int]) -> tuple[float, int]:
 
     x = np.asarray(ids, np.int64)[None]
     got = run_logits(sess, x[:, :-1])
-    logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-    targets = x[0, 1:][got["positions"]]
-    return bits_per_byte(logits, targets) * math.log(2) * len(targets), len(targets)
+    targets = x[0, 1:]
+    return bits_per_byte(got["logits"][0], targets) * math.log(2) * len(targets), len(targets)
 
 
 def llama_worker(gguf: str, lib: str, threads: int) -> None:

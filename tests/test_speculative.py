@@ -28,7 +28,10 @@ def artifacts(tmp_path_factory):
     for mixer in FAMILIES:
         d = root / mixer.replace(",", "_")
         ckpt = make_checkpoint(d / "ckpt", mixer)
-        out[mixer] = export_model(ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False)
+        # verifying reads every drafted position's logits: --prefill-logits all (the default, last, is refused)
+        out[mixer] = export_model(
+            ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all"
+        )
     return out
 
 
@@ -153,7 +156,9 @@ def small_vocab(tmp_path_factory):
     arts = []
     for name, seed in (("target", 0), ("draft", 5)):
         ckpt = make_checkpoint(root / f"{name}-ckpt", "gla", seed=seed, vocab_size=VOCAB)
-        arts.append(export_model(ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False))
+        arts.append(
+            export_model(ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all")
+        )
     return arts
 
 
@@ -247,14 +252,11 @@ def test_refusals(tmp_path, artifacts):
     other = export_model(ckpt, tmp_path / "other", prefill_chunk=PREFILL, include_checkpoint=False)
     with pytest.raises(ValueError, match="another tokenizer"):
         list(sess.generate_ids(PROMPT, 4, speculative=str(other)))
-    last = export_model(
-        make_checkpoint(tmp_path / "c2", "gla"),
-        tmp_path / "last",
-        prefill_chunk=PREFILL,
-        include_checkpoint=False,
-        prefill_logits="last",
+    last = export_model(  # the default: last-token logits
+        make_checkpoint(tmp_path / "c2", "gla"), tmp_path / "last", prefill_chunk=PREFILL, include_checkpoint=False
     )
-    with pytest.raises(ValueError, match="prefill-logits last"):
+    assert open_session(last).manifest.prefill_logits == "last"
+    with pytest.raises(ValueError, match="export with --prefill-logits all"):
         list(open_session(last, threads=1).generate_ids(PROMPT, 4, speculative="ngram"))
     two = export_model(
         make_checkpoint(tmp_path / "c3", "gla"),
@@ -329,7 +331,7 @@ STREAM_TOKENS = [24, 17, 30, 9]  # different lengths: rows leave the batch at di
 def batch_artifacts(serve_root):
     from tests.serve_helpers import export_tiny
 
-    return {m: export_tiny(serve_root, m) for m in STREAM_FAMILIES}
+    return {m: export_tiny(serve_root, m, prefill_logits="all") for m in STREAM_FAMILIES}
 
 
 def run_streams(art, temperature, drafters=None, stop=None):

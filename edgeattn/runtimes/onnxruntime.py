@@ -270,7 +270,8 @@ class OnnxRuntimeSession(Session):
         if self.manifest.prefill_logits == "last":
             return (
                 f"{self.manifest.root}: speculative decoding reads the logits of every drafted position; this "
-                "artifact returns the last one only (exported with --prefill-logits last)"
+                "artifact returns the last one only (--prefill-logits last, the export's default on one graph): "
+                "export with --prefill-logits all"
             )
         return None
 

@@ -78,7 +78,14 @@ def main() -> None:
                     ctx = contexts if i == 0 else []
                     model = f"{p}-{v}-prefill{n}"
                     configs.append(
-                        dict(model=model, path=path, threads=args.threads, contexts=ctx, steps=args.steps, prefill=n)
+                        dict(
+                            model=model,
+                            path=path,
+                            threads=args.threads,
+                            contexts=ctx,
+                            steps=args.steps,
+                            prefill=n,
+                        )
                     )
         peers.run_interleaved(configs, args.repeats, args.timeout, log, {})
     runs = peers.read_log(log)
@@ -104,7 +111,9 @@ def main() -> None:
                 "flags": " ".join(FLAGS[v]),
                 "prefill_tps": {n: s[n].get("prefill_tps") for n in prefills},
                 "decode_ms": {c: first["contexts"][c]["ms"] for c in contexts},
-                "decode_ms_range": {c: [first["contexts"][c]["ms_min"], first["contexts"][c]["ms_max"]] for c in contexts},
+                "decode_ms_range": {
+                    c: [first["contexts"][c]["ms_min"], first["contexts"][c]["ms_max"]] for c in contexts
+                },
                 "rss_mib": {c: first["contexts"][c]["rss_mib"] for c in contexts},
                 "other_cores": max(first["contexts"][c]["other"] for c in contexts),
                 "n": first["n"],
@@ -121,7 +130,11 @@ def main() -> None:
             )
     from edgeattn.bench.machine import with_cpu
 
-    print(json.dumps(with_cpu({"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "threads": args.threads, "rows": rows})))
+    print(
+        json.dumps(
+            with_cpu({"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "threads": args.threads, "rows": rows})
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -265,7 +265,11 @@ def test_gguf_cli_import_and_export(tok_dir, ids, tmp_path):
         r = cli("export", path, "--out", art, "--target", target, "--prefill-chunk", 16, "--max-length", 64)
         assert r.exit_code == 0, r.output
         sess = open_session(art)
-        assert sess.manifest.prefill_logits == mode == json.loads((art / "edgeattn.json").read_text())["prefill_logits"]
+        assert (
+            sess.manifest.prefill_logits
+            == mode
+            == json.loads((art / "edgeattn.json").read_text())["prefill_logits"]
+        )
         got = run_logits(sess, ids)
         assert got["step"].shape[1] == N - 32 and rel_err(got["logits"], want) <= 1e-4
         if mode == "all":

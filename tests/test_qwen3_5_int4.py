@@ -41,6 +41,7 @@ def export(root, name, **quantization):
         include_checkpoint=False,
         force=True,
         quantization=quantization,
+        prefill_logits="all",  # every position compared (logits())
     )
 
 
@@ -105,6 +106,7 @@ def test_weights_on_a_4bit_grid_are_exact_with_block_offsets(hf, ids, tmp_path):
             precision="int4",
             prefill_chunk=PREFILL,
             include_checkpoint=False,
+            prefill_logits="all",
             quantization={"block_size": 32, "accuracy_level": 0, "offsets": offsets},
         )
         graph = onnx.load(str(art / "step.onnx"), load_external_data=False).graph

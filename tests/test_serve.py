@@ -478,14 +478,14 @@ def test_speculative_ngram_server_gives_the_same_text(server, serve_root, serve_
     a reply's cached state resumes exactly, and /metrics counts the drafts. Verifying reads every drafted
     position's logits: the artifact is exported with --prefill-logits all (the default, last, is refused)."""
     gla = serve_gla
-    serve_gla = export_tiny(serve_root, "gla", prefill_logits="all")  # the same checkpoint as the plain server's
+    serve_gla = export_tiny(
+        serve_root, "gla", prefill_logits="all"
+    )  # the same checkpoint as the plain server's
     prompts = [("abcdefgh" * 6)[: 20 + 7 * i] + text_prompt(5, 30 + i) for i in range(4)]
     want = [greedy_text(serve_gla, p, N) for p in prompts]
     plain = server.client()
     sampled = dict(max_tokens=N, temperature=0.9, seed=5, extra_body={"top_k": 40})
-    want_sampled = (
-        plain.completions.create(model=gla.name, prompt=prompts[0], **sampled).choices[0].text
-    )
+    want_sampled = plain.completions.create(model=gla.name, prompt=prompts[0], **sampled).choices[0].text
     s = start_server(serve_gla, "--slots", 4, "--speculative", "ngram")
     try:
         c = s.client()

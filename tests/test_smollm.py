@@ -111,7 +111,9 @@ def test_default_export_scores_every_token_as_transformers(smollm_artifact, smol
     assert bits_per_byte(got["logits"][0], targets) * np.log(2) == pytest.approx(nll, rel=1e-4)
     echo = prompt_logprobs(sess, ids, 2)
     assert echo[0][1] is None and [e[0] for e in echo] == ids
-    assert [e[1] for e in echo[1:]] == pytest.approx(want[np.arange(len(targets)), targets].tolist(), abs=2e-4)
+    assert [e[1] for e in echo[1:]] == pytest.approx(
+        want[np.arange(len(targets)), targets].tolist(), abs=2e-4
+    )
     assert [e[2][0][0] for e in echo[1:]] == want.argmax(-1).tolist()  # the top logprob's token
 
 

@@ -157,7 +157,9 @@ def small_vocab(tmp_path_factory):
     for name, seed in (("target", 0), ("draft", 5)):
         ckpt = make_checkpoint(root / f"{name}-ckpt", "gla", seed=seed, vocab_size=VOCAB)
         arts.append(
-            export_model(ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all")
+            export_model(
+                ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all"
+            )
         )
     return arts
 
@@ -253,7 +255,10 @@ def test_refusals(tmp_path, artifacts):
     with pytest.raises(ValueError, match="another tokenizer"):
         list(sess.generate_ids(PROMPT, 4, speculative=str(other)))
     last = export_model(  # the default: last-token logits
-        make_checkpoint(tmp_path / "c2", "gla"), tmp_path / "last", prefill_chunk=PREFILL, include_checkpoint=False
+        make_checkpoint(tmp_path / "c2", "gla"),
+        tmp_path / "last",
+        prefill_chunk=PREFILL,
+        include_checkpoint=False,
     )
     assert open_session(last).manifest.prefill_logits == "last"
     with pytest.raises(ValueError, match="export with --prefill-logits all"):

@@ -176,7 +176,9 @@ def check_artifact(
     for g in ("prefill", "step"):
         report.graphs[g] = _compare(got[g], want[g], m.graph_path(g))
     if m.data.get("genai"):  # export --genai: onnxruntime-genai's graph, the whole text in one call
-        report.graphs["genai"] = _compare(genai_logits(m, inp, threads), want["logits"], m.root / m.data["genai"]["graph"])
+        report.graphs["genai"] = _compare(
+            genai_logits(m, inp, threads), want["logits"], m.root / m.data["genai"]["graph"]
+        )
     full_got, full_want = got["logits"][0], want["logits"][0]
     per_byte = (
         len(targets) / max(len(data) - 1, 1) if tok.kind == "byte" else len(targets) / max(len(data), 1)

@@ -195,6 +195,12 @@ def check_artifact(
         "" if text is not None else ", not the training text"
     )
     report.cpu = cpu_record()
+    if m.prefill_logits == "last":
+        report.notes.append(
+            "prefill_logits last: each prefill call returns its last token's logits, so the prefill row compares "
+            f"{report.graphs['prefill']['tokens']} positions (one a call); the perplexity scores every token, "
+            "stepped one at a time"
+        )
     if report.cpu["kind"] in S8_SATURATES and any(
         g.get("int8_weights") == "s8" for g in report.graphs.values()
     ):

@@ -14,6 +14,15 @@ Speed does not depend on the token ids. Quality (perplexity, greedy agreement) i
     python benchmarks/export_defaults.py [--precisions fp32,int4] [--repeats 3] [--contexts 128,2048,8000]
         [--prefills 512,2048] [--threads 2] [--workdir DIR]
     python benchmarks/export_defaults.py --workdir DIR --report   # the table of the runs in DIR/runs.jsonl
+    python benchmarks/export_defaults.py --paired [--rounds 8] [--block 4] [--precisions int4] [--workdir DIR]
+
+``--paired``: on a shared, loaded 2-core machine a fresh process's speed drifts by tens of percent within
+minutes, so each question is also measured as a pair (benchmarks/peers.py ``measure_pair``: both exports
+loaded at once in long-lived processes, measured alternately in blocks of ``--block`` steps, ``--rounds``
+rounds per context; prefill three times each, alternating): ``all-f32`` against ``last-f32`` (prefill at each
+``--prefills`` length: does the head on the last token only pay?) and ``last-f32`` against ``last-int8``
+(decode at each context and prefill: does the int8 KV buffer pay?). Ratios > 1: the second is faster.
+Logged to DIR/paired.jsonl.
 
 Prints a markdown table, then ONE JSON line.
 """
@@ -51,6 +60,78 @@ def build(workdir: Path, precision: str, variant: str) -> Path:
     return out
 
 
+PAIRS = (  # (base, peer, decode contexts measured): ratios base time / peer time
+    ("all-f32", "last-f32", False),
+    ("last-f32", "last-int8", True),
+)
+
+
+def paired(args, precisions, contexts, prefills) -> None:
+    """``--paired``: each pair of PAIRS at each precision, alternately (``peers.measure_pair``); the decode
+    ratio (base ms / peer ms) per context, the prefill ratio (peer tok/s / base tok/s) per length."""
+    from edgeattn.bench.machine import with_cpu
+
+    log = args.workdir / "paired.jsonl"
+    rows = {}
+    print(
+        "| precision | base -> peer | "
+        + " | ".join(f"decode @{c}" for c in contexts)
+        + " | "
+        + " | ".join(f"prefill @{n}" for n in prefills)
+        + " |"
+    )
+    print("|---" * (2 + len(contexts) + len(prefills)) + "|")
+    for p in precisions:
+        for base, peer, decode in PAIRS:
+            cfgs = [
+                dict(model=f"{p}-{v}", path=str(build(args.workdir, p, v)), threads=args.threads)
+                for v in (base, peer)
+            ]
+            row = {"decode": {}, "prefill": {}, "ms": {}, "tps": {}}
+            for i, n in enumerate(prefills):
+                ctx = contexts if decode and i == 0 else []
+                res = peers.measure_pair(
+                    cfgs, ctx, args.rounds, args.block, n, args.timeout, first=i, gap=args.gap
+                )
+                with open(log, "a") as f:
+                    f.write(
+                        json.dumps(
+                            with_cpu({"pair": [base, peer], "precision": p, "prefill": n, "result": res})
+                        )
+                        + "\n"
+                    )
+                if "error" in res:
+                    raise SystemExit(f"error: {res['error']}")
+                for c, r in res["ratios"].items():  # peer ms / base ms per round: inverted, > 1 peer faster
+                    row["decode"][int(c)] = 1 / r["ratio"]
+                    row["ms"][int(c)] = [
+                        res[cfgs[0]["model"]]["contexts"][c]["ms"],
+                        res[cfgs[1]["model"]]["contexts"][c]["ms"],
+                    ]
+                row["prefill"][n] = 1 / res["prefill_ratio"]
+                row["tps"][n] = [res[cfgs[0]["model"]]["prefill_tps"], res[cfgs[1]["model"]]["prefill_tps"]]
+            rows[f"{p}:{base}->{peer}"] = row
+            print(
+                f"| {p} | `{base}` -> `{peer}` | "
+                + " | ".join(
+                    f"{row['decode'][c]:.2f}x ({row['ms'][c][0]:.1f} / {row['ms'][c][1]:.1f} ms)"
+                    if c in row["decode"]
+                    else "-"
+                    for c in contexts
+                )
+                + " | "
+                + " | ".join(
+                    f"{row['prefill'][n]:.2f}x ({row['tps'][n][0]:.0f} / {row['tps'][n][1]:.0f} tok/s)"
+                    for n in prefills
+                )
+                + " |",
+                flush=True,
+            )
+    print(
+        json.dumps(with_cpu({"benchmark": "export_defaults_paired", "threads": args.threads, "rows": rows}))
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precisions", default="fp32,int4")
@@ -63,12 +144,18 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeattn-defaults"))
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--paired", action="store_true", help="pairs measured alternately (see above)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--gap", type=float, default=0.1)
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     log = args.workdir / "runs.jsonl"
     precisions, variants = args.precisions.split(","), args.variants.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefills.split(",")]
+    if args.paired:
+        return paired(args, precisions, contexts, prefills)
     if not args.report:
         configs = []
         for p in precisions:

@@ -107,7 +107,7 @@ def export(
             help="last: a graph call returns its last token's logits only (a prefill skips the head for the "
             "rest; one-graph artifacts). all: every token's (speculative decoding needs it). Default: last "
             "where the artifact is one graph (target onnxruntime, fp32 or int4, fused or KV-buffer layers), "
-            "all elsewhere; the manifest's prefill_logits says which.",
+            "all elsewhere (the manifest's prefill_logits says last where it is).",
             show_default=False,
         ),
     ] = None,

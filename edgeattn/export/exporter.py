@@ -659,7 +659,7 @@ def export_model(
     ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
     ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
     artifacts only); None (default): "last" wherever the artifact is one graph, "all" elsewhere. The manifest's
-    ``"prefill_logits"`` says which. Scoring every position (``check``, ``echo`` logprobs) steps a "last"
+    ``"prefill_logits": "last"`` says so (no key: "all"). Scoring every position (``check``, ``echo`` logprobs) steps a "last"
     artifact token by token; speculative decoding needs "all".
 
     ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
@@ -889,7 +889,8 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         files=files,
         tokenizer=tokenizer,
     )
-    manifest["prefill_logits"] = plan.prefill_logits
+    if plan.prefill_logits == "last":  # absent: "all" (the manifests of such artifacts stay as they were)
+        manifest["prefill_logits"] = "last"
     package.manifest(manifest)
 
 

@@ -98,7 +98,12 @@ def test_aft_extremes():
     check_aft(2, 65, 8, key_scale=40.0, strong=True)
 
 
-@pytest.mark.parametrize("T", LENGTHS)
+# 63 and 64: slow (6 s each in the interpreter); the windowed path runs at 40 and 65 tokens below and above, and
+# test_aft_lengths runs the plain one at every length
+WINDOW_LENGTHS = [1, *(pytest.param(T, marks=pytest.mark.slow) for T in (63, 64)), 65, LENGTHS[-1]]
+
+
+@pytest.mark.parametrize("T", WINDOW_LENGTHS)
 def test_aft_window_lengths(T):
     check_aft(2, T, 12, W=20)
 

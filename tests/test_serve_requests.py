@@ -260,7 +260,7 @@ def test_slow_clients_are_timed_out_and_a_request_life_is_capped(serve_gla):
         assert s.stop() == 0
     assert "Traceback" not in s.log()
 
-    s = start_server(serve_gla, "--max-request-seconds", 4)
+    s = start_server(serve_gla, "--max-request-seconds", 2)
     try:
         # a long request ends at --max-request-seconds as "length"
         t0 = time.monotonic()
@@ -269,7 +269,7 @@ def test_slow_clients_are_timed_out_and_a_request_life_is_capped(serve_gla):
         )
         took = time.monotonic() - t0
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 60000
-        assert 3 < took < 15, took
+        assert 1.5 < took < 13, took
         assert _metric(s, "edgeattn_requests_timed_out_total") == 1
     finally:
         assert s.stop() == 0

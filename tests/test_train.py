@@ -229,6 +229,7 @@ def _torchrun(tmp_path, corpus_dir, fsdp: bool):
     assert h.hexdigest() == h0
 
 
+@pytest.mark.slow  # 5 s: test_the_train_command_under_torchrun runs DDP x2 through the CLI, FSDP2 below the worker
 def test_torchrun_ddp_two_cpu_processes(tmp_path, corpus_dir):
     _torchrun(tmp_path, corpus_dir, fsdp=False)
 

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -138,6 +139,12 @@ def check_output_dir(path: Path, option: str) -> None:
     if not nearest.is_dir():
         raise CLIError(f"{option} {path}: {nearest} is not a directory")
     _writable_dir(nearest, option, path)
+
+
+# ---- options shared by the commands that write a folder ----
+
+Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
 
 # ---- the command classes: one-line usage errors, flags without a type in --help ----

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
+from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -111,7 +111,7 @@ def export(
             show_default=False,
         ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    force: Force = False,
     genai: Annotated[
         bool,
         typer.Option(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import Command, check_output_dir, cli_errors
+from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors
 
 
 @cli_errors
@@ -19,7 +19,7 @@ def import_(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
-    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    force: Force = False,
 ) -> None:
     """Map an imported model's config and weights onto an edgeattn checkpoint (for export and check)."""
     from edgeattn.convert import import_model

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import Command, check_output_dir, cli_errors
+from edgeattn.cli._common import Command, Force, Quiet, check_output_dir, cli_errors
 
 
 class Form(str, Enum):
@@ -65,8 +65,8 @@ def linearize(
     device: Annotated[Device, typer.Option(help="Where to train.")] = Device.cpu,
     threads: Annotated[int, typer.Option(help="CPU threads of torch (0: torch's default).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    force: Force = False,
+    quiet: Quiet = False,
 ) -> None:
     """Replace each softmax attention of TEACHER by a fixed-state form, trained to reproduce the teacher's
     attention outputs, then distilled against its logits; the result is an ordinary checkpoint."""

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from edgeattn.cli._common import Command, check_output_dir, cli_errors, writing
+from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors, writing
 
 
 @cli_errors
@@ -21,7 +21,7 @@ def web(
             "web/node_modules)."
         ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT.")] = False,
+    force: Force = False,
 ) -> None:
     """Write a static site (index.html, a JavaScript module, the artifact, onnxruntime-web) that runs the
     model in the browser with a fixed-size state; serve it with any static server. WASM threads need the

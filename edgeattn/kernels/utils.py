@@ -16,6 +16,7 @@ a reverse cumulative sum over the sequence (summed over keys for a whole-head ga
 
 from __future__ import annotations
 
+import functools
 import os
 
 from edgeattn._deps import require
@@ -218,9 +219,15 @@ def _f32_dot_override() -> str | None:
     return value
 
 
+@functools.cache
+def _major(index: int) -> int:
+    """CUDA device ``index``'s compute capability major: asked once per device, not per launch."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _hopper_or_newer() -> bool:
     """Whether the current CUDA device is sm_90 or newer (wgmma / tcgen05 tensor cores)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return torch.cuda.is_available() and _major(torch.cuda.current_device()) >= 9
 
 
 def dot_precision(dtype) -> str:

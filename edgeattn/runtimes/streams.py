@@ -526,6 +526,15 @@ class Streams:
             rows.pop()
         self._bind()
 
+    def _fail_row(self, sid: int, e: Exception, errors: dict | None, failed: list) -> None:
+        """Stream ``sid``'s error ``e``: raised without ``errors``; with it, recorded in ``errors[sid]``, the
+        stream done and listed in ``failed`` (the caller parks those without their state)."""
+        if errors is None:
+            raise e
+        errors[sid] = e
+        self._streams[sid].decoder.done = True
+        failed.append(sid)
+
     def _sample_all(self, out: dict, stopped: list, errors: dict | None) -> dict[int, int]:
         """Every live stream's next token (``_sample``); with ``errors``, a stream whose sampling fails is
         taken out of the batch (state discarded) and its error recorded, without a step."""
@@ -538,11 +547,7 @@ class Streams:
             try:
                 toks[sid] = _sample(st, sid, out, stopped)
             except Exception as e:
-                if errors is None:
-                    raise
-                errors[sid] = e
-                st.decoder.done = True
-                failed.append(sid)
+                self._fail_row(sid, e, errors, failed)
         if failed:
             self._park(failed, keep=False)
         return toks
@@ -750,10 +755,7 @@ class Streams:
                 try:
                     choose(sid, st, st.logits)
                 except Exception as e:
-                    if errors is None:
-                        raise
-                    errors[sid], st.decoder.done = e, True
-                    failed.append(sid)
+                    self._fail_row(sid, e, errors, failed)
                     continue
                 st.todo = [st.decoder.last]
                 self._full(st, st.position + 1)
@@ -813,10 +815,7 @@ class Streams:
                         if st.decoder.done or j == len(d) or tok != d[j]:
                             break
                 except Exception as e:
-                    if errors is None:
-                        raise
-                    errors[sid], st.decoder.done = e, True
-                    failed.append(sid)
+                    self._fail_row(sid, e, errors, failed)
                     continue
                 kept = next(
                     (j for j, (a, b) in enumerate(zip(chosen, d)) if a != b), min(len(chosen), len(d))

@@ -13,6 +13,10 @@ at each precision, against its own fp32 export.
 Variants: fp32, fp16, int8, int4 with blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with
 the int8 KV buffer; ``int4-b32`` is a GGUF's int4 default (blocks of 32 with offsets,
 ``edgeattn.export.precision.offset_blocks``), ``int4-b32-plain`` ONNX Runtime's symmetric blocks of 32.
+fp32 and int4 exports are one graph, whose calls return their last token's logits by default
+(``--prefill-logits last``: perplexity steps every token); ``fp32-all`` and ``int4-b32-all`` are the same with
+every token's logits (perplexity through the prefill graph's chunks), ``int4-b32-kv-int8`` int4 with the int8
+KV buffer (issue 32 item 7: the defaults against the flags).
 Exports are kept in ``--workdir`` and reused by later runs.
 
 llama.cpp beside them (``--llama-ggufs NAME=GGUF,...``): the same texts' same token ids, one batch per text
@@ -65,6 +69,19 @@ VARIANTS = {
     "int4-b128-asym": {"precision": "int4", "quantization": {"block_size": 128, "symmetric": False}},
     "int4-b32-plain": {"precision": "int4", "quantization": {"block_size": 32, "offsets": False}},
     "kv-int8": {"kv_dtype": "int8"},
+    # the export's defaults against its flags (issue 32 item 7): fp32 and int4 exports are one graph, whose
+    # default is --prefill-logits last (the variants above); "-all" is every token's logits in prefill
+    "fp32-all": {"prefill_logits": "all"},
+    "int4-b32-all": {
+        "precision": "int4",
+        "quantization": {"block_size": 32, "symmetric": True, "offsets": True},
+        "prefill_logits": "all",
+    },
+    "int4-b32-kv-int8": {
+        "precision": "int4",
+        "quantization": {"block_size": 32, "symmetric": True, "offsets": True},
+        "kv_dtype": "int8",
+    },
 }
 
 
@@ -120,9 +137,8 @@ def nll(sess, ids: list[int]) -> tuple[float, int]:
 
     x = np.asarray(ids, np.int64)[None]
     got = run_logits(sess, x[:, :-1])
-    logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-    targets = x[0, 1:][got["positions"]]
-    return bits_per_byte(logits, targets) * math.log(2) * len(targets), len(targets)
+    targets = x[0, 1:]
+    return bits_per_byte(got["logits"][0], targets) * math.log(2) * len(targets), len(targets)
 
 
 def llama_worker(gguf: str, lib: str, threads: int) -> None:

@@ -145,9 +145,8 @@ def eval_bpb(trained: Path, root: Path, n: int, threads: int, kv_dtypes: tuple =
         for s in range(0, n, window):
             seg = ids[:, s : s + window + 1]
             got = run_logits(sess, seg[:, :-1])
-            logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-            targets = seg[0, 1:][got["positions"]]
-            bits += bits_per_byte(logits, targets) * len(targets)
+            targets = seg[0, 1:]
+            bits += bits_per_byte(got["logits"][0], targets) * len(targets)
             count += len(targets)
         out[name] = bits / count
     return out

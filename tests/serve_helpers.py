@@ -19,8 +19,15 @@ SERVE_PREFILL = 16  # the prefill graph's tokens in the serve artifacts
 
 
 def export_tiny(
-    root: Path, mixer: str = "gla", *, dynamic_batch: bool = True, target: str = "onnxruntime", **kw
+    root: Path,
+    mixer: str = "gla",
+    *,
+    dynamic_batch: bool = True,
+    target: str = "onnxruntime",
+    prefill_logits: str | None = None,
+    **kw,
 ):
+    """``kw``: the model's config (``make_checkpoint``); ``prefill_logits``: the export's (None: its default)."""
     from edgeattn.export import export_model
     from tests.export_helpers import make_checkpoint
 
@@ -28,11 +35,16 @@ def export_tiny(
     ckpt = root / f"ckpt_{tag}"
     if not ckpt.exists():
         make_checkpoint(ckpt, mixer, **kw)
-    name = f"{tag}_{target}{'_dyn' if dynamic_batch else ''}"
+    name = f"{tag}_{target}{'_dyn' if dynamic_batch else ''}{f'_{prefill_logits}' if prefill_logits else ''}"
     if (root / name / "edgeattn.json").exists():  # exported once per session, whichever test asks first
         return root / name
     return export_model(
-        ckpt, root / name, target=target, prefill_chunk=SERVE_PREFILL, dynamic_batch=dynamic_batch
+        ckpt,
+        root / name,
+        target=target,
+        prefill_chunk=SERVE_PREFILL,
+        dynamic_batch=dynamic_batch,
+        prefill_logits=prefill_logits,
     )
 
 

@@ -43,7 +43,10 @@ def torch_logits(ckpt, ids):
 @pytest.mark.parametrize("target", ["portable", "onnxruntime"])
 @pytest.mark.parametrize("mixer", [*EXPORTABLE, HYBRID])
 def test_artifact_matches_pytorch_over_300_tokens(ckpts, tmp_path, mixer, target):
-    art = export_model(ckpts[mixer], tmp_path / "art", target=target, prefill_chunk=PREFILL)
+    # every position of the prefill graph against PyTorch: --prefill-logits all (one graph defaults to last)
+    art = export_model(
+        ckpts[mixer], tmp_path / "art", target=target, prefill_chunk=PREFILL, prefill_logits="all"
+    )
     for g in sorted(p.name for p in art.glob("*.onnx")):  # one graph (fused mixers) or step and prefill
         model = onnx.load(str(art / g))
         onnx.checker.check_model(checkable(model), full_check=True)
@@ -93,7 +96,9 @@ def test_one_head_exports_to_the_fused_op(tmp_path, mixer):
     """Regression: a one-head GLA crashed the torch ONNX exporter's peephole pass on the onnxruntime
     target (the traced body of the fused op); the graph now holds the contrib op and matches PyTorch."""
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer, n_heads=1)
-    art = export_model(ckpt, tmp_path / "art", target="onnxruntime", prefill_chunk=PREFILL)
+    art = export_model(
+        ckpt, tmp_path / "art", target="onnxruntime", prefill_chunk=PREFILL, prefill_logits="all"
+    )
     ops = {
         (n.domain, n.op_type)
         for n in onnx.load(

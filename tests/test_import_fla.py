@@ -63,7 +63,7 @@ def test_checkpoint_logits_equal_fla(imported):
 def test_artifact_logits_equal_fla_prefill_then_steps(imported, tmp_path, target):
     mt, ckpt = imported
     ref = reference(mt)
-    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL)
+    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL, prefill_logits="all")
     got = run_logits(open_session(art), ref["ids"][None])
     assert got["step"].shape[1] == len(ref["ids"]) % PREFILL > 0
     full = np.concatenate([got["prefill"], got["step"]], axis=1)[0]
@@ -150,7 +150,7 @@ def test_fla_itself_regenerates_the_reference(tmp_path, mt):
     assert rel_err(fresh["logits"], stored["logits"]) <= 1e-5
     assert np.array_equal(fresh["greedy"], stored["greedy"])
     import_model(tmp_path / mt, tmp_path / "ckpt")
-    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL)
+    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL, prefill_logits="all")
     got = run_logits(open_session(art), fresh["ids"][None])
     full = np.concatenate([got["prefill"], got["step"]], axis=1)[0]
     assert rel_err(full, fresh["logits"]) <= 1e-4
@@ -172,7 +172,7 @@ def test_sharded_checkpoint_imports_the_same(tmp_path):
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     import_model(src, tmp_path / "ckpt")
-    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL)
+    art = export_model(tmp_path / "ckpt", tmp_path / "art", prefill_chunk=PREFILL, prefill_logits="all")
     ref = reference(mt)
     got = run_logits(open_session(art), ref["ids"][None])
     assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1)[0], ref["logits"]) <= 1e-4

@@ -247,22 +247,46 @@ def test_gguf_tokenizer_and_template_equal_transformers(tok_dir, tmp_path):
 
 
 def test_gguf_cli_import_and_export(tok_dir, ids, tmp_path):
-    from edgeattn.export.check import run_logits
+    """The CLI's defaults: on the onnxruntime target (one graph) a call returns its last token's logits
+    (``prefill_logits`` "last"), on the portable target every token's; both equal transformers' GGUF model,
+    and ``check``'s perplexity (every position, stepped through a "last" artifact) equals transformers'."""
+    from edgeattn.export.check import check_artifact, default_text, run_logits
     from edgeattn.runtimes import open_session
 
     model = tiny_llama(seed=4, tie_word_embeddings=False)
     path = write_gguf(model, tmp_path / "m.gguf", tok_dir, "Q8_0")
-    want = hf_logits(hf_from_gguf(path), ids)
+    hf = hf_from_gguf(path)
+    want = hf_logits(hf, ids)
     cli = import_export_cli()
     r = cli("import", path, "--out", tmp_path / "ckpt")
     assert r.exit_code == 0, r.output
-    for target in ("onnxruntime", "portable"):
+    for target, mode in (("onnxruntime", "last"), ("portable", "all")):
         art = tmp_path / target
         r = cli("export", path, "--out", art, "--target", target, "--prefill-chunk", 16, "--max-length", 64)
         assert r.exit_code == 0, r.output
-        got = run_logits(open_session(art), ids)
-        assert got["prefill"].shape[1] == 32 and got["step"].shape[1] == N - 32
-        assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
+        sess = open_session(art)
+        assert (
+            sess.manifest.prefill_logits
+            == mode
+            == json.loads((art / "edgeattn.json").read_text()).get("prefill_logits", "all")
+        )
+        got = run_logits(sess, ids)
+        assert got["step"].shape[1] == N - 32 and rel_err(got["logits"], want) <= 1e-4
+        if mode == "all":
+            assert got["prefill"].shape[1] == 32
+            assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
+        else:  # each prefill call's logits: its last token's
+            assert sess.run_graph("prefill", ids[:, :16]).shape == (1, 1, 300)
+            assert got["prefill"].shape[1] == 2 and rel_err(got["prefill"], want[:, [15, 31]]) <= 1e-4
+    # check's perplexity over every token of its text, against transformers' on the same ids
+    report = check_artifact(tmp_path / "onnxruntime", tokens=N)
+    assert report.ok, report.graphs
+    text_ids = open_session(tmp_path / "onnxruntime").tokenizer.encode(default_text(8 * (N + 1)))[: N + 1]
+    z = hf_logits(hf, np.array([text_ids[:-1]], np.int64))[0].astype(np.float64)
+    logp = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
+    ppl = float(np.exp(-logp[np.arange(N), text_ids[1:]].mean()))
+    assert report.perplexity["artifact"] == pytest.approx(ppl, rel=1e-4)
+    assert report.perplexity["torch"] == pytest.approx(ppl, rel=1e-4)
 
 
 def _type_offset(data: bytes, name: str) -> int:

@@ -45,6 +45,8 @@ def edge_logits(ckpt, ids):
 
 def export_hf(src, out, target="onnxruntime", **kw):
     import_model(src, out.with_name(out.name + "_ckpt"))
+    # every position of the prefill graph against transformers: --prefill-logits all (one graph defaults to last)
+    kw = {"prefill_logits": "all", **kw}
     return export_model(out.with_name(out.name + "_ckpt"), out, target=target, prefill_chunk=PREFILL, **kw)
 
 

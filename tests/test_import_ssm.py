@@ -47,7 +47,9 @@ def edge_logits(ckpt, ids):
 @pytest.mark.parametrize("target", ["onnxruntime", "portable"])
 def test_logits_equal_transformers_prefill_then_steps(hf, ids, tmp_path, target):
     model, root = hf
-    art = export_model(root / "ckpt", tmp_path / "art", target=target, prefill_chunk=PREFILL)
+    art = export_model(
+        root / "ckpt", tmp_path / "art", target=target, prefill_chunk=PREFILL, prefill_logits="all"
+    )
     got = run_logits(open_session(art), ids)
     full = np.concatenate([got["prefill"], got["step"]], axis=1)
     assert got["step"].shape[1] == N % PREFILL

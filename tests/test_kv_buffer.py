@@ -61,7 +61,8 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv")
     ckpt = make_checkpoint(root / "ckpt", "softmax,gla")
     return {
-        t: export_model(ckpt, root / t, target=t, prefill_chunk=PREFILL) for t in ("onnxruntime", "portable")
+        t: export_model(ckpt, root / t, target=t, prefill_chunk=PREFILL, prefill_logits="all")
+        for t in ("onnxruntime", "portable")
     }
 
 

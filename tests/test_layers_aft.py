@@ -189,7 +189,9 @@ def test_export_with_a_prefill_chunk_that_chunk_size_does_not_divide(mixer, pref
     with torch.no_grad():
         want = model(torch.from_numpy(ids))[0]
     for target in ("onnxruntime", "portable"):
-        art = export_model(tmp_path / "ckpt", tmp_path / target, target=target, prefill_chunk=prefill)
+        art = export_model(
+            tmp_path / "ckpt", tmp_path / target, target=target, prefill_chunk=prefill, prefill_logits="all"
+        )
         got = run_logits(open_session(art), ids)
         assert got["prefill"].shape[1] == 2 * prefill
         assert_close(target, torch.from_numpy(np.concatenate([got["prefill"], got["step"]], 1)), want, 1e-4)

@@ -145,7 +145,7 @@ def test_state_specs_and_feature_maps():
 @pytest.mark.parametrize("mixer, kw", [("reformer", {}), ("linear", {"feature_map": "rff"})])
 def test_export_matches_pytorch(tmp_path, mixer, kw, target):
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer, **kw)
-    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL)
+    art = export_model(ckpt, tmp_path / "art", target=target, prefill_chunk=PREFILL, prefill_logits="all")
     import onnx
 
     from edgeattn.export.optimize import checkable

@@ -112,7 +112,9 @@ GATE_OPS = {
 )
 def test_fused_target_emits_linear_attention_and_causal_conv(tmp_path, mixer, rule):
     ckpt = make_checkpoint(tmp_path / "ck", mixer, num_v_heads=4 if mixer != "mamba2" else 0)
-    fused = export_model(ckpt, tmp_path / "fused", target="onnxruntime", prefill_chunk=PREFILL)
+    fused = export_model(
+        ckpt, tmp_path / "fused", target="onnxruntime", prefill_chunk=PREFILL, prefill_logits="all"
+    )
     portable = export_model(ckpt, tmp_path / "portable", target="portable", prefill_chunk=PREFILL)
     assert not (fused / "prefill.onnx").exists()  # one graph for any number of tokens
     found, inputs = _rules(fused / "step.onnx")
@@ -150,7 +152,9 @@ def test_qwen3_5_hybrid_with_grouped_value_heads_matches_pytorch(tmp_path):
     with torch.no_grad():
         ref = EdgeLM.load(ckpt).eval()(torch.from_numpy(ids))[0].numpy()
     for target in ("onnxruntime", "portable"):
-        art = export_model(ckpt, tmp_path / target, target=target, prefill_chunk=PREFILL)
+        art = export_model(
+            ckpt, tmp_path / target, target=target, prefill_chunk=PREFILL, prefill_logits="all"
+        )
         got = run_logits(open_session(art), ids)
         full = np.concatenate([got["prefill"], got["step"]], axis=1)
         assert np.abs(full - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), target

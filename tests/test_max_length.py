@@ -48,9 +48,21 @@ def softmax(tmp_path_factory):
     """A softmax + gla checkpoint exported by the CLI with --max-length N and by default."""
     root = tmp_path_factory.mktemp("ml")
     ckpt = make_checkpoint(root / "ckpt", "softmax,gla", max_seq_len=MAX_SEQ_LEN)
-    res = invoke("export", ckpt, "--out", root / "short", "--max-length", N, "--prefill-chunk", PREFILL)
+    args = [
+        "--max-length",
+        N,
+        "--prefill-chunk",
+        PREFILL,
+        "--prefill-logits",
+        "all",
+    ]  # every position compared
+    res = invoke("export", ckpt, "--out", root / "short", *args)
     assert res.exit_code == 0, res.output
-    return ckpt, root / "short", export_model(ckpt, root / "full", prefill_chunk=PREFILL)
+    return (
+        ckpt,
+        root / "short",
+        export_model(ckpt, root / "full", prefill_chunk=PREFILL, prefill_logits="all"),
+    )
 
 
 def test_kv_buffers_manifest_and_graph_follow_max_length(softmax):
@@ -174,7 +186,16 @@ def test_imported_qwen3_5_follows_max_length_and_equals_transformers(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     L, T = 64, 60
     res = invoke(
-        "export", tmp_path / "hf", "--out", tmp_path / "art", "--max-length", L, "--prefill-chunk", PREFILL
+        "export",
+        tmp_path / "hf",
+        "--out",
+        tmp_path / "art",
+        "--max-length",
+        L,
+        "--prefill-chunk",
+        PREFILL,
+        "--prefill-logits",
+        "all",
     )
     assert res.exit_code == 0, res.output
     art = tmp_path / "art"

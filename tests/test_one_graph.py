@@ -24,7 +24,9 @@ def close(a, b):
 def pair(tmp_path, mixer: str):
     """The same checkpoint exported as one graph (the default here) and as today's two graphs."""
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
-    one = export_model(ckpt, tmp_path / "one", prefill_chunk=PREFILL, include_checkpoint=False)
+    one = export_model(
+        ckpt, tmp_path / "one", prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all"
+    )
     two = export_model(
         ckpt, tmp_path / "two", prefill_chunk=PREFILL, include_checkpoint=False, one_graph=False
     )
@@ -68,7 +70,7 @@ def test_int4_one_graph_equals_two_graphs(tmp_path, mixer):
     ckpt = make_checkpoint(tmp_path / "ckpt", mixer)
     kw = dict(precision="int4", prefill_chunk=PREFILL, include_checkpoint=False)
     with pytest.warns(Warning):  # a tiny random model quantizes poorly: the precision warning, both forms
-        one = Manifest.load(export_model(ckpt, tmp_path / "one", **kw))
+        one = Manifest.load(export_model(ckpt, tmp_path / "one", prefill_logits="all", **kw))
         two = Manifest.load(export_model(ckpt, tmp_path / "two", one_graph=False, **kw))
     assert one.graph_path("prefill") == one.graph_path("step")
     assert two.graph_path("prefill") != two.graph_path("step")

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import REPO, greedy_ids, greedy_text, start_server, text_prompt
+from tests.serve_helpers import REPO, export_tiny, greedy_ids, greedy_text, start_server, text_prompt
 
 N = 24  # tokens per greedy check
 
@@ -472,17 +472,20 @@ def test_cache_salt_keeps_the_cached_states_of_clients_apart(server, serve_gla):
     assert _error(e.value)["param"] == "cache_salt"
 
 
-def test_speculative_ngram_server_gives_the_same_text(server, serve_gla):
+def test_speculative_ngram_server_gives_the_same_text(server, serve_root, serve_gla):
     """`serve --speculative ngram`: each stream drafts by prompt lookup and one call verifies the batch; greedy
     text (4 at once, streamed or not) equals a lone Session.generate, seeded sampling equals the plain server's,
-    a reply's cached state resumes exactly, and /metrics counts the drafts."""
+    a reply's cached state resumes exactly, and /metrics counts the drafts. Verifying reads every drafted
+    position's logits: the artifact is exported with --prefill-logits all (the default, last, is refused)."""
+    gla = serve_gla
+    serve_gla = export_tiny(
+        serve_root, "gla", prefill_logits="all"
+    )  # the same checkpoint as the plain server's
     prompts = [("abcdefgh" * 6)[: 20 + 7 * i] + text_prompt(5, 30 + i) for i in range(4)]
     want = [greedy_text(serve_gla, p, N) for p in prompts]
     plain = server.client()
     sampled = dict(max_tokens=N, temperature=0.9, seed=5, extra_body={"top_k": 40})
-    want_sampled = (
-        plain.completions.create(model=serve_gla.name, prompt=prompts[0], **sampled).choices[0].text
-    )
+    want_sampled = plain.completions.create(model=gla.name, prompt=prompts[0], **sampled).choices[0].text
     s = start_server(serve_gla, "--slots", 4, "--speculative", "ngram")
     try:
         c = s.client()
@@ -508,13 +511,18 @@ def test_speculative_ngram_server_gives_the_same_text(server, serve_gla):
         assert drafted > 0
     finally:
         s.stop()
-    # an artifact that serves one stream at a time is refused in one line
-    p = subprocess.run(
-        [sys.executable, "-m", "edgeattn.cli.main", "serve", str(serve_gla), "--speculative", "draft"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=REPO,
-        timeout=60,
-    )
-    assert p.returncode != 0 and "--speculative must be 'ngram'" in p.stderr and "Traceback" not in p.stderr
+    # an unknown drafter, and the default export (last-token logits), are refused in one line
+    for art, option, message in (
+        (serve_gla, "draft", "--speculative must be 'ngram'"),
+        (gla, "ngram", "export with --prefill-logits all"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "edgeattn.cli.main", "serve", str(art), "--speculative", option],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            timeout=60,
+        )
+        assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr

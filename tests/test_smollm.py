@@ -79,9 +79,42 @@ def test_logits_equal_transformers_prefill_then_steps(target, request, smollm_hf
     C = sess.manifest.prefill_tokens
     ids = tok.encode(real_text(4000), add_special_tokens=False)[: 2 * C + 22]
     got = run_logits(sess, np.array([ids], np.int64))
-    assert got["prefill"].shape[1] == 2 * C and got["step"].shape[1] == 22
-    full = np.concatenate([got["prefill"], got["step"]], axis=1)
-    assert rel_err(full, hf_logits(model, ids)) <= 1e-4
+    want = hf_logits(model, ids)
+    assert got["step"].shape[1] == 22 and rel_err(got["logits"], want) <= 1e-4
+    if target == "portable":  # a step and a prefill graph: every token's logits
+        assert sess.manifest.prefill_logits == "all" and got["prefill"].shape[1] == 2 * C
+        assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
+    else:  # the export's default on one graph: a call returns its last token's logits
+        assert sess.manifest.prefill_logits == "last" and got["prefill"].shape[1] == 2
+        assert rel_err(got["prefill"], want[:, [C - 1, 2 * C - 1]]) <= 1e-4
+
+
+def test_default_export_scores_every_token_as_transformers(smollm_artifact, smollm_hf):
+    """The default export (last-token logits) still scores every token of a text: the perplexity of
+    ``run_logits`` (what ``check`` and benchmarks/quality.py use) and the server's ``echo`` logprobs
+    (``prompt_logprobs``) equal transformers' log-softmax at each position."""
+    from edgeattn.export.check import bits_per_byte, run_logits
+    from edgeattn.runtimes import open_session
+    from edgeattn.serve.logprobs import prompt_logprobs
+
+    model, tok = smollm_hf
+    sess = open_session(smollm_artifact)
+    C = sess.manifest.prefill_tokens
+    assert sess.manifest.prefill_logits == "last"
+    assert sess.prefill(np.zeros((1, 3), np.int64)).shape == (1, sess.manifest.vocab_size)
+    ids = tok.encode(real_text(3000), add_special_tokens=False)[: C + 11]
+    z = hf_logits(model, ids[:-1])[0].astype(np.float64)
+    want = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)  # [T - 1, V]
+    targets = np.array(ids[1:])
+    got = run_logits(sess, np.array([ids[:-1]], np.int64))
+    nll = -want[np.arange(len(targets)), targets].mean()
+    assert bits_per_byte(got["logits"][0], targets) * np.log(2) == pytest.approx(nll, rel=1e-4)
+    echo = prompt_logprobs(sess, ids, 2)
+    assert echo[0][1] is None and [e[0] for e in echo] == ids
+    assert [e[1] for e in echo[1:]] == pytest.approx(
+        want[np.arange(len(targets)), targets].tolist(), abs=2e-4
+    )
+    assert [e[2][0][0] for e in echo[1:]] == want.argmax(-1).tolist()  # the top logprob's token
 
 
 def _greedy_equal(art, model, tok, cases) -> None:

@@ -29,7 +29,10 @@ def artifacts(tmp_path_factory):
     for mixer in FAMILIES:
         d = root / mixer.replace(",", "_")
         ckpt = make_checkpoint(d / "ckpt", mixer)
-        out[mixer] = export_model(ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False)
+        # verifying reads every drafted position's logits: --prefill-logits all (the default, last, is refused)
+        out[mixer] = export_model(
+            ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all"
+        )
     return out
 
 
@@ -154,7 +157,11 @@ def small_vocab(tmp_path_factory):
     arts = []
     for name, seed in (("target", 0), ("draft", 5)):
         ckpt = make_checkpoint(root / f"{name}-ckpt", "gla", seed=seed, vocab_size=VOCAB)
-        arts.append(export_model(ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False))
+        arts.append(
+            export_model(
+                ckpt, root / name, prefill_chunk=PREFILL, include_checkpoint=False, prefill_logits="all"
+            )
+        )
     return arts
 
 
@@ -248,13 +255,13 @@ def test_refusals(tmp_path, artifacts):
     other = export_model(ckpt, tmp_path / "other", prefill_chunk=PREFILL, include_checkpoint=False)
     with pytest.raises(ValueError, match="another tokenizer"):
         list(sess.generate_ids(PROMPT, 4, speculative=str(other)))
-    last = export_model(
+    last = export_model(  # the default: last-token logits
         make_checkpoint(tmp_path / "c2", "gla"),
         tmp_path / "last",
         prefill_chunk=PREFILL,
         include_checkpoint=False,
-        prefill_logits="last",
     )
+    assert open_session(last).manifest.prefill_logits == "last"  # the default
     # its logits_count input gives the verify call every position's logits; an older export without it
     # (its manifest names none) is refused
     sess_last = open_session(last, threads=1)
@@ -339,7 +346,7 @@ STREAM_TOKENS = [24, 17, 30, 9]  # different lengths: rows leave the batch at di
 def batch_artifacts(serve_root):
     from tests.serve_helpers import export_tiny
 
-    return {m: export_tiny(serve_root, m) for m in STREAM_FAMILIES}
+    return {m: export_tiny(serve_root, m, prefill_logits="all") for m in STREAM_FAMILIES}
 
 
 def run_streams(art, temperature, drafters=None, stop=None):

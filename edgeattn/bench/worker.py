@@ -278,8 +278,7 @@ def evaluate(cfg: dict) -> dict:
         raise ValueError(f"{cfg['eval_text']} needs at least 2 tokens for bits per byte")
     ids = ids[None].repeat(m.batch_size, 0)
     got = run_logits(sess, ids[:, :-1])
-    logits = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-    bits = bits_per_byte(logits, ids[0, 1:][got["positions"]]) * (ids.shape[1] - 1) / max(n_bytes, 1)
+    bits = bits_per_byte(got["logits"][0], ids[0, 1:]) * (ids.shape[1] - 1) / max(n_bytes, 1)
     return {
         "task": "eval",
         "artifact": str(cfg["artifact"]),

@@ -102,12 +102,15 @@ def export(
         ),
     ] = KvDtype.float32,
     prefill_logits: Annotated[
-        PrefillLogits,
+        PrefillLogits | None,
         typer.Option(
             help="last: a graph call returns its last token's logits only (a prefill skips the head for the "
-            "rest; one-graph artifacts). all: every token's.",
+            "rest; one-graph artifacts). all: every token's (speculative decoding needs it). Default: last "
+            "where the artifact is one graph (target onnxruntime, fp32 or int4, fused or KV-buffer layers), "
+            "all elsewhere (the manifest's prefill_logits says last where it is).",
+            show_default=False,
         ),
-    ] = PrefillLogits.all,
+    ] = None,
     force: Force = False,
     genai: Annotated[
         bool,
@@ -142,7 +145,7 @@ def export(
         genai=genai,
         max_length=max_length,
         kv_dtype=kv_dtype.value,
-        prefill_logits=prefill_logits.value,
+        prefill_logits=prefill_logits.value if prefill_logits is not None else None,
     )
     with writing(out, "--out"):
         path = export_model(checkpoint, out, **options, on_plan=_print_notes)

@@ -48,23 +48,32 @@ class CheckReport:
 
 
 def run_logits(sess, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Logits of every position: prefill graph over full chunks, then the step graph token by token. An
-    artifact whose calls return their last token's logits (``prefill_logits`` "last") gives every position's
-    through its ``logits_count`` input; one without that input (an older export): each chunk's last position
-    only, for every backend. ``positions``: the positions the logits are of."""
+    """Each graph's logits as the runtimes run it: the prefill graph over full chunks (``prefill``), then the
+    step graph token by token (``step``); ``logits``: every position's, [B, T, V] (``positions``: 0..T-1).
+    An artifact whose calls return their last token's logits (``prefill_logits`` "last", the default of
+    one-graph exports) gives every position's through its ``logits_count`` input. One without that input (an
+    older export): ``prefill`` holds each chunk's last position only (from every backend, so that they
+    compare), and ``logits`` come from a second pass of the step graph over every token."""
     C = sess.manifest.prefill_tokens
-    every = sess.manifest.prefill_logits != "last" or bool(sess.manifest.logits_count)
-    n_full = ids.shape[1] // C if ids.shape[1] > C else 0
+    full = sess.manifest.prefill_logits != "last" or bool(sess.manifest.logits_count)
+    T = ids.shape[1]
+    n_full = T // C if T > C else 0
     out = {"prefill": [], "step": []}
+    every = []  # every position's logits, where the calls returned them
     sess.reset()
     for c in range(n_full):
-        logits = sess.run_graph("prefill", ids[:, c * C : (c + 1) * C], every=every)
-        out["prefill"].append(logits if every else logits[:, -1:])
-    for t in range(n_full * C, ids.shape[1]):
+        logits = sess.run_graph("prefill", ids[:, c * C : (c + 1) * C], every=full)
+        out["prefill"].append(logits if full else logits[:, -1:])
+        every.append(logits)
+    for t in range(n_full * C, T):
         out["step"].append(sess.run_graph("step", ids[:, t : t + 1]))
+    every += out["step"]
+    if sum(x.shape[1] for x in every) != T:  # a "last" graph's prefill calls: step every token instead
+        sess.reset()
+        every = [sess.run_graph("step", ids[:, t : t + 1]) for t in range(T)]
     res = {k: np.concatenate(v, axis=1) if v else np.zeros((ids.shape[0], 0, 0)) for k, v in out.items()}
-    firsts = list(range(n_full * C)) if every else [c * C + C - 1 for c in range(n_full)]
-    res["positions"] = np.array(firsts + list(range(n_full * C, ids.shape[1])), np.int64)
+    res["logits"] = np.concatenate(every, axis=1)
+    res["positions"] = np.arange(T, dtype=np.int64)
     return res
 
 
@@ -167,10 +176,10 @@ def check_artifact(
     for g in ("prefill", "step"):
         report.graphs[g] = _compare(got[g], want[g], m.graph_path(g))
     if m.data.get("genai"):  # export --genai: onnxruntime-genai's graph, the whole text in one call
-        b = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)
-        report.graphs["genai"] = _compare(genai_logits(m, inp, threads), b, m.root / m.data["genai"]["graph"])
-    full_got = np.concatenate([got[g] for g in ("prefill", "step") if got[g].size], axis=1)[0]
-    full_want = np.concatenate([want[g] for g in ("prefill", "step") if want[g].size], axis=1)[0]
+        report.graphs["genai"] = _compare(
+            genai_logits(m, inp, threads), want["logits"], m.root / m.data["genai"]["graph"]
+        )
+    full_got, full_want = got["logits"][0], want["logits"][0]
     per_byte = (
         len(targets) / max(len(data) - 1, 1) if tok.kind == "byte" else len(targets) / max(len(data), 1)
     )
@@ -186,6 +195,12 @@ def check_artifact(
         "" if text is not None else ", not the training text"
     )
     report.cpu = cpu_record()
+    if m.prefill_logits == "last" and not m.logits_count:
+        report.notes.append(
+            "prefill_logits last without a logits_count input (an older export): each prefill call returns its "
+            f"last token's logits, so the prefill row compares {report.graphs['prefill']['tokens']} positions (one "
+            "a call); the perplexity scores every token, stepped one at a time"
+        )
     if report.cpu["kind"] in S8_SATURATES and any(
         g.get("int8_weights") == "s8" for g in report.graphs.values()
     ):

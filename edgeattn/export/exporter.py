@@ -476,7 +476,9 @@ class ExportPlan:
     one_graph: bool | None = None
     max_length: int | None = None
     kv_dtype: str = "float32"  # the softmax layers' KV buffers (q, k and v stay float32)
-    prefill_logits: str = "all"  # "last": a call returns the next token's logits only (one graph)
+    # "last": a call returns the next token's logits only (one graph); "all": every token's; None (default):
+    # "last" wherever the artifact is one graph, else "all" (decided by decide())
+    prefill_logits: str | None = None
     # decided for the model by decide()
     one: bool = False
     length: int = 0
@@ -506,7 +508,7 @@ class ExportPlan:
         check_max_length(self.max_length)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.prefill_logits not in ("all", "last"):
+        if self.prefill_logits not in (None, "all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {self.prefill_logits!r}")
         if self.dynamic_batch and precision == "int8":
             raise ValueError(
@@ -549,6 +551,11 @@ class ExportPlan:
                 f"precision {precision!r}, mixers {cfg.mixers})"
             )
         self.one = one_graph_ok(model, target, precision) if self.one_graph is None else self.one_graph
+        if self.prefill_logits is None:
+            # the fast path by default: a prompt's prefill runs the head on its last token only (SmolLM2-135M
+            # int4: prefill 1.x faster; benchmarks/RESULTS.md, issue 32 item 7); a step and a prefill graph of
+            # fixed length (other targets and precisions) keep every token's
+            self.prefill_logits = "last" if self.one else "all"
         if self.prefill_logits == "last" and not self.one:
             raise ValueError(
                 "prefill_logits 'last' needs the one graph that serves step and prefill (target onnxruntime, "
@@ -621,7 +628,7 @@ def export_model(
     one_graph: bool | None = None,
     max_length: int | None = None,
     kv_dtype: str = "float32",
-    prefill_logits: str = "all",
+    prefill_logits: str | None = None,
     on_plan=None,
 ) -> Path:
     """Export ``checkpoint`` (an edgeattn checkpoint directory, a Hugging Face model directory converted in
@@ -651,7 +658,10 @@ def export_model(
     model's keys and values; ``edgeattn.export.precision.set_kv_dtype``; q, k and v stay float32).
     ``prefill_logits``: "all" (logits of every token of a call) or "last" (the next token's only,
     ``edgeattn.export.optimize.last_token_logits``: a prefill call skips the head for the others; one-graph
-    artifacts only, manifest ``"prefill_logits": "last"``).
+    artifacts only); None (default): "last" wherever the artifact is one graph, "all" elsewhere. The manifest's
+    ``"prefill_logits": "last"`` says so (no key: "all"). A "last" graph's optional ``logits_count`` input asks
+    for more of a call's positions: scoring (``check``, ``echo`` logprobs) and speculative decoding's verify
+    calls get every position's from the same graph.
 
     ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
     the graphs are traced (the CLI prints its notes there).
@@ -880,7 +890,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         files=files,
         tokenizer=tokenizer,
     )
-    if plan.prefill_logits == "last":
+    if plan.prefill_logits == "last":  # absent: "all" (the manifests of such artifacts stay as they were)
         from edgeattn.export.optimize import LOGITS_COUNT
 
         manifest["prefill_logits"] = "last"

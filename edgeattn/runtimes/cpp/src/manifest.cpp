@@ -280,6 +280,12 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     m.input_ids_name = f.str(data["inputs"], "input_ids");
   if (data.contains("outputs") && data["outputs"].contains("logits"))
     m.logits_name = f.str(data["outputs"], "logits");
+  if (data.contains("prefill_logits") && !data["prefill_logits"].is_null()) {
+    const std::string mode = f.str(data, "prefill_logits");
+    if (mode != "all" && mode != "last")
+      throw ManifestError(path + ": \"prefill_logits\" must be \"all\" or \"last\", got \"" + mode + "\"");
+    m.last_logits = mode == "last";
+  }
 
   const json& graphs = f.object(data, "graphs");
   m.step = parse_graph(f, graphs, "step");

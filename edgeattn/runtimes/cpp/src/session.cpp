@@ -58,7 +58,8 @@ void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<i
     io.erase(it);
   };
   expect(inputs, m.input_ids_name, "input", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {1, g.tokens});
-  expect(outputs, m.logits_name, "output", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, {1, g.tokens, m.vocab_size});
+  expect(outputs, m.logits_name, "output", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+         {1, m.last_logits ? 1 : g.tokens, m.vocab_size});
   for (size_t i = 0; i < m.state.size(); ++i) {
     expect(inputs, m.state[i].input, "input", element_type(m.state[i].dtype), shapes[i]);
     expect(outputs, m.state[i].output, "output", element_type(m.state[i].dtype), shapes[i]);

@@ -123,7 +123,7 @@ struct Graph {
   bool shares_session = false;  // true: `session` belongs to the other graph
   Ort::Allocator allocator{nullptr};
   Ort::Value ids{nullptr};     // [1, tokens] int64
-  Ort::Value logits{nullptr};  // [1, tokens, vocab] float
+  Ort::Value logits{nullptr};  // [1, tokens, vocab] float ([1, 1, vocab] with "prefill_logits" "last")
   Ort::IoBinding binding[2] = {Ort::IoBinding{nullptr}, Ort::IoBinding{nullptr}};
 };
 
@@ -192,7 +192,7 @@ struct Session::Impl {
       detail::check_io(g, manifest, shapes);
       g.allocator = Ort::Allocator(*g.session, cpu);
       g.ids = detail::zeros<int64_t>(g.allocator, {1, g.tokens});
-      g.logits = detail::zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
+      g.logits = detail::zeros<float>(g.allocator, {1, logit_rows(g), manifest.vocab_size});
       return;
     }
     Ort::SessionOptions so;
@@ -213,7 +213,7 @@ struct Session::Impl {
     detail::check_io(g, manifest, shapes);
     g.allocator = Ort::Allocator(*g.session, cpu);
     g.ids = detail::zeros<int64_t>(g.allocator, {1, g.tokens});
-    g.logits = detail::zeros<float>(g.allocator, {1, g.tokens, manifest.vocab_size});
+    g.logits = detail::zeros<float>(g.allocator, {1, logit_rows(g), manifest.vocab_size});
   }
 
   void bind(detail::Graph& g) {
@@ -230,6 +230,9 @@ struct Session::Impl {
     }
   }
 
+  // The rows of a call's logits: one with "prefill_logits" "last", else one per token.
+  int64_t logit_rows(const detail::Graph& g) const { return manifest.last_logits ? 1 : g.tokens; }
+
   // Run `g` on ids[begin, begin + g.tokens): reads state[cur], writes state[1 - cur], then swaps.
   const float* run(detail::Graph& g, const int64_t* ids) {
     std::copy(ids, ids + g.tokens, g.ids.GetTensorMutableData<int64_t>());
@@ -240,7 +243,7 @@ struct Session::Impl {
     }
     cur = 1 - cur;
     position += g.tokens;
-    return g.logits.GetTensorData<float>() + (g.tokens - 1) * manifest.vocab_size;
+    return g.logits.GetTensorData<float>() + (logit_rows(g) - 1) * manifest.vocab_size;
   }
 
   void check_tokens(const int64_t* ids, size_t n) const {

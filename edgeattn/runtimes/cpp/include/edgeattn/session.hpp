@@ -116,6 +116,9 @@ struct Manifest {
   int64_t max_length = -1;  // -1: unbounded
   std::string input_ids_name = "input_ids";
   std::string logits_name = "logits";
+  // "prefill_logits": "last" (the export's default on one-graph artifacts): every call returns its last
+  // token's logits only, [B, 1, vocab]; false ("all"): every token's, [B, tokens, vocab]
+  bool last_logits = false;
   GraphInfo step;
   GraphInfo prefill;  // tokens == 0: the artifact has no prefill graph
   std::vector<StateEntry> state;

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import REPO, export_tiny, greedy_ids, greedy_text, start_server, text_prompt
+from tests.serve_helpers import REPO, greedy_ids, greedy_text, start_server, text_prompt
 
 N = 24  # tokens per greedy check
 
@@ -476,11 +476,9 @@ def test_speculative_ngram_server_gives_the_same_text(server, serve_root, serve_
     """`serve --speculative ngram`: each stream drafts by prompt lookup and one call verifies the batch; greedy
     text (4 at once, streamed or not) equals a lone Session.generate, seeded sampling equals the plain server's,
     a reply's cached state resumes exactly, and /metrics counts the drafts. Verifying reads every drafted
-    position's logits: the artifact is exported with --prefill-logits all (the default, last, is refused)."""
+    position's logits: the default export (last-token logits) gives them through its logits_count input."""
     gla = serve_gla
-    serve_gla = export_tiny(
-        serve_root, "gla", prefill_logits="all"
-    )  # the same checkpoint as the plain server's
+    assert json.loads((gla / "edgeattn.json").read_text())["prefill_logits"] == "last"
     prompts = [("abcdefgh" * 6)[: 20 + 7 * i] + text_prompt(5, 30 + i) for i in range(4)]
     want = [greedy_text(serve_gla, p, N) for p in prompts]
     plain = server.client()
@@ -511,11 +509,8 @@ def test_speculative_ngram_server_gives_the_same_text(server, serve_root, serve_
         assert drafted > 0
     finally:
         s.stop()
-    # an unknown drafter, and the default export (last-token logits), are refused in one line
-    for art, option, message in (
-        (serve_gla, "draft", "--speculative must be 'ngram'"),
-        (gla, "ngram", "export with --prefill-logits all"),
-    ):
+    # an unknown drafter is refused in one line
+    for art, option, message in ((serve_gla, "draft", "--speculative must be 'ngram'"),):
         p = subprocess.run(
             [sys.executable, "-m", "edgeattn.cli.main", "serve", str(art), "--speculative", option],
             capture_output=True,

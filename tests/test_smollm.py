@@ -84,9 +84,15 @@ def test_logits_equal_transformers_prefill_then_steps(target, request, smollm_hf
     if target == "portable":  # a step and a prefill graph: every token's logits
         assert sess.manifest.prefill_logits == "all" and got["prefill"].shape[1] == 2 * C
         assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
-    else:  # the export's default on one graph: a call returns its last token's logits
-        assert sess.manifest.prefill_logits == "last" and got["prefill"].shape[1] == 2
-        assert rel_err(got["prefill"], want[:, [C - 1, 2 * C - 1]]) <= 1e-4
+    else:  # the export's default on one graph: a call returns its last token's logits, every position's when
+        # its logits_count input asks (what run_logits does); a prefill of 2 chunks returns one row
+        assert sess.manifest.prefill_logits == "last" and sess.manifest.logits_count == "logits_count"
+        assert got["prefill"].shape[1] == 2 * C
+        assert rel_err(np.concatenate([got["prefill"], got["step"]], axis=1), want) <= 1e-4
+        sess.reset()
+        assert (
+            rel_err(sess.prefill(np.array([ids[: 2 * C]], np.int64))[:, None], want[:, [2 * C - 1]]) <= 1e-4
+        )
 
 
 def test_default_export_scores_every_token_as_transformers(smollm_artifact, smollm_hf):

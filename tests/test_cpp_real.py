@@ -311,6 +311,7 @@ def test_one_graph_file_for_step_and_prefill(generate, artifacts, tmp_path):
     for graph in ("step", "prefill"):
         data["graphs"][graph]["path"] = "model.onnx"
     data["prefill_logits"] = "all"  # model.onnx returns every token's logits (step.onnx: the last one's)
+    data.pop("logits_count", None)  # (step.onnx's optional input)
     (art / "edgeattn.json").write_text(json.dumps(data))
 
     logits_file = tmp_path / "logits.npy"

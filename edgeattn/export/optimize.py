@@ -310,6 +310,10 @@ def _probe(model) -> list[dict[str, np.ndarray]] | None:
     # The large weights become inputs fed zeros: the probe stays far under protobuf's 2 GB whatever the
     # model's size, and np.zeros' untouched pages cost no memory. Shapes do not depend on weight values.
     probe, big = without_large_weights(model)
+    # an initializer that is also a graph input (an optional input with a default: a "last" graph's
+    # logits_count) keeps its value: the probe's shapes are those of a caller that does not feed it
+    defaults = {i.name: i for i in model.graph.initializer if i.name in big and i.name in inputs}
+    big -= set(defaults)
     probe = onnx.ModelProto(
         ir_version=probe.ir_version,
         opset_import=probe.opset_import,
@@ -325,7 +329,7 @@ def _probe(model) -> list[dict[str, np.ndarray]] | None:
                 ],
             ],
             output=probe.graph.output,
-            initializer=[i for i in probe.graph.initializer if i.name not in big],
+            initializer=[defaults.get(i.name, i) for i in probe.graph.initializer if i.name not in big],
         ),
     )
     have = {o.name for o in probe.graph.output}

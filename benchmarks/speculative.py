@@ -365,7 +365,7 @@ def main() -> None:
     if llama:
         print()
         print(
-            f"llama.cpp ({args.llama.name}): llama-completion, and llama-speculative-simple --spec-type {LLAMA_NGRAM}"
+            f"llama.cpp ({args.llama.name}): llama-speculative-simple --spec-type {LLAMA_NGRAM}, without and with drafts"
         )
         print()
         print("| task | kind | tokens | plain tok/s | ngram tok/s | ratio | accepted / drafted |")

@@ -150,6 +150,14 @@ def train_tokenizer(out: Path, vocab_size: int = 300) -> None:
     )
 
 
+def llama(config: dict, seed: int = 0, **kw):
+    """A tiny transformers LlamaForCausalLM of ``config`` (a LlamaConfig's keywords; ``kw`` override them)."""
+    import transformers.models.llama.modeling_llama as modeling
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _tiny(modeling, LlamaForCausalLM, LlamaConfig, config, seed, kw)
+
+
 MAMBA2_TINY = dict(
     vocab_size=320,
     hidden_size=32,

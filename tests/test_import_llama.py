@@ -38,12 +38,9 @@ TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 
 
 def tiny_llama(seed: int = 0, **kw):
-    import transformers.models.llama.modeling_llama as modeling
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.hf_helpers import llama
 
-    from tests.hf_helpers import _tiny
-
-    return _tiny(modeling, LlamaForCausalLM, LlamaConfig, TINY, seed, kw)
+    return llama(TINY, seed, **kw)
 
 
 @pytest.fixture(scope="module")

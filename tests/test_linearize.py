@@ -35,14 +35,11 @@ FAST = dict(
 @pytest.fixture(scope="module")
 def hf_teacher(tmp_path_factory):
     """(transformers LlamaForCausalLM, its saved directory with a tokenizer)."""
-    import transformers.models.llama.modeling_llama as modeling
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.hf_helpers import _tiny
+    from tests.hf_helpers import llama
 
     d = tmp_path_factory.mktemp("teacher")
     train_tokenizer(d, vocab_size=300)
-    model = _tiny(modeling, LlamaForCausalLM, LlamaConfig, TINY, 0, {})
+    model = llama(TINY)
     model.save_pretrained(d)
     return model, d
 

@@ -220,7 +220,8 @@ def llama_run(bin_dir: Path, gguf: Path, text: str, n: int, threads: int, drafts
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
     d, a = re.search(r"n_drafted = (\d+)", log), re.search(r"n_accept  = (\d+)", log)
     if proc.returncode != 0 or not m or not d or not a:
-        sys.exit(f"{cmd[0]} failed ({proc.returncode}) or printed no decode timing: {log[-1500:]}")
+        last = (log.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"{cmd[0]} failed ({proc.returncode}) or printed no decode timing: {last}")
     tokens, secs = int(m.group(1)), float(m.group(2))
     return {"tok_s": tokens / secs, "tokens": tokens, "drafted": int(d.group(1)), "accepted": int(a.group(1))}
 

@@ -165,16 +165,24 @@ def test_few_steps_lower_the_loss(hf_teacher, tmp_path, form, stage, lora):
     assert after < 0.9 * before, (before, after)
 
 
-def test_checkpoint_exports_and_matches_torch(hf_teacher, tmp_path):
+@pytest.fixture(scope="module")
+def linearized(hf_teacher, tmp_path_factory):
+    """(checkpoint, its onnxruntime artifact): 2 steps, layer 0 linearized, layer 1 kept as softmax."""
     from edgeattn.export import export_model
-    from edgeattn.runtimes import open_session
 
     _, d = hf_teacher
+    root = tmp_path_factory.mktemp("linearized")
     cfg = L.LinearizeConfig(steps=2, keep_softmax=(1,), **FAST)
-    L.linearize(d, tmp_path / "ckpt", cfg, verbose=False)
-    model = EdgeLM.load(tmp_path / "ckpt").eval()
+    L.linearize(d, root / "ckpt", cfg, verbose=False)
+    return root / "ckpt", export_model(root / "ckpt", root / "art", include_checkpoint=False)
+
+
+def test_checkpoint_exports_and_matches_torch(linearized):
+    from edgeattn.runtimes import open_session
+
+    ckpt, art = linearized
+    model = EdgeLM.load(ckpt).eval()
     assert model.cfg.mixers == ["hedgehog_window", "softmax"]
-    art = export_model(tmp_path / "ckpt", tmp_path / "art", include_checkpoint=False)
     ids = _ids(30)[:1].numpy()
     with torch.no_grad():
         want = model(torch.from_numpy(ids))[0][0].numpy()
@@ -185,6 +193,80 @@ def test_checkpoint_exports_and_matches_torch(hf_teacher, tmp_path):
     layer0 = {s.name: s for s in sess.manifest.state if s.layer == 0}
     assert set(layer0) == {"recurrent_state", "normalizer", "key", "value", "position"}, layer0
     assert not any(s.dynamic for s in layer0.values()) and layer0["key"].shape[2] == FAST["window"]
+
+
+def test_linearized_artifact_serves_chat_and_runs_in_the_page_with_its_template(linearized, tmp_path):
+    """Issue 34 item 3: the linearized artifact answers the OpenAI client's chat request with its teacher's
+    chat template (the text of a lone greedy Session), and its site carries that template, whose page (a
+    real Chromium, where one is installed) generates the same greedy ids."""
+    import json
+
+    from edgeattn.runtimes import open_session
+    from edgeattn.web import build_site
+    from tests.browser import Browser, browser_missing
+    from tests.serve_helpers import start_server
+
+    _, art = linearized
+    question, n = "def main():", 12
+    sess = open_session(art)
+    tok = sess.tokenizer
+    prompt = tok.apply_chat_template(question)
+    assert prompt.startswith("<|im_start|>user\n" + question)  # the teacher's template, not a default
+    want = list(sess.generate_ids(tok.encode(prompt), n, temperature=0))
+    server = start_server(art)
+    try:
+        c = server.client()
+        model = c.models.list().data[0].id
+        msgs = [{"role": "user", "content": question}]
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=n, temperature=0)
+    finally:
+        server.stop()
+    assert r.choices[0].message.content == tok.decode(want)
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    site = build_site(art, tmp_path / "site")
+    chat = json.loads((site / "site.json").read_text())["chat"]
+    assert chat["prefix"] + question + chat["suffix"] == prompt
+    if browser_missing() is not None:
+        return  # the page itself needs Chromium (scripts/setup_env.sh installs it)
+    from tests.test_web import run_page
+
+    with Browser() as browser:
+        page = run_page(browser, site, prompt=question, chat=1, max_new_tokens=n, temperature=0)
+    assert page["error"] is None
+    assert page["tokens"] == want
+
+
+def test_decode_benchmark_races_the_linearized_artifact_against_its_teachers(
+    hf_teacher, linearized, tmp_path
+):
+    """benchmarks/linearize_decode.py end to end at tiny contexts: both exports built and measured, the
+    targets computed from the table, one JSON line; the llama.cpp peer skipped in one line without
+    --llama-python."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.serve_helpers import REPO
+
+    _, d = hf_teacher
+    ckpt, _ = linearized
+    cmd = [sys.executable, str(REPO / "benchmarks" / "linearize_decode.py"), "--student", str(ckpt)]
+    cmd += ["--teacher", str(d), "--precisions", "fp32", "--contexts", "64,16", "--steps", "2"]
+    cmd += ["--repeats", "1", "--prefill", "16", "--threads", "1", "--workdir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "llama.cpp peer skipped" in res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["contexts"] == [16, 64]
+    assert set(out["models"]) == {"edgeattn-teacher-fp32", "edgeattn-ckpt-fp32"}
+    for m in out["models"].values():
+        assert set(m["contexts"]) == {"16", "64"} and m["contexts"]["64"]["ms"] > 0
+    goal = out["targets"]["edgeattn-ckpt-fp32"]
+    ms = out["models"]["edgeattn-ckpt-fp32"]["contexts"]
+    assert goal["decode_growth"] == pytest.approx(ms["64"]["ms"] / ms["16"]["ms"], rel=0.01)
+    assert set(goal["speedup_at_longest"]) == {"edgeattn-teacher-fp32"}
+    # the teacher's KV buffers hold the longest context and the timed steps (64 + 40)
+    assert json.loads((tmp_path / "edgeattn-teacher-fp32" / "edgeattn.json").read_text())["max_length"] == 104
 
 
 def test_resume_after_a_kill_continues_from_the_last_save(hf_teacher, tmp_path):

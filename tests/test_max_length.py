@@ -179,6 +179,15 @@ def test_bad_max_length_is_one_line_and_writes_nothing(softmax, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
 
 
+def test_a_prefill_chunk_longer_than_the_kv_buffer_is_one_line(softmax, tmp_path):
+    """It used to fail deep in the tracer ("The size of tensor a (256) must match ... (104)")."""
+    ckpt, _, _ = softmax
+    out = tmp_path / "art"
+    res = invoke("export", ckpt, "--out", out, "--max-length", "32", "--prefill-chunk", "48")
+    assert_bad_input(res, "--prefill-chunk 48 exceeds --max-length 32")
+    assert not out.exists()
+
+
 def test_imported_qwen3_5_follows_max_length_and_equals_transformers(tmp_path):
     from tests.hf_helpers import hf_logits, qwen3_5_text, rel_err
 

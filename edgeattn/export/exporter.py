@@ -576,6 +576,11 @@ class ExportPlan:
                 "--dynamic-batch (--batch N fixes the batch)"
             )
         self.entries = state_entries(model, self.batch_size)
+        if self.kv_buffers and self.prefill_chunk > self.length:
+            raise ValueError(
+                f"--prefill-chunk {self.prefill_chunk} exceeds --max-length {self.length}: a prefill chunk must "
+                "fit the KV buffers; lower --prefill-chunk or raise --max-length"
+            )
         self.shapes = (
             [("step.onnx", None)] if self.one else [("step.onnx", 1), ("prefill.onnx", self.prefill_chunk)]
         )

@@ -256,11 +256,14 @@ class OnnxRuntimeSession(Session):
         calls return their last token's logits: [B, 1, V], or with ``every`` [B, n, V] through its
         ``logits_count`` input)."""
         m = self.manifest
-        count = m.logits_count if m.prefill_logits == "last" and every and ids.shape[1] > 1 else None
-        if every and m.prefill_logits == "last" and count is None and ids.shape[1] > 1:
-            raise ValueError(
-                f"{m.root}: this artifact returns a call's last logits only (no logits_count input)"
-            )
+        # count: the logits_count input's name, where a last-only graph is asked for every position's logits
+        count = None
+        if every and m.prefill_logits == "last" and ids.shape[1] > 1:
+            count = m.logits_count
+            if count is None:
+                raise ValueError(
+                    f"{m.root}: this artifact returns a call's last logits only (no logits_count input)"
+                )
         if ids.shape[1] == m.prefill_tokens and count is None:
             return self._run("prefill", ids)
         ids = np.ascontiguousarray(ids, np.int64)

@@ -188,6 +188,24 @@ def test_a_prefill_chunk_longer_than_the_kv_buffer_is_one_line(softmax, tmp_path
     assert not out.exists()
 
 
+def test_int4_with_buffers_shorter_than_the_precision_check_exports_and_equals_the_long_one(
+    softmax, tmp_path
+):
+    """The int4 precision check feeds 4 calls of 16 tokens; buffers of 40 tokens hold 2 of them (the
+    export used to fail in the torch reference: "The expanded size of the tensor (40) must match the
+    existing size (64)"). The
+    short buffers give the logits of the default length's int4 export."""
+    from edgeattn.runtimes import open_session
+
+    ckpt, _, _ = softmax
+    opts = dict(precision="int4", prefill_chunk=16, prefill_logits="all")
+    short = export_model(ckpt, tmp_path / "short", max_length=40, **opts)
+    assert open_session(short).manifest.max_length == 40
+    full = export_model(ckpt, tmp_path / "full", **opts)
+    ids = np.arange(1, 31)[None]
+    np.testing.assert_allclose(open_session(short).prefill(ids), open_session(full).prefill(ids), atol=1e-4)
+
+
 def test_imported_qwen3_5_follows_max_length_and_equals_transformers(tmp_path):
     from tests.hf_helpers import hf_logits, qwen3_5_text, rel_err
 

@@ -374,6 +374,17 @@ def _graph_passes(graph, target: str, optimize: bool = True, tie: bool = False) 
         share_tied_embedding(graph)
 
 
+def _check_ids(plan, tokens: int, vocab: int):
+    """The precision check's calls of ``tokens`` ids (``precision.check_ids``): as many as the KV buffers hold
+    (at most ``CHECK_CALLS``; one at least: the prefill chunk fits, ``ExportPlan`` checks it)."""
+    from edgeattn.export.precision import CHECK_CALLS, check_ids
+
+    calls = CHECK_CALLS
+    if plan.kv_buffers:
+        calls = max(1, min(calls, plan.length // tokens))
+    return check_ids(plan.batch_size, tokens, vocab, calls)
+
+
 def _torch_logits(module, entries: list[dict], ids) -> list:
     """The float32 logits of the torch ``module`` (``GraphModule``) over the consecutive calls ``ids``
     [calls, B, T] (``precision.check_ids``), its state starting at zero: the reference that the precision
@@ -783,12 +794,12 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     traces = [_trace(module, tokens, plan, tmp / f".trace-{i}") for i, (_, tokens) in enumerate(plan.shapes)]
     references = []  # the precision check's, from the torch model (after tracing: not on top of its peak)
     if plan.precision != "fp32":
-        from edgeattn.export.precision import CHECK_TOKENS, check_ids
+        from edgeattn.export.precision import CHECK_TOKENS
 
         if large:
             release_memory()
         for _, tokens in plan.shapes:
-            ids = check_ids(plan.batch_size, tokens or CHECK_TOKENS, cfg.vocab_size)
+            ids = _check_ids(plan, tokens or CHECK_TOKENS, cfg.vocab_size)
             references.append(_torch_logits(module, entries, ids))
     calibration = None
     if plan.kv_dtype == "int8":  # the int8 KV scales, from the model's own keys and values
@@ -831,9 +842,9 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
             shutil.rmtree(tmp / f".spill-{i}", ignore_errors=True)
             release_memory()
         if plan.precision != "fp32" or plan.kv_dtype != "float32":
-            from edgeattn.export.precision import CHECK_TOKENS, check_ids, check_logits
+            from edgeattn.export.precision import CHECK_TOKENS, check_logits
 
-            ids = check_ids(plan.batch_size, plan.shapes[i][1] or CHECK_TOKENS, cfg.vocab_size)
+            ids = _check_ids(plan, plan.shapes[i][1] or CHECK_TOKENS, cfg.vocab_size)
             reference = references[i] if references else None
             check_logits(graph, kv_entries, ids, tmp, reference, plan.precision, plan.kv_dtype, name)
         del graph

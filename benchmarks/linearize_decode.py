@@ -189,7 +189,11 @@ def main() -> None:
         configs = []
         base = {"threads": args.threads, "contexts": contexts, "steps": args.steps, "prefill": args.prefill}
         for precision in precisions:
-            for name, path in build(args.workdir, teacher, students, precision, max_len).items():
+            try:
+                built = build(args.workdir, teacher, students, precision, max_len)
+            except RuntimeError as e:  # an export that failed: its last line (imported.run_step)
+                raise SystemExit(f"error: {e}") from None
+            for name, path in built.items():
                 configs.append({**base, "model": name, "path": str(path)})
         if args.llama_python and teacher.suffix == ".gguf":
             configs.append(

@@ -34,6 +34,13 @@ llama-cpp-python 0.3.36's vendored sources into DIR (``cmake -S vendor/llama.cpp
 edgeattn's runs task by task. (``llama-completion`` decoded the same prompts 2-3x slower per token here, so it
 is not the baseline.)
 
+Rollback (issue 35 item 3): ``--rollbacks readvance,states`` runs each drafter once per way a partly rejected
+round rolls back (``states`` only on an artifact exported with ``--verify-states``; ``auto``, the default, is
+what a user gets), and ``--against ART2`` (repeatable) runs another artifact of the same model beside the first,
+interleaved (its own plain decoding too): the column "vs first plain" divides by the first artifact's plain
+tokens/s, so that a ``--verify-states`` export is compared with the export without it (its graph is not the same:
+its plain decoding may pay for the extra outputs).
+
 ``--chat`` feeds each task's ``chat`` message through the artifact's chat template (an instruct model such
 as SmolLM2-135M-Instruct), otherwise its ``raw`` prompt (a base model). Prints a markdown table, then one
 JSON line.
@@ -62,9 +69,10 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def timed(sess, prompt_ids, n, speculative, sampling=None):
+def timed(sess, prompt_ids, n, speculative, sampling=None, rollback="auto"):
     """(tokens, decode seconds from the first token to the last, tokens per call or 1.0)."""
     sess.reset()
+    sess.speculative_rollback = rollback
     out, first = [], None
     for tok in sess.generate_ids(prompt_ids, n, speculative=speculative, **(sampling or {"temperature": 0})):
         if first is None:
@@ -233,6 +241,8 @@ def geomean(xs):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
+    ap.add_argument("--against", type=Path, action="append", default=[], help="another artifact, interleaved")
+    ap.add_argument("--rollbacks", default="auto", help="comma-separated: auto, readvance, states")
     ap.add_argument("--chat", action="store_true", help="the tasks' chat messages through the chat template")
     ap.add_argument("--drafters", default="ngram", help="comma-separated: ngram and/or draft artifacts")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
@@ -263,14 +273,22 @@ def main() -> None:
     }
     if args.max_new_tokens < 2 or args.repeats < 1 or args.threads < 1:
         ap.error("-n must be >= 2, --repeats and --threads >= 1")
-    if not args.artifact.is_dir():
-        ap.error(f"{args.artifact} is not an artifact directory")
+    for a in [args.artifact, *args.against]:
+        if not a.is_dir():
+            ap.error(f"{a} is not an artifact directory")
+    rollbacks = [r.strip() for r in args.rollbacks.split(",") if r.strip()]
+    if not rollbacks or any(r not in ("auto", "readvance", "states") for r in rollbacks):
+        ap.error(f"--rollbacks: comma-separated auto, readvance, states; got {args.rollbacks!r}")
     from edgeattn.runtimes import open_session
 
-    sess = open_session(args.artifact, threads=args.threads)
-    reason = sess.speculative_refusal() if hasattr(sess, "speculative_refusal") else "not onnxruntime"
-    if reason:
-        ap.error(reason)
+    sessions = {}
+    for a in [args.artifact, *args.against]:
+        s = open_session(a, threads=args.threads)
+        reason = s.speculative_refusal() if hasattr(s, "speculative_refusal") else "not onnxruntime"
+        if reason:
+            ap.error(reason)
+        sessions[a] = s
+    sess = sessions[args.artifact]
     tasks = json.loads(args.tasks.read_text())["tasks"]
     if args.quick:
         tasks = [next(t for t in tasks if t["kind"] == k) for k in ("grounded", "free")]
@@ -284,24 +302,37 @@ def main() -> None:
     # a draft artifact is opened once (its own session, the same threads)
     opened = {d: d if d == "ngram" else open_session(d, threads=args.threads) for d in drafters}
     tok = sess.tokenizer
+    # (artifact, drafter, rollback): "states" only where the artifact has per-token states
+    variants = [
+        (a, d, r)
+        for a, s in sessions.items()
+        for d in drafters
+        for r in rollbacks
+        if r != "states" or s.manifest.verify_states
+    ]
     rows, llama_rows = [], []
     llama = args.llama is not None
     for task in tasks:
         text = tok.apply_chat_template(task["chat"]) if args.chat else task["raw"]
         ids = tok.encode(text)
-        timed(sess, ids, 4, None)  # warm-up
-        plain_t, spec = [], {d: ([], []) for d in drafters}
-        want = None
-        same = {d: True for d in drafters}
+        for s in sessions.values():
+            timed(s, ids, 4, None)  # warm-up
+        plain_t = {a: [] for a in sessions}
+        spec = {v: ([], []) for v in variants}
+        want = {}
+        same = {v: True for v in variants}
         for _ in range(args.repeats):
-            out, t, _ = timed(sess, ids, args.max_new_tokens, None, sampling)
-            want = out
-            plain_t.append((len(out) - 1) / max(t, 1e-9))
-            for d in drafters:
-                got, t, per_call = timed(sess, ids, args.max_new_tokens, opened[d], sampling)
-                same[d] &= got == want
-                spec[d][0].append((len(got) - 1) / max(t, 1e-9))
-                spec[d][1].append(per_call)
+            for a, s in sessions.items():
+                out, t, _ = timed(s, ids, args.max_new_tokens, None, sampling)
+                want[a] = out
+                plain_t[a].append((len(out) - 1) / max(t, 1e-9))
+                for v in variants:
+                    if v[0] != a:
+                        continue
+                    got, t, per_call = timed(s, ids, args.max_new_tokens, opened[v[1]], sampling, v[2])
+                    same[v] &= got == out
+                    spec[v][0].append((len(got) - 1) / max(t, 1e-9))
+                    spec[v][1].append(per_call)
         if llama:  # the same prompt through llama.cpp, plain and self-speculative, interleaved
             runs = {k: [] for k in ("plain", "spec")}
             for _ in range(args.repeats):
@@ -322,21 +353,25 @@ def main() -> None:
                     "accepted_per_drafted": round(last["accepted"] / max(last["drafted"], 1), 3),
                 }
             )
-        plain = statistics.median(plain_t)
-        for d in drafters:
-            s = statistics.median(spec[d][0])
+        first = statistics.median(plain_t[args.artifact])
+        for a, d, r in variants:
+            plain, s = statistics.median(plain_t[a]), statistics.median(spec[a, d, r][0])
+            label = d if d == "ngram" else Path(d).name
             rows.append(
                 {
                     "task": task["name"],
                     "kind": task["kind"],
-                    "drafter": d if d == "ngram" else Path(d).name,
+                    "artifact": a.name,
+                    "drafter": label if r == "auto" else f"{label}/{r}",
+                    "rollback": r,
                     "prompt_tokens": len(ids),
-                    "tokens": len(want),
+                    "tokens": len(want[a]),
                     "plain_tok_s": round(plain, 1),
                     "spec_tok_s": round(s, 1),
                     "speedup": round(s / plain, 3),
-                    "tokens_per_call": round(statistics.median(spec[d][1]), 2),
-                    "same_text": same[d],
+                    "vs_first_plain": round(s / first, 3),
+                    "tokens_per_call": round(statistics.median(spec[a, d, r][1]), 2),
+                    "same_text": same[a, d, r],
                 }
             )
     how = "greedy" if args.temperature <= 0 else f"sampled {sampling}"
@@ -344,21 +379,26 @@ def main() -> None:
         f"{args.artifact.name}, batch 1, {how}, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
     )
     print()
+    several = len(sessions) > 1
     print(
-        "| task | kind | drafter | tokens | plain tok/s | speculative tok/s | ratio | tokens/call | same text |"
+        f"| task | kind |{' artifact |' if several else ''} drafter | tokens | plain tok/s | speculative tok/s | "
+        f"ratio |{' vs first plain |' if several else ''} tokens/call | same text |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""))
     for r in rows:
+        art = f" {r['artifact']} |" if several else ""
+        vs = f" {r['vs_first_plain']:.2f}x |" if several else ""
         print(
-            f"| {r['task']} | {r['kind']} | {r['drafter']} | {r['tokens']} | {r['plain_tok_s']} | "
-            f"{r['spec_tok_s']} | {r['speedup']:.2f}x | {r['tokens_per_call']} | {r['same_text']} |"
+            f"| {r['task']} | {r['kind']} |{art} {r['drafter']} | {r['tokens']} | {r['plain_tok_s']} | "
+            f"{r['spec_tok_s']} | {r['speedup']:.2f}x |{vs} {r['tokens_per_call']} | {r['same_text']} |"
         )
     summary = {}
-    for d in {r["drafter"] for r in rows}:
+    for a, d in sorted({(r["artifact"], r["drafter"]) for r in rows}):
         for kind in ("grounded", "free"):
-            sel = [r for r in rows if r["drafter"] == d and r["kind"] == kind]
-            summary[f"{d}/{kind}"] = {
+            sel = [r for r in rows if r["artifact"] == a and r["drafter"] == d and r["kind"] == kind]
+            summary[f"{a}/{d}/{kind}" if several else f"{d}/{kind}"] = {
                 "speedup_geomean": round(geomean([r["speedup"] for r in sel]), 3),
+                "vs_first_plain_geomean": round(geomean([r["vs_first_plain"] for r in sel]), 3),
                 "tokens_per_call_mean": round(statistics.mean(r["tokens_per_call"] for r in sel), 2)
                 if sel
                 else None,
@@ -383,7 +423,11 @@ def main() -> None:
                 "tokens_per_call_mean": None,
             }
             # edgeattn's speculative tokens/s against llama.cpp's, each at its best (geomean over the tasks)
-            mine = [r for r in rows if r["kind"] == kind and r["drafter"] == "ngram"]
+            mine = [
+                r
+                for r in rows
+                if r["kind"] == kind and r["drafter"] == "ngram" and r["artifact"] == args.artifact.name
+            ]
             if mine and sel:
                 summary[f"edgeattn-ngram-vs-llama.cpp-{LLAMA_NGRAM}/{kind}"] = {
                     "speedup_geomean": round(
@@ -399,6 +443,7 @@ def main() -> None:
             {
                 "benchmark": "speculative",
                 "artifact": str(args.artifact),
+                "against": [str(a) for a in args.against],
                 "chat": args.chat,
                 "sampling": sampling,
                 "threads": args.threads,

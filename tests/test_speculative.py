@@ -146,6 +146,125 @@ def test_sampling_with_fixed_drafts_draws_plain_samplings_tokens(artifacts):
     assert speculative(sess, PROMPT, 40, "ngram", **kw)[0] == want
 
 
+# ---- rollback by the verify call's per-token states (export option verify_states) ----
+
+STEPS_FAMILIES = {  # mixer -> checkpoint options: a gated recurrence, a linearized form, a KV-buffer hybrid
+    "gla": {},
+    "hedgehog_window": {"feature_dim": 8, "window": 3},
+    "gla,softmax": {},
+}
+
+
+@pytest.fixture(scope="module")
+def steps_artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("steps")
+    out = {}
+    for mixer, kw in STEPS_FAMILIES.items():
+        d = root / mixer.replace(",", "_")
+        ckpt = make_checkpoint(d / "ckpt", mixer, **kw)  # the default last-token logits, with logits_count
+        out[mixer] = export_model(
+            ckpt, d / "art", prefill_chunk=PREFILL, include_checkpoint=False, verify_states=True
+        )
+    return out
+
+
+@pytest.mark.parametrize("mixer", list(STEPS_FAMILIES))
+def test_layer_steps_equal_the_state_after_each_prefix(mixer):
+    """A mixer's per-token states (``last_steps``, the closed form the graph traces) against its own forward
+    run on each prefix of the call (the recurrence itself), from a state that already holds tokens."""
+    import torch
+
+    from edgeattn.models import EdgeLM
+    from tests.export_helpers import tiny_config
+
+    torch.manual_seed(0)
+    first = mixer.split(",")[0]
+    for kw in [STEPS_FAMILIES[mixer]] + (
+        [{"feature_dim": 8, "window": 9}] if first == "hedgehog_window" else []
+    ):
+        layer = EdgeLM(tiny_config(first, **kw)).eval().mixers[0]
+        d = layer.cfg.d_model
+        with torch.no_grad():
+            _, state = layer(torch.randn(2, 5, d))
+            x = torch.randn(2, 6, d)
+            layer.emit_steps = True
+            layer(x, state)
+            steps, layer.emit_steps = layer.last_steps, False
+            for t in range(6):
+                _, want = layer(x[:, : t + 1], state)
+                assert steps.keys() == want.keys()
+                for name in want:
+                    torch.testing.assert_close(steps[name][:, t], want[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", list(STEPS_FAMILIES))
+def test_rollback_by_states_same_tokens_and_state_without_readvancing(steps_artifacts, mixer):
+    sess = open_session(steps_artifacts[mixer], threads=1)
+    assert sess.manifest.verify_states
+    want, state, position = plain(sess, PROMPT, 48, temperature=0, stop_ids=())
+    for rollback in ("readvance", "states"):
+        sess.speculative_rollback = rollback
+        oracle = Oracle(PROMPT, want + [0] * 32, sess.manifest.vocab_size)
+        got, got_state, got_position = speculative(sess, PROMPT, 48, oracle, temperature=0, stop_ids=())
+        assert got == want and got_position == position
+        assert_same_state(got_state, state)
+        assert {"right", "third wrong", "first wrong"} <= oracle.seen
+        stats = sess.speculative_stats
+        assert 0 < stats.accepted < stats.drafted
+        assert (stats.readvanced == 0) == (rollback == "states")
+    # sampled, fixed drafts: plain sampling's tokens with the same seed
+    kw = dict(temperature=0.8, top_k=40, seed=3, stop_ids=(), repetition_penalty=1.2, repetition_window=16)
+    sess.speculative_rollback = "auto"  # states, on this artifact
+    want, state, _ = plain(sess, PROMPT, 40, **kw)
+    got, got_state, _ = speculative(
+        sess, PROMPT, 40, Oracle(PROMPT, want + [0] * 32, sess.manifest.vocab_size), **kw
+    )
+    assert got == want and sess.speculative_stats.readvanced == 0
+    assert_same_state(got_state, state)
+
+
+def test_verify_states_refusals(tmp_path, steps_artifacts, artifacts):
+    with pytest.raises(ValueError, match=r"layer 0 \(gated_deltanet\) cannot give its"):
+        export_model(
+            make_checkpoint(tmp_path / "d", "gated_deltanet"), tmp_path / "d-art", verify_states=True
+        )
+    with pytest.raises(ValueError, match="verify_states adds outputs to the one graph"):
+        export_model(
+            make_checkpoint(tmp_path / "p", "gla"), tmp_path / "p-art", target="portable", verify_states=True
+        )
+    assert not (tmp_path / "d-art").exists() and not (tmp_path / "p-art").exists()
+    import typer
+    from typer.testing import CliRunner
+
+    from edgeattn.cli import export as export_cli
+
+    app = typer.Typer()
+    export_cli.register(app)
+    res = CliRunner().invoke(app, [str(tmp_path / "d"), "--out", str(tmp_path / "d-cli"), "--verify-states"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert res.output.strip().startswith("error: verify_states: layer 0 (gated_deltanet)"), res.output
+    assert not (tmp_path / "d-cli").exists()
+    sess = open_session(artifacts["gla"], threads=1)  # exported without the option
+    sess.speculative_rollback = "states"
+    with pytest.raises(ValueError, match="exported with --verify-states"):
+        list(sess.generate_ids(PROMPT, 4, speculative="ngram"))
+    sess.speculative_rollback = "backwards"
+    with pytest.raises(ValueError, match="rollback must be one of"):
+        list(sess.generate_ids(PROMPT, 4, speculative="ngram"))
+    # a manifest whose KV buffer claims per-token states is refused when loaded
+    import shutil
+
+    art = shutil.copytree(steps_artifacts["gla,softmax"], tmp_path / "edited")
+    m = json.loads((art / "edgeattn.json").read_text())
+    next(e for e in m["state"] if e.get("shared"))["steps"] = "present.1.key.steps"
+    (art / "edgeattn.json").write_text(json.dumps(m))
+    with pytest.raises(
+        ValueError,
+        match=r"steps' must be the name of a graph output, on a state tensor that is not a shared KV buffer",
+    ):
+        open_session(art)
+
+
 # ---- the rejection rule against the exact distribution, on a vocabulary of 4 ----
 
 VOCAB, LENGTH, TEMPERATURE = 4, 3, 1.0

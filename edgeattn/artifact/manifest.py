@@ -43,6 +43,9 @@ class StateEntry:
     shared: bool = False  # one buffer bound as both input and output (a preallocated KV cache)
     # an int8 KV buffer's scales [Hkv][D]: slot values are round(x / scale) (ONNX Runtime's quantized cache)
     scale: tuple | None = None
+    # the graph output [B, T, *shape[1:]] holding this tensor after each token of a call (export option
+    # verify_states: a speculative round keeps the state after its last kept draft instead of re-advancing)
+    steps: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -65,6 +68,7 @@ class Manifest:
                 s["dtype"],
                 bool(s.get("shared", False)),
                 tuple(tuple(row) for row in s["scale"]) if "scale" in s else None,
+                s.get("steps"),
             )
             for s in data["state"]
         ]
@@ -184,7 +188,15 @@ class Manifest:
             shape = (B, *e.shape[1:]) if self.dynamic_batch else e.shape
             inputs[e.input] = (e.dtype, shape)
             outputs[e.output] = (e.dtype, shape)
+            if e.steps:
+                outputs[e.steps] = (e.dtype, (shape[0], "tokens", *shape[1:]))
         return inputs, outputs
+
+    @property
+    def verify_states(self) -> bool:
+        """Whether a call's graph also gives every fixed-size state tensor after each of its tokens (the
+        entries' ``steps`` outputs; KV buffers come back by their position)."""
+        return any(e.steps for e in self.state)
 
     def check_graph_io(self, graph: str, inputs: dict[str, tuple], outputs: dict[str, tuple]) -> None:
         """Compare a graph's real inputs and outputs (name -> (element type, shape), where a dimension that is
@@ -359,6 +371,12 @@ def check_structure(data: dict, where: str) -> None:
                     f"{where}: '{ctx}scale' must list {rows} rows of {shape[3] if rows else 'D'} positive "
                     "numbers (an int8 KV buffer's scales per KV head and channel)"
                 )
+        steps = e.get("steps")
+        if steps is not None and (not isinstance(steps, str) or not steps or e.get("shared")):
+            raise ValueError(
+                f"{where}: '{ctx}steps' must be the name of a graph output, on a state tensor that is not a "
+                f"shared KV buffer; got {steps!r}"
+            )
     if data.get("prefill_logits", "all") not in ("all", "last"):
         raise ValueError(f"{where}: 'prefill_logits' must be 'all' or 'last', got {data['prefill_logits']!r}")
     count = data.get("logits_count")
@@ -374,6 +392,7 @@ def check_structure(data: dict, where: str) -> None:
         *([count] if count else []),
     ]
     names += [e["input"] for e in state] + [e["output"] for e in state]
+    names += [e["steps"] for e in state if e.get("steps")]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{where}: the graph tensor name {dup[0]!r} is used twice")

@@ -111,6 +111,15 @@ def export(
             show_default=False,
         ),
     ] = None,
+    verify_states: Annotated[
+        bool,
+        typer.Option(
+            "--verify-states",
+            help="The one graph also returns each fixed-size state after every token of a call (computed "
+            "only when asked): speculative decoding keeps the state after its last kept draft instead of "
+            "re-advancing (gated recurrences, Hedgehog forms, KV-buffer softmax layers).",
+        ),
+    ] = False,
     force: Force = False,
     genai: Annotated[
         bool,
@@ -146,6 +155,7 @@ def export(
         max_length=max_length,
         kv_dtype=kv_dtype.value,
         prefill_logits=prefill_logits.value if prefill_logits is not None else None,
+        verify_states=verify_states,
     )
     with writing(out, "--out"):
         path = export_model(checkpoint, out, **options, on_plan=_print_notes)

@@ -59,12 +59,17 @@ CHECKPOINT_DIR = "checkpoint"
 
 
 class GraphModule(torch.nn.Module):
-    """EdgeLM with its state flattened into positional tensors, in the manifest's order."""
+    """EdgeLM with its state flattened into positional tensors, in the manifest's order. With ``steps`` (the
+    entries that have a ``"steps"`` output, ``verify_states``), the outputs go on with each of those tensors
+    after every token of the call, [B, T, ...], in the entries' order."""
 
-    def __init__(self, model, batch_size: int):
+    def __init__(self, model, batch_size: int, steps: list[dict] | None = None):
         super().__init__()
         self.model = model
         self.specs = model.state_spec(batch_size)
+        self.steps = [(e["layer"], e["name"]) for e in steps or []]
+        for m in model.mixers:
+            m.emit_steps = bool(self.steps) and m.has_steps
 
     def forward(self, input_ids, *flat_state):
         state, i = [], 0
@@ -73,7 +78,35 @@ class GraphModule(torch.nn.Module):
             i += len(layer_specs)
         logits, new_state = self.model(input_ids, state)
         flat = [new_state[layer][s.name] for layer, specs in enumerate(self.specs) for s in specs]
-        return (logits, *flat)
+        steps = []
+        for layer, name in self.steps:
+            mixer = self.model.mixers[layer]
+            if mixer.emit_steps:
+                steps.append(mixer.last_steps[name])
+            else:  # a KV-buffer layer's position: the buffer comes back by it
+                t = torch.ones_like(input_ids[0], dtype=torch.float32).cumsum(0)  # [T]: 1 .. T
+                steps.append(state[layer][name][:, None] + t[None, :])
+        return (logits, *flat, *steps)
+
+
+def steps_refusal(model, entries: list[dict]) -> str | None:
+    """Why ``verify_states`` cannot export ``model`` (None: it can): every fixed-size state tensor must come
+    after each token of a call, which the gated recurrences (GLA, RetNet, linear, Performer) and the linearized
+    Hedgehog forms give in closed form (``Mixer.has_steps``); a KV-buffer layer's own state is its position."""
+    for e in entries:
+        mixer = model.mixers[e["layer"]]
+        if (
+            e.get("shared")
+            or mixer.has_steps
+            or (getattr(mixer, "kv_buffer", None) and e["name"] == "position")
+        ):
+            continue
+        return (
+            f"verify_states: layer {e['layer']} ({mixer.mixer_name}) cannot give its {e['name']!r} after each "
+            "token of a call (the gated recurrences and the Hedgehog forms can; the delta rules, Mamba2 and "
+            "convolutions re-advance instead): export without --verify-states"
+        )
+    return None
 
 
 def state_entries(model, batch_size: int) -> list[dict]:
@@ -301,6 +334,9 @@ def _export_graph(
     if tokens is None:
         dynamic.setdefault("input_ids", {})[1] = TOKEN_AXIS
         dynamic.setdefault("logits", {})[1] = TOKEN_AXIS
+    for e in entries:
+        if "steps" in e:
+            dynamic[e["steps"]] = {1: TOKEN_AXIS, **({0: BATCH_DIM} if dynamic_batch else {})}
     large = sum(p.numel() * p.element_size() for p in module.parameters()) > PLACEHOLDER_MODEL_BYTES
     with (
         warnings.catch_warnings(),
@@ -317,7 +353,11 @@ def _export_graph(
             dynamo=False,
             opset_version=OPSET,
             input_names=["input_ids", *[e["input"] for e in entries]],
-            output_names=["logits", *[e["output"] for e in entries]],
+            output_names=[
+                "logits",
+                *[e["output"] for e in entries],
+                *[e["steps"] for e in entries if "steps" in e],
+            ],
             dynamic_axes=dynamic or None,
             do_constant_folding=True,
         )
@@ -493,6 +533,8 @@ class ExportPlan:
     # "last": a call returns the next token's logits only (one graph); "all": every token's; None (default):
     # "last" wherever the artifact is one graph, else "all" (decided by decide())
     prefill_logits: str | None = None
+    # the one graph also returns every fixed-size state tensor after each token of a call ("steps" outputs)
+    verify_states: bool = False
     # decided for the model by decide()
     one: bool = False
     length: int = 0
@@ -543,6 +585,11 @@ class ExportPlan:
                 f"{precision!r}{', one_graph False' if self.one_graph is False else ''}); export with "
                 "prefill_logits 'all'"
             )
+        if self.verify_states and (target != "onnxruntime" or self.one_graph is False):
+            raise ValueError(
+                "verify_states adds outputs to the one graph that serves step and prefill: export with target "
+                "'onnxruntime' and one graph"
+            )
         if self.kv_dtype != "float32" and target != "onnxruntime":
             raise ValueError(
                 f"--kv-dtype {self.kv_dtype} is the element type of the onnxruntime target's preallocated KV "
@@ -590,6 +637,18 @@ class ExportPlan:
                 "--dynamic-batch (--batch N fixes the batch)"
             )
         self.entries = state_entries(model, self.batch_size)
+        if self.verify_states:
+            if not self.one:
+                raise ValueError(
+                    "verify_states needs the one graph that serves step and prefill (target onnxruntime, "
+                    f"precision among {ONE_GRAPH_PRECISIONS}, fused mixers)"
+                )
+            why = steps_refusal(model, self.entries)
+            if why:
+                raise ValueError(why)
+            for e in self.entries:
+                if not e.get("shared"):
+                    e["steps"] = f"{e['output']}.steps"
         if self.kv_buffers and self.prefill_chunk > self.length:
             raise ValueError(
                 f"--prefill-chunk {self.prefill_chunk} exceeds --max-length {self.length}: a prefill chunk must "
@@ -648,6 +707,7 @@ def export_model(
     max_length: int | None = None,
     kv_dtype: str = "float32",
     prefill_logits: str | None = None,
+    verify_states: bool = False,
     on_plan=None,
 ) -> Path:
     """Export ``checkpoint`` (an edgeattn checkpoint directory, a Hugging Face model directory converted in
@@ -681,6 +741,10 @@ def export_model(
     ``"prefill_logits": "last"`` says so (no key: "all"). A "last" graph's optional ``logits_count`` input asks
     for more of a call's positions: scoring (``check``, ``echo`` logprobs) and speculative decoding's verify
     calls get every position's from the same graph.
+    ``verify_states``: the one graph also returns every fixed-size state tensor after each token of a call
+    (the manifest entries' ``"steps"`` outputs, computed only when a call asks for them): a speculative round
+    takes the state after its last kept draft instead of re-advancing the kept tokens in the next call
+    (gated recurrences, the Hedgehog forms and KV-buffer softmax layers; ``steps_refusal``).
 
     ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
     the graphs are traced (the CLI prints its notes there).
@@ -709,6 +773,7 @@ def export_model(
         max_length=max_length,
         kv_dtype=kv_dtype,
         prefill_logits=prefill_logits,
+        verify_states=verify_states,
     )
     plan.check()
     out = Path(out)
@@ -790,7 +855,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
     package = Package(tmp, plan.shared_weights)
     if plan.include_checkpoint:
         package.hashes.update({f"{CHECKPOINT_DIR}/{n}": hashes[n] for n in (CONFIG, WEIGHTS)})
-    module = GraphModule(model, plan.batch_size).eval()
+    module = GraphModule(model, plan.batch_size, [e for e in entries if "steps" in e]).eval()
     large = sum(p.numel() * p.element_size() for p in model.parameters()) > LARGE_MODEL_BYTES
     if large:  # what the converter freed goes back to the system before tracing holds more
         release_memory()

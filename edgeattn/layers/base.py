@@ -41,6 +41,12 @@ class Mixer(nn.Module):
     mixer_name: str = ""
     # False for mixers whose state grows with the sequence (softmax) or that have none (aft_full).
     fixed_size_state: bool = True
+    # Mixers that can give the state after each token of a call (``last_steps``, for the export option
+    # ``verify_states``): with ``emit_steps`` set, ``forward`` leaves ``self.last_steps`` = {state name:
+    # [B, T, ...] (the state after token t at index t)} for every entry of its state.
+    has_steps: bool = False
+    emit_steps: bool = False
+    last_steps: dict | None = None
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()

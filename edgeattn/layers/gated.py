@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from edgeattn._deps import require
 from edgeattn.layers.base import Mixer, StateSpec, register_mixer
-from edgeattn.ops.common import gated_linear_attention
+from edgeattn.ops.common import gated_linear_attention, gated_state_steps
 from edgeattn.ops.linear import elu1
 from edgeattn.ops.performer import favor_features, orthogonal_random_features
 from edgeattn.ops.retnet import retnet_log_gammas
@@ -49,6 +49,7 @@ ELEMENTWISE_MAPS = {
 
 class GatedRecurrenceMixer(Mixer):
     normalize: bool = False  # Linear Transformer and Performer divide by q . z
+    has_steps = True  # gated_state_steps (not the "rff" map, whose recurrence floors its normalizer)
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
@@ -145,6 +146,15 @@ class GatedRecurrenceMixer(Mixer):
             new_state["normalizer"] = z
         if self.rotary:
             new_state["position"] = position
+        if self.emit_steps:
+            z0 = state["normalizer"] if self.normalize else None
+            S_t, z_t = gated_state_steps(k, v, g, state["recurrent_state"], z0)
+            self.last_steps = {"recurrent_state": S_t}
+            if self.normalize:
+                self.last_steps["normalizer"] = z_t
+            if self.rotary:
+                t = torch.ones_like(S_t[0, :, 0, 0, 0]).cumsum(0)  # [T]: 1 .. T
+                self.last_steps["position"] = state["position"][:, None] + t[None, :]
         return self.output(o.to(x.dtype), x), new_state
 
 
@@ -170,6 +180,7 @@ class _FeatureMapped(GatedRecurrenceMixer):
                 f"got {cfg.feature_map!r}"
             )
         self.feature_map = name
+        self.has_steps = name != "rff"
         self.normalize = cfg.attn_normalize
         if name == "rff" and not self.normalize:
             raise ValueError(

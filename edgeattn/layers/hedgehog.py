@@ -42,6 +42,7 @@ def hedgehog_features(x, weight, bias):
 @register_mixer("hedgehog")
 class Hedgehog(Mixer):
     with_window: bool = False
+    has_steps = True
     eps = 1e-6
 
     def __init__(self, cfg, layer_idx: int = 0):
@@ -131,6 +132,19 @@ class Hedgehog(Mixer):
         if W:
             new_state["key"], new_state["value"] = k[:, :, -W:], v[:, :, -W:]
         new_state["position"] = position + T
+        if self.emit_steps:  # the state after each token t: the keys of indices <= t have left the window
+            t = torch.ones_like(k_steps[:T]).cumsum(0)  # [T]: 1 .. T
+            joined = (fk * valid.float()[:, None, :, None])[:, :, :T]  # [B, H, T, 2F]: index t leaves at t
+            kv = joined[..., :, None] * vr[:, :, :T, None, :]  # [B, H, T, 2F, Dh]
+            self.last_steps = {
+                "recurrent_state": S[:, None] + torch.cumsum(kv, dim=2).transpose(1, 2),
+                "normalizer": z[:, None] + torch.cumsum(joined, dim=2).transpose(1, 2),
+            }
+            if W:  # the window after token t: indices t + 1 .. t + W of [buffer, call]
+                idx = (t[:, None] + torch.ones_like(k_steps[:W]).cumsum(0)[None, :] - 1).long()  # [T, W]
+                for name, buf in (("key", k), ("value", v)):
+                    self.last_steps[name] = buf[:, :, idx].transpose(1, 2)  # [B, T, Hkv, W, Dh]
+            self.last_steps["position"] = position[:, None] + t[None, :]
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, H * Dh).to(x.dtype))
         return y, new_state
 

@@ -276,7 +276,8 @@ class Session(ABC):
         ``speculative``: "ngram" (prompt lookup), a draft artifact's directory or Session (the same tokenizer),
         or a drafter object: the same tokens (greedy; sampled: the same distribution) from fewer graph calls,
         on a one-graph ONNX Runtime artifact (``edgeattn.runtimes.speculative``); its figures land in
-        ``self.speculative_stats``."""
+        ``self.speculative_stats``. ``self.speculative_rollback`` ("auto", "readvance" or "states") picks how a
+        partly rejected round rolls back (``speculative.generate``)."""
         if self.manifest.batch_size != 1:
             raise ValueError("generate needs an artifact exported with --batch 1")
         dec = Decoder(  # checks the sampling arguments before any work
@@ -308,7 +309,9 @@ class Session(ABC):
             drafter = spec.make_drafter(self, speculative, seed=seed)
             dec.context = [int(t) for t in ids[0]]
             self.speculative_stats = spec.SpeculativeStats()
-            yield from spec.generate(self, dec, ids, drafter, self.speculative_stats)
+            yield from spec.generate(
+                self, dec, ids, drafter, self.speculative_stats, getattr(self, "speculative_rollback", "auto")
+            )
             return
         logits = self.prefill(ids)
         dec.context = [int(t) for t in ids[0]]  # the tokens the repetition penalty looks at

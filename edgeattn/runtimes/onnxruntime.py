@@ -214,6 +214,7 @@ class OnnxRuntimeSession(Session):
         # buffers of Streams, written row by row, use kv_zeros
         self._kv_np: list[np.ndarray | None] = []
         self._calls = 0  # graph calls run (what _rewind checks)
+        self._steps = None  # the last call's state after each token (verify_states, _keep)
         if self.dynamic:
             self._state = None
             self._reset_state()
@@ -251,10 +252,11 @@ class OnnxRuntimeSession(Session):
             self.position += ids[:, c : c + n].shape[1]
         return logits[:, -1]
 
-    def _run_tokens(self, ids: np.ndarray, every: bool = False) -> np.ndarray:
+    def _run_tokens(self, ids: np.ndarray, every: bool = False, steps: bool = False) -> np.ndarray:
         """Run the one graph on ids [B, n] (any n), advancing the state; logits [B, n, V] (an artifact whose
         calls return their last token's logits: [B, 1, V], or with ``every`` [B, n, V] through its
-        ``logits_count`` input)."""
+        ``logits_count`` input). ``steps`` (a ``verify_states`` artifact): the state after each token is kept
+        for ``_keep``."""
         m = self.manifest
         # count: the logits_count input's name, where a last-only graph is asked for every position's logits
         count = None
@@ -278,6 +280,15 @@ class OnnxRuntimeSession(Session):
         for e, bufs in zip(self.manifest.state, self._bufs):
             io.bind_ortvalue_input(e.input, bufs[self._cur])
             io.bind_ortvalue_output(e.output, bufs[1 - self._cur])
+        self._steps = None
+        if steps:
+            B, T = ids.shape
+            self._steps = [
+                np.empty((B, T, *e.shape[1:]), np.float32) if e.steps else None for e in self.manifest.state
+            ]
+            for e, a in zip(self.manifest.state, self._steps):
+                if a is not None:
+                    io.bind_ortvalue_output(e.steps, self._alloc_from(a))
         self.sessions["prefill"].run_with_iobinding(io)
         self._cur = 1 - self._cur
         self._calls += 1
@@ -317,6 +328,19 @@ class OnnxRuntimeSession(Session):
             raise RuntimeError(f"cannot rewind {self._calls - calls} graph calls; one at most")
         self._cur, self.position, self._calls = cur, position, calls
 
+    def _keep(self, mark: tuple[int, int, int], n: int) -> None:
+        """Keep the first ``n`` tokens of the call made since ``mark`` (run with ``steps``): every fixed-size
+        state tensor becomes its value after token n (the call's ``steps`` outputs), and the position mark's
+        + n (a KV buffer's slots past it are never read before they are written again)."""
+        cur, position, calls = mark
+        if self._calls - calls != 1 or self._steps is None or not 1 <= n:
+            raise RuntimeError("_keep follows one call run with steps, keeping at least one of its tokens")
+        for a, bufs in zip(self._steps, self._bufs):
+            if a is not None:
+                bufs[self._cur].update_inplace(np.ascontiguousarray(a[:, n - 1]))
+        self.position = position + n
+        self._steps = None
+
     def _advance_every(self, ids: np.ndarray) -> np.ndarray:
         logits = self._run_tokens(ids, every=True)
         self.position += ids.shape[1]
@@ -333,11 +357,15 @@ class OnnxRuntimeSession(Session):
         with self.lock:
             return self._verify(ids)
 
-    def _verify(self, ids) -> np.ndarray:
-        """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V]."""
+    def _verify(self, ids, steps: bool = False) -> np.ndarray:
+        """Run the one graph on ids [B, n] (checked), advancing the state; the logits of every position [B, n, V].
+        ``steps``: keep the state after each token (``_keep``; n > 1, a ``verify_states`` artifact)."""
         ids = self._check_ids(ids)
         # one token: the step graph's bindings, made once (a call on another length binds its own buffers)
-        logits = self._run("step", ids) if ids.shape[1] == 1 else self._run_tokens(ids, every=True)
+        if ids.shape[1] == 1 and not steps:
+            logits = self._run("step", ids)
+        else:
+            logits = self._run_tokens(ids, every=True, steps=steps)
         self.position += ids.shape[1]
         return logits
 

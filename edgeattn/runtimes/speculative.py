@@ -377,11 +377,32 @@ def _choose(dec: Decoder, logits: np.ndarray, draft: int, q: np.ndarray | None) 
     return dec.take(draw(residual / total, dec.rng))
 
 
+ROLLBACKS = ("auto", "readvance", "states")
+
+
 def generate(
-    sess, dec: Decoder, ids: np.ndarray, drafter, stats: SpeculativeStats | None = None
+    sess,
+    dec: Decoder,
+    ids: np.ndarray,
+    drafter,
+    stats: SpeculativeStats | None = None,
+    rollback: str = "auto",
 ) -> Iterator[int]:
     """Yield the tokens that plain decoding of ``sess`` with ``dec`` would (see the module docstring), the
-    state afterwards holding them (and a stop token) as plain decoding's does. ``ids``: the prompt [1, T]."""
+    state afterwards holding them (and a stop token) as plain decoding's does. ``ids``: the prompt [1, T].
+
+    ``rollback``: after a partly rejected round, "readvance" goes back to the state before the call and feeds
+    the kept tokens again at the start of the next call; "states" takes the state after the last kept token
+    from the verify call itself (an artifact exported with ``verify_states``); "auto" (default): "states"
+    where the artifact has them."""
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {rollback!r}")
+    has_steps = bool(getattr(getattr(sess, "manifest", None), "verify_states", False))
+    if rollback == "states" and not has_steps:
+        raise ValueError(
+            f"rollback 'states' needs an artifact exported with --verify-states; {sess.manifest.root} was not"
+        )
+    rollback = "states" if rollback == "auto" and has_steps else rollback
     reason = (
         sess.speculative_refusal()
         if hasattr(sess, "speculative_refusal")
@@ -443,8 +464,10 @@ def generate(
         with sess.lock:
             mark = sess._mark()
             n_fed = len(todo) + len(drafts)
-            # the logits at the last token and each draft: [len(drafts) + 1, V]
-            logits = sess._verify(np.asarray([todo + drafts], np.int64))[0, len(todo) - 1 :]
+            # the logits at the last token and each draft: [len(drafts) + 1, V]; with per-token states the call
+            # also gives the state after each token, for a partly rejected round
+            steps = bool(drafts) and rollback == "states"
+            logits = sess._verify(np.asarray([todo + drafts], np.int64), steps=steps)[0, len(todo) - 1 :]
             chosen = []  # this round's tokens (a stop token included)
             for i in range(len(drafts) + 1):
                 if i < len(drafts):
@@ -461,6 +484,9 @@ def generate(
             )
             if chosen[: len(drafts)] == drafts:  # every draft kept: the state is right
                 todo = chosen[len(drafts) :]
+            elif steps:  # the state after the last kept token, from the call itself: nothing to re-advance
+                sess._keep(mark, len(todo) + kept)
+                todo = chosen[kept:]
             else:  # back to the state before this call; re-advance what it held that was kept
                 sess._rewind(mark)
                 stats.readvanced += len(todo) + kept

@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 # gate of -inf (a hard reset) or anything below -1000 still empties the state exactly.
 LOG_GATE_FLOOR = -1000.0
 
-__all__ = ["gated_linear_attention", "gated_recurrence_step", "expand_gate"]
+__all__ = ["gated_linear_attention", "gated_recurrence_step", "expand_gate", "gated_state_steps"]
 
 
 def _check_gate(g: Tensor, B: int, T: int, H: int, K: int) -> None:
@@ -49,6 +49,40 @@ def expand_gate(g: Tensor | None, B: int, T: int, H: int, K: int) -> Tensor | No
     if g.dim() == 3:
         return g.unsqueeze(-1)
     return g
+
+
+def gated_state_steps(k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor, z0: Tensor | None = None):
+    """The state after each token of a call, as ``gated_linear_attention`` leaves it after a call on the first
+    t + 1 tokens: ``S_t = exp(g_t) * S_{t-1} + k_t^T v_t`` (and ``z_t = exp(g_t) * z_{t-1} + k_t``) in closed
+    form, ``S_t = exp(L_t) S0 + sum_{i <= t} exp(L_t - L_i) k_i^T v_i`` with ``L`` the cumulative log gate.
+
+    ``k [B, T, H, K]`` (feature-mapped, as the recurrence takes it), ``v [B, T, H, V]``, ``g`` None, ``[H]``,
+    ``[B, T, H]`` or ``[B, T, H, K]``, ``S0 [B, H, K, V]``, ``z0 [B, H, K]`` or None. Returns ``(S [B, T, H, K,
+    V], z [B, T, H, K] or None)`` in float32. O(T^2 H K V): meant for a speculative verify call's few tokens
+    (the export option ``verify_states``), where the runtime takes the state after the last kept draft
+    instead of re-advancing. Traces with a dynamic T (no Python int of T is read)."""
+    acc = torch.promote_types(k.dtype, torch.float32)
+    k, v, S0 = k.to(acc), v.to(acc), S0.to(acc)
+    kv = k[..., :, None] * v[..., None, :]  # [B, T, H, K, V]
+    if g is None:
+        S = S0[:, None] + torch.cumsum(kv, dim=1)
+        return S, (None if z0 is None else z0.to(acc)[:, None] + torch.cumsum(k, dim=1))
+    g = g.to(acc)
+    if g.dim() == 1:  # [H]: broadcast against k's batch and tokens (no expand to Python ints of T)
+        g = g.view(1, 1, -1, 1) + torch.zeros_like(k[..., :1])
+    elif g.dim() == 3:
+        g = g.unsqueeze(-1)
+    L = torch.cumsum(g.clamp_min(LOG_GATE_FLOOR), dim=1)  # [B, T, H, G], G = 1 or K
+    t = torch.ones_like(k[0, :, 0, 0]).cumsum(0)  # [T]
+    later = t[None, :] > t[:, None]  # [Tt, Ti]: i after t, not yet in the state
+    diff = (L[:, :, None] - L[:, None, :]).masked_fill(later[None, :, :, None, None], float("-inf"))
+    w = torch.exp(diff)  # [B, Tt, Ti, H, G]: the decay from i to t
+    decay = torch.exp(L)  # [B, T, H, G]
+    S = decay[..., None] * S0[:, None] + (w[..., None] * kv[:, None]).sum(2)
+    z = None
+    if z0 is not None:
+        z = decay * z0.to(acc)[:, None] + (w * k[:, None]).sum(2)
+    return S, z
 
 
 def _initial_state(initial_state, normalize: bool, B: int, H: int, K: int, V: int):

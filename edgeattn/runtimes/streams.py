@@ -719,12 +719,15 @@ class Streams:
         the drafts its own choices reproduce (``edgeattn.runtimes.speculative``: greedy, or sampled with its
         generator, the tokens plain decoding would give). A row whose drafts were not all kept, or that was
         padded, goes back to the state before the call (its row of the other buffer set) and feeds the tokens
-        it chose again at the start of the next call. Returns {stream id: [new tokens]}; ``errors`` as ``step``;
+        it chose again at the start of the next call. A call in which no row drafts pads nothing: each row feeds
+        the first T of its pending tokens, T the fewest any row has, and the rest wait for the next call (else
+        the padded rows would feed again next call, padding the others in turn: every call two tokens long for
+        one token a row). Returns {stream id: [new tokens]}; ``errors`` as ``step``;
         the rounds are counted in ``stats`` (a ``SpeculativeStats``; default ``self.speculative_stats``, one
         round per row and call).
 
         A KV buffer (GroupQueryAttention) takes several tokens with a past at batch 1 only: on such an artifact
-        the streams draft while one stream is live, and step one token each while several are."""
+        the streams draft while one stream is live, and feed one token each a call while several are."""
         from edgeattn.runtimes.speculative import MAX_DRAFT, MAX_TODO, PLAIN_STRETCH, SpeculativeStats
 
         with self.lock:
@@ -735,9 +738,8 @@ class Streams:
                     getattr(self, "speculative_stats", None) or SpeculativeStats()
                 )
             t0 = time.perf_counter()
+            # (pending tokens of a row that drafted alone are fed one a call, with the others' steps)
             one_token = len(self._rows) > 1 and any(self._kv(e) for e in self._entries)
-            if one_token:  # pending tokens of a row that drafted alone: fed now, one call per row
-                self._settle([s for s in self._rows if len(self._streams[s].todo) > 1])
             out: dict[int, list[int]] = {}
             failed: list[int] = []
 
@@ -799,10 +801,15 @@ class Streams:
             ):
                 k = self._batch_k(drafts)  # one draft length for the batch
                 drafts = {sid: d[:k] for sid, d in drafts.items()}
-            T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
+            if any(drafts.values()):  # rows padded to the longest (a padded row goes back and feeds again)
+                T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
+            else:  # no drafts: each row feeds the first T of its tokens, T the fewest any row has: nothing is
+                # padded, so nothing goes back (padding here would make the rows that fed fewer tokens feed them
+                # again next call, in turn padding the others: every call two tokens long for one token a row)
+                T = 1 if one_token else min(len(self._streams[s].todo) for s in self._rows)
             ids = np.empty((n, T), np.int64)
             for i, sid in enumerate(self._rows):
-                fed = self._streams[sid].todo + drafts[sid]
+                fed = (self._streams[sid].todo + drafts[sid])[:T]
                 ids[i, : len(fed)], ids[i, len(fed) :] = fed, fed[-1]  # padding: never kept
             logits = self._run_rows(ids)
             old = self._bufs[1 - self._cur]
@@ -810,6 +817,15 @@ class Streams:
             for i, sid in enumerate(self._rows):
                 st, d = self._streams[sid], drafts[sid]
                 m, chosen = len(st.todo), []
+                if (
+                    m > T
+                ):  # fed the first T of its tokens (no drafts this call): the rest wait, nothing chosen
+                    st.position += T
+                    st.todo = st.todo[T:]
+                    stats.rounds += 1
+                    if st.decoder.done:  # (parking feeds the rest)
+                        stopped.append(sid)
+                    continue
                 try:
                     for j in range(len(d) + 1 if not st.decoder.done else 0):
                         tok = choose(sid, st, logits[i, m - 1 + j])

@@ -115,9 +115,10 @@ def export(
         bool,
         typer.Option(
             "--verify-states",
-            help="The one graph also returns each fixed-size state after every token of a call (computed "
-            "only when asked): speculative decoding keeps the state after its last kept draft instead of "
-            "re-advancing (gated recurrences, Hedgehog forms, KV-buffer softmax layers).",
+            help="The one graph also returns each fixed-size state after every token of a call: speculative "
+            "decoding keeps the state after its last kept draft instead of re-advancing (gated recurrences, "
+            "Hedgehog forms, KV-buffer softmax layers). ONNX Runtime computes them in every call, so plain "
+            "decoding slows too; re-advancing was faster on the CPU (benchmarks/RESULTS.md).",
         ),
     ] = False,
     force: Force = False,

@@ -742,9 +742,11 @@ def export_model(
     for more of a call's positions: scoring (``check``, ``echo`` logprobs) and speculative decoding's verify
     calls get every position's from the same graph.
     ``verify_states``: the one graph also returns every fixed-size state tensor after each token of a call
-    (the manifest entries' ``"steps"`` outputs, computed only when a call asks for them): a speculative round
-    takes the state after its last kept draft instead of re-advancing the kept tokens in the next call
-    (gated recurrences, the Hedgehog forms and KV-buffer softmax layers; ``steps_refusal``).
+    (the manifest entries' ``"steps"`` outputs): a speculative round takes the state after its last kept draft
+    instead of re-advancing the kept tokens in the next call (gated recurrences, the Hedgehog forms and
+    KV-buffer softmax layers; ``steps_refusal``). ONNX Runtime computes those outputs in every call, bound or
+    not: on the CPU plain decoding slowed 12% (linearized SmolLM2) to 2x (a small GLA) and re-advancing beat
+    them, so it is off by default (benchmarks/RESULTS.md, issue 35).
 
     ``on_plan``: called with the ``ExportPlan`` once every option is checked and every choice made, before
     the graphs are traced (the CLI prints its notes there).

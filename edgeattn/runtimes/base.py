@@ -85,6 +85,9 @@ class Session(ABC):
     call holds ``self.lock``; hold it yourself around a sequence of calls that must not be interleaved)."""
 
     backend: str = ""
+    # how speculative decoding rolls a partly rejected round back: "auto", "readvance" or "states"
+    # (``edgeattn.runtimes.speculative.generate``)
+    speculative_rollback: str = "auto"
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
@@ -310,7 +313,7 @@ class Session(ABC):
             dec.context = [int(t) for t in ids[0]]
             self.speculative_stats = spec.SpeculativeStats()
             yield from spec.generate(
-                self, dec, ids, drafter, self.speculative_stats, getattr(self, "speculative_rollback", "auto")
+                self, dec, ids, drafter, self.speculative_stats, self.speculative_rollback
             )
             return
         logits = self.prefill(ids)

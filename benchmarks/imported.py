@@ -474,9 +474,18 @@ def build_edgeattn(
         args = [str(ckpt), str(out), precision, str(prefill_chunk)]
         run_step([sys.executable, "-c", code, *args], "edgeattn export")
         return out
+    race_export(ckpt, out, precision, prefill_chunk, max_len, variant_options(block)[2] if block else ())
+    return out
+
+
+def race_export(ckpt, out: Path, precision: str, prefill_chunk: int, max_len: int, extra=()) -> None:
+    """``edgeattn export CKPT --out OUT --no-checkpoint --force --precision P --prefill-chunk C
+    --prefill-logits last --kv-dtype float32 --max-length L`` in its own process, ``extra`` (option, value
+    pairs) replacing any of them: every option spelled out, so that a change of the export's defaults does not
+    change what the races compare."""
     opts = {"--precision": precision, "--prefill-chunk": str(prefill_chunk), "--prefill-logits": "last"}
     opts |= {"--kv-dtype": "float32", "--max-length": str(max_len)}
-    extra = variant_options(block)[2] if block else []
+    extra = list(extra)
     opts |= dict(zip(extra[::2], extra[1::2]))
     cli(
         "export",
@@ -487,7 +496,6 @@ def build_edgeattn(
         "--force",
         *(x for kv in opts.items() for x in kv),
     )
-    return out
 
 
 def run_paired(

@@ -53,24 +53,7 @@ def build(workdir: Path, teacher: Path, students: dict[str, Path], precision: st
         out = workdir / f"edgeattn-{name}-{precision}"
         if not (out / "edgeattn.json").is_file():
             print(f"exporting {ckpt} ({precision}) -> {out}", file=sys.stderr, flush=True)
-            imported.cli(
-                "export",
-                str(ckpt),
-                "--out",
-                str(out),
-                "--no-checkpoint",
-                "--force",
-                "--precision",
-                precision,
-                "--prefill-logits",
-                "last",
-                "--kv-dtype",
-                "float32",
-                "--prefill-chunk",
-                str(min(256, max_len)),
-                "--max-length",
-                str(max_len),
-            )
+            imported.race_export(ckpt, out, precision, min(256, max_len), max_len)
         paths[f"edgeattn-{name}-{precision}"] = out
     return paths
 

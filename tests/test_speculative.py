@@ -558,6 +558,71 @@ def test_streams_calls_without_drafts_pad_nothing(batch_artifacts):
     assert lengths[:2] == [3, 2] and set(lengths[2:]) == {1}, lengths
 
 
+@pytest.mark.parametrize("draft_faster", [False, True])
+def test_draft_guard_keeps_the_faster_kind(draft_faster):
+    """Epochs of drafting and of plain decoding, each kind's realized progress per second: the faster runs, the
+    slower is tried again ever more rarely (every MAX_GAP epochs at most)."""
+    g = spec.DraftGuard()
+    modes = []
+    for _ in range(120):
+        modes.append(g.mode)
+        fast = (g.mode == "draft") == draft_faster
+        assert not any(g.record(24 if fast else 8, 0.1, 16) for _ in range(g.EPOCH - 1))
+        assert g.record(24 if fast else 8, 0.1, 16)
+        g.close()
+    assert modes[:2] == ["draft", "plain"]  # each kind once first
+    slower = "plain" if draft_faster else "draft"
+    assert modes[-64:].count(slower) <= 64 // g.MAX_GAP + 1
+    assert slower in modes[-64:]  # still tried now and then
+    # a kind within the margin of plain decoding does not draft: plain is the safe default
+    g = spec.DraftGuard()
+    for _ in range(40):
+        for _ in range(g.EPOCH):
+            g.record(16 if g.mode == "plain" else 16.5, 0.1, 16)
+        g.close()
+    assert g.best == "plain"
+
+
+class AlwaysWrong:
+    """Two drafts every round, the first always wrong: every drafting row goes back and feeds again."""
+
+    cheap = True
+
+    def __init__(self, vocab):
+        self.schedule, self.vocab = spec.FixedSchedule(2), vocab
+
+    def propose(self, context, k, dec=None):
+        return [(context[-1] + 1) % self.vocab] * 2, None
+
+
+def test_streams_stop_drafting_where_it_loses(batch_artifacts):
+    """A batch whose drafts are never kept makes no progress in its drafting rounds: after the first epochs it
+    decodes plainly, drafting again only now and then (DraftGuard), and gives plain decoding's tokens."""
+    from edgeattn.runtimes.streams import Streams
+
+    art = batch_artifacts["gla"]
+    prompts = [PROMPT, PROMPT[:20], list(b"abcabcabcab"), list(b"xyz")]
+    s = Streams(art, threads=1)
+    plain = [s.add(p, temperature=0, max_new_tokens=150, stop_ids=()) for p in prompts]
+    while s.live:
+        s.step()
+    want = [s.generated(x) for x in plain]
+    V = open_session(art).manifest.vocab_size
+    s = Streams(art, threads=1)
+    sids = [
+        s.add(p, temperature=0, max_new_tokens=150, stop_ids=(), speculative=AlwaysWrong(V)) for p in prompts
+    ]
+    drafting = []
+    run_rows = s._run_rows
+    s._run_rows = lambda ids: (drafting.append(ids.shape[1] > 1), run_rows(ids))[1]
+    while s.live:
+        s.step_speculative()
+    assert [s.generated(x) for x in sids] == want
+    assert s._guard.best == "plain"
+    late = drafting[len(drafting) // 2 :]
+    assert sum(late) <= len(late) // 4, drafting
+
+
 def test_streams_speculative_ngram_and_refusals(batch_artifacts, artifacts):
     from edgeattn.runtimes.streams import SerialStreams, Streams
 

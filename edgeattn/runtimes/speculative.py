@@ -355,6 +355,63 @@ class FixedSchedule(Schedule):
         return self.max_k if remaining is None else max(min(self.max_k, remaining - 1), 0)
 
 
+class DraftGuard:
+    """Whether a batch of streams drafts at all (``Streams.step_speculative``), from the throughput it realized.
+
+    The batch's draft length (``Streams._batch_k``) weighs each row's expected tokens against the measured cost
+    of a call, but not what a drafting call leaves behind: every row it pads, or whose drafts it rejects, goes
+    back and feeds its tokens again, so later calls grow longer for the whole batch (the linearized SmolLM2 at
+    16 streams: rows 10 tokens behind, 0.6x plain decoding). So rounds run in epochs of ``EPOCH`` rounds, each
+    drafting or plain, and the tokens per second per row of each kind (running means) pick the next epoch's: the
+    faster (drafting only with ``MARGIN`` over plain), the slower tried again after a number of epochs that
+    doubles each time it loses again (up to ``MAX_GAP``). Progress is what entered the rows' states, not the tokens
+    chosen: a row sent back to feed its tokens again has made none, so a drafting epoch's backlog counts against
+    it, and free generation in a server does not stay slower than plain decoding."""
+
+    EPOCH = 8  # rounds per epoch
+    MAX_GAP = 16  # epochs of the faster kind before the slower is tried again, at most
+    MARGIN = 1.05
+    KEEP = 0.5  # weight of the old rate
+
+    def __init__(self):
+        self.mode = "draft"  # this epoch's kind
+        self.best = None
+        self.rates: dict[str, float] = {}
+        self.gap, self.since = 1, 0
+        self.rounds = self.tokens = self.rows = 0
+        self.seconds = 0.0
+
+    def record(self, tokens: int, seconds: float, rows: int) -> bool:
+        """Count a round of ``rows`` rows whose states took ``tokens`` more; True when the epoch is over
+        (``close`` it)."""
+        self.rounds += 1
+        self.tokens += tokens
+        self.seconds += seconds
+        self.rows += rows
+        return self.rounds >= self.EPOCH
+
+    def close(self) -> None:
+        """End the epoch and choose the next one's kind."""
+        rate = self.tokens / max(self.seconds, 1e-9) / max(self.rows / max(self.rounds, 1), 1.0)
+        old = self.rates.get(self.mode)
+        self.rates[self.mode] = rate if old is None else self.KEEP * old + (1 - self.KEEP) * rate
+        self.rounds = self.tokens = self.rows = 0
+        self.seconds = 0.0
+        if len(self.rates) < 2:  # each kind once first
+            self.mode = "plain" if self.mode == "draft" else "draft"
+            return
+        best = "draft" if self.rates["draft"] > self.MARGIN * self.rates["plain"] else "plain"
+        if best != self.best:
+            self.best, self.gap, self.since = best, 1, 0
+        if self.mode != best:  # the slower kind was tried and lost again: wait longer before the next try
+            self.gap = min(2 * self.gap, self.MAX_GAP)
+            self.mode, self.since = best, 0
+            return
+        self.since += 1
+        if self.since >= self.gap:
+            self.mode, self.since = ("plain" if best == "draft" else "draft"), 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------------------

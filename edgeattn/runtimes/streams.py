@@ -728,7 +728,13 @@ class Streams:
 
         A KV buffer (GroupQueryAttention) takes several tokens with a past at batch 1 only: on such an artifact
         the streams draft while one stream is live, and feed one token each a call while several are."""
-        from edgeattn.runtimes.speculative import MAX_DRAFT, MAX_TODO, PLAIN_STRETCH, SpeculativeStats
+        from edgeattn.runtimes.speculative import (
+            MAX_DRAFT,
+            MAX_TODO,
+            PLAIN_STRETCH,
+            DraftGuard,
+            SpeculativeStats,
+        )
 
         with self.lock:
             if not self._rows:
@@ -770,9 +776,15 @@ class Streams:
             if not self._rows:
                 return out
             drafts, skipped = {}, set()
+            n = len(self._rows)
+            # a batch drafts in the epochs its realized throughput says pay (DraftGuard)
+            guard = self.__dict__.setdefault("_guard", DraftGuard()) if n > 1 else None
+            before = {sid: self._streams[sid].position for sid in self._rows} if guard is not None else {}
             for sid in self._rows:
                 st, dec, d = self._streams[sid], self._streams[sid].decoder, []
-                if st.skip:
+                if guard is not None and guard.mode == "plain":
+                    pass
+                elif st.skip:
                     st.skip -= 1
                     skipped.add(sid)
                 elif st.drafter is not None and not dec.done and not one_token and len(st.todo) <= MAX_TODO:
@@ -793,7 +805,6 @@ class Streams:
                                 )
                             ]
                 drafts[sid] = [int(x) for x in d]
-            n = len(self._rows)
             if (
                 n > 1
                 and any(drafts.values())
@@ -878,6 +889,14 @@ class Streams:
                 self._park(failed, keep=False)
             if stopped:
                 self._park(stopped)
+            if (
+                guard is not None
+            ):  # progress: the tokens that entered the rows' states (not those to feed again)
+                fed = sum(
+                    self._streams[sid].position - p for sid, p in before.items() if sid in self._streams
+                )
+                if guard.record(fed, seconds, n):
+                    guard.close()
             return out
 
 

@@ -21,7 +21,7 @@ The summary is the geometric mean of the ratios over the grounded tasks and over
     python benchmarks/speculative.py ART --quick      # two tasks, 24 tokens, one repeat: checks the harness
 
 ``--server 4,16``: instead, ``edgeattn serve ART --slots N`` in a subprocess without and with ``--speculative
-ngram`` (an artifact exported with ``--dynamic-batch``), driven by N concurrent clients of the official
+ngram`` (``--repeats`` rounds of each, interleaved: medians and their ranges) (an artifact exported with ``--dynamic-batch``), driven by N concurrent clients of the official
 ``openai`` client, each streaming greedy completions of the tasks in turn (client i starts at task i): aggregate
 tokens/s over the round (all tokens / wall time), per server and number of clients, grounded and free tasks
 apart, and whether every text equals the plain server's.
@@ -164,16 +164,26 @@ def server_main(args, tasks) -> None:
         for kind in ("grounded", "free"):
             sel = [t for t in tasks if t["kind"] == kind]
             prompts = [tok.apply_chat_template(t["chat"]) if args.chat else t["raw"] for t in sel]
-            plain = serve_round(args.artifact, clients, prompts, args.max_new_tokens, args.threads, False)
-            spec = serve_round(args.artifact, clients, prompts, args.max_new_tokens, args.threads, True)
+            runs = {False: [], True: []}
+            for _ in range(args.repeats):  # interleaved: plain, speculative, plain, ...
+                for speculative in (False, True):
+                    runs[speculative].append(
+                        serve_round(
+                            args.artifact, clients, prompts, args.max_new_tokens, args.threads, speculative
+                        )
+                    )
+            plain, spec = ([r["tok_s"] for r in runs[k]] for k in (False, True))
             rows.append(
                 {
                     "clients": clients,
                     "kind": kind,
-                    "plain_tok_s": round(plain["tok_s"], 1),
-                    "spec_tok_s": round(spec["tok_s"], 1),
-                    "speedup": round(spec["tok_s"] / plain["tok_s"], 3),
-                    "same_text": spec["texts"] == plain["texts"],
+                    "plain_tok_s": round(statistics.median(plain), 1),
+                    "spec_tok_s": round(statistics.median(spec), 1),
+                    "speedup": round(statistics.median(spec) / statistics.median(plain), 3),
+                    "plain_range": [round(min(plain), 1), round(max(plain), 1)],
+                    "spec_range": [round(min(spec), 1), round(max(spec), 1)],
+                    "repeats": args.repeats,
+                    "same_text": all(r["texts"] == runs[False][0]["texts"] for r in runs[True]),
                 }
             )
             print(rows[-1], flush=True)
@@ -181,12 +191,15 @@ def server_main(args, tasks) -> None:
         f"{args.artifact.name}, edgeattn serve, greedy, {args.threads} threads, {cpu_name()}, load {os.getloadavg()}"
     )
     print()
-    print("| clients | kind | plain tok/s | speculative tok/s | ratio | same text |")
+    print(
+        "| clients | kind | plain tok/s [min-max] | speculative tok/s [min-max] | ratio of medians | same text |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
+        (a, b), (c, d) = r["plain_range"], r["spec_range"]
         print(
-            f"| {r['clients']} | {r['kind']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']:.2f}x | "
-            f"{r['same_text']} |"
+            f"| {r['clients']} | {r['kind']} | {r['plain_tok_s']} [{a}-{b}] | {r['spec_tok_s']} [{c}-{d}] | "
+            f"{r['speedup']:.2f}x | {r['same_text']} |"
         )
     print(
         json.dumps(

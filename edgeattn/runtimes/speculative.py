@@ -24,13 +24,17 @@ accepted tokens are re-advanced, not in a call of their own but as the first tok
 verify call (a CPU call reads the weights once whatever its few tokens: the re-advance costs almost nothing).
 Recurrent and convolution states come back whole; a KV buffer comes back by its position (its slots past the
 position are never read before being written again). The draft model's own state goes back through
-``get_state`` / ``set_state`` (a small model's state, copied once a round).
+``get_state`` / ``set_state`` (a small model's state, copied once a round). The other way, an artifact exported
+with ``verify_states`` returns every fixed-size state after each token of the verify call, and the round keeps
+the one after its last kept token (``rollback="states"``): measured slower on the CPU (ONNX Runtime computes
+those outputs in every call), so re-advancing is the default (benchmarks/RESULTS.md).
 
 Adaptive draft length (``Schedule``): each round drafts the k that maximizes the expected tokens per second
 from the measured cost of a call on each number of tokens and the running chance that a draft is kept; where
 drafts fail, k falls to 0 and the round is plain decoding (one token, the step graph's call); after rounds
 without drafts the loop decodes plainly for stretches that grow with them (``PLAIN_STRETCH``), without the
-round's bookkeeping, so free generation runs at plain decoding's speed.
+round's bookkeeping, so free generation runs at plain decoding's speed. A batch of streams (``Streams``) drafts
+in the epochs whose realized progress beats plain decoding's (``DraftGuard``).
 """
 
 from __future__ import annotations

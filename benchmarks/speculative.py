@@ -23,8 +23,8 @@ The summary is the geometric mean of the ratios over the grounded tasks and over
 ``--server 4,16``: instead, ``edgeattn serve ART --slots N`` in a subprocess without and with ``--speculative
 ngram`` (``--repeats`` rounds of each, interleaved: medians and their ranges) (an artifact exported with ``--dynamic-batch``), driven by N concurrent clients of the official
 ``openai`` client, each streaming greedy completions of the tasks in turn (client i starts at task i): aggregate
-tokens/s over the round (all tokens / wall time), per server and number of clients, grounded and free tasks
-apart, and whether every text equals the plain server's.
+tokens/s over the round (all tokens / wall time; every reply ``-n`` tokens long, ``ignore_eos``), per server and
+number of clients, grounded and free tasks apart, and whether every text equals the plain server's.
 
 ``--llama GGUF --llama-bin DIR``: beside edgeattn, llama.cpp's own self-speculative decoding on the same prompts
 (the GGUF the artifact was exported from): ``llama-speculative-simple --spec-type ngram-simple`` (prompt lookup),
@@ -123,6 +123,9 @@ def serve_round(artifact, clients: int, prompts: list, n: int, threads: int, spe
                     temperature=0,
                     stream=True,
                     stream_options={"include_usage": True},
+                    # every reply max_tokens long on both servers: where their texts part (int4 at accuracy
+                    # level 4), an end-of-sequence token would make them different amounts of work
+                    extra_body={"ignore_eos": True},
                 )
                 parts = []
                 async for ch in r:

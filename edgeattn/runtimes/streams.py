@@ -812,6 +812,12 @@ class Streams:
             ):
                 k = self._batch_k(drafts)  # one draft length for the batch
                 drafts = {sid: d[:k] for sid, d in drafts.items()}
+            if (
+                n > 1
+                and not any(drafts.values())
+                and all(len(self._streams[s].todo) == 1 for s in self._rows)
+            ):
+                return self._plain_round(out, choose, errors, stats, guard, before, t0)
             if any(drafts.values()):  # rows padded to the longest (a padded row goes back and feeds again)
                 T = max(len(self._streams[s].todo) + len(drafts[s]) for s in self._rows)
             else:  # no drafts: each row feeds the first T of its tokens, T the fewest any row has: nothing is
@@ -898,6 +904,50 @@ class Streams:
                 if guard.record(fed, seconds, n):
                     guard.close()
             return out
+
+    def _plain_round(self, out, choose, errors, stats, guard, before, t0) -> dict[int, list[int]]:
+        """``step_speculative``'s round when no row drafts and each has one token to feed (most rounds of a
+        batch that does not draft): the step's call on those tokens, then each row's next token, without a
+        drafting round's bookkeeping (a small model's call costs less than that: a GLA of 0.2 ms lost 17% at
+        16 streams)."""
+        n = len(self._rows)  # (> 1: a lone stream's schedule times its own plain rounds)
+        ids = np.fromiter((self._streams[s].todo[0] for s in self._rows), np.int64, n)[:, None]
+        logits = self._run_rows(ids)
+        stopped, failed = [], []
+        for i, sid in enumerate(self._rows):
+            st = self._streams[sid]
+            st.position += 1
+            st.logits = logits[i, 0]  # (a fresh copy: _run_rows returns one)
+            stats.rounds += 1
+            if st.decoder.done:  # (its stop token was the one fed)
+                st.todo = []
+                stopped.append(sid)
+                continue
+            try:
+                choose(sid, st, st.logits)
+            except Exception as e:
+                st.todo = []
+                self._fail_row(sid, e, errors, failed)
+                continue
+            st.todo = [st.decoder.last]
+            self._full(st, st.position + 1)
+            stats.tokens += 1
+            if st.decoder.done:
+                stopped.append(sid)
+        seconds = time.perf_counter() - t0
+        if n > 1:
+            from edgeattn.runtimes.speculative import Schedule
+
+            self.__dict__.setdefault("_timing", Schedule()).observe(1, seconds)
+        if failed:
+            self._park(failed, keep=False)
+        if stopped:
+            self._park(stopped)
+        if guard is not None:
+            fed = sum(self._streams[sid].position - p for sid, p in before.items() if sid in self._streams)
+            if guard.record(fed, seconds, n):
+                guard.close()
+        return out
 
 
 class SerialStreams(Streams):

@@ -884,26 +884,28 @@ class Streams:
                 if st.decoder.done:
                     stopped.append(sid)
             seconds = time.perf_counter() - t0
-            if n > 1:
-                from edgeattn.runtimes.speculative import Schedule
-
-                self.__dict__.setdefault("_timing", Schedule()).observe(T, seconds)
             for st, drafted, kept in rounds:
                 st.schedule.observe(T, seconds)
                 st.schedule.update(drafted, kept, getattr(st.drafter, "match", None))
-            if failed:
-                self._park(failed, keep=False)
-            if stopped:
-                self._park(stopped)
-            if (
-                guard is not None
-            ):  # progress: the tokens that entered the rows' states (not those to feed again)
-                fed = sum(
-                    self._streams[sid].position - p for sid, p in before.items() if sid in self._streams
-                )
-                if guard.record(fed, seconds, n):
-                    guard.close()
+            self._end_round(T, seconds, failed, stopped, guard, before)
             return out
+
+    def _end_round(self, T: int, seconds: float, failed, stopped, guard, before: dict) -> None:
+        """A speculative round's end: the batch's call of T tokens timed (``_batch_k``), the failed and stopped
+        rows parked, and the round's progress (the tokens that entered the rows' states, not those to feed
+        again) counted by the ``DraftGuard``."""
+        if len(before) > 1:
+            from edgeattn.runtimes.speculative import Schedule
+
+            self.__dict__.setdefault("_timing", Schedule()).observe(T, seconds)
+        if failed:
+            self._park(failed, keep=False)
+        if stopped:
+            self._park(stopped)
+        if guard is not None:
+            fed = sum(self._streams[sid].position - p for sid, p in before.items() if sid in self._streams)
+            if guard.record(fed, seconds, len(before)):
+                guard.close()
 
     def _plain_round(self, out, choose, errors, stats, guard, before, t0) -> dict[int, list[int]]:
         """``step_speculative``'s round when no row drafts and each has one token to feed (most rounds of a
@@ -934,19 +936,7 @@ class Streams:
             stats.tokens += 1
             if st.decoder.done:
                 stopped.append(sid)
-        seconds = time.perf_counter() - t0
-        if n > 1:
-            from edgeattn.runtimes.speculative import Schedule
-
-            self.__dict__.setdefault("_timing", Schedule()).observe(1, seconds)
-        if failed:
-            self._park(failed, keep=False)
-        if stopped:
-            self._park(stopped)
-        if guard is not None:
-            fed = sum(self._streams[sid].position - p for sid, p in before.items() if sid in self._streams)
-            if guard.record(fed, seconds, n):
-                guard.close()
+        self._end_round(1, time.perf_counter() - t0, failed, stopped, guard, before)
         return out
 
 

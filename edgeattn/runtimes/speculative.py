@@ -116,12 +116,15 @@ class NgramDrafter:
         if n > len(context) or (n and context[n - 1] != self._last):  # another text: start over
             self._index = {size: {} for size in self.sizes}
             n = 0
-        # index the n-grams that end before the last token (a continuation exists for each); no copy of the
-        # context: this runs every round
-        for e in range(max(n, 1), len(context)):
-            for size in self.sizes:
-                if e >= size:
-                    self._index[size][tuple(context[e - size : e])] = e
+        # index the n-grams that end before the last token (a continuation exists for each), a later occurrence
+        # replacing an earlier one; by C-level zips over slices of the new part (a prompt of thousands of tokens
+        # is indexed at its first round, every round after adds one token)
+        L = len(context)
+        for size in self.sizes:
+            e0 = max(n, 1, size)  # the first end not indexed yet
+            if e0 < L:
+                grams = zip(*(context[e0 - size + j : L - size + j] for j in range(size)))
+                self._index[size].update(zip(grams, range(e0, L)))
         self._seen, self._last = len(context), context[-1] if context else None
 
     def propose(self, context: list[int], k: int, dec: Decoder | None = None):
@@ -330,8 +333,9 @@ class Schedule:
             my = sum(self.times.values()) / n
             sxx = sum((x - mx) ** 2 for x in self.times)
             sxy = sum((x - mx) * (y - my) for x, y in self.times.items())
-            # at least a twentieth of the shortest round per token: noise must not make long calls look free
-            floor = 0.05 * self.times[min(self.times)]
+            # at least a twentieth of the shortest round's cost per token: noise must not make long calls look
+            # free (per token: a batch's rounds are keyed by the tokens of all its rows)
+            floor = 0.05 * self.times[min(self.times)] / min(self.times)
             self._slope = max(sxy / sxx, floor)
 
     def update(self, drafted: int, accepted: int, bucket=None) -> None:

@@ -694,7 +694,10 @@ class Streams:
         ... + a^k`` per row, ``a`` its schedule's chance for its drafts, k cut to the drafts it has) over the
         measured cost of the call (every row pays for the longest: it is padded to it, and a padded row feeds
         its tokens again), which must beat the call without drafts by the schedule's margin. The calls' costs
-        are measured for the batch as a whole (``self._timing``)."""
+        are measured for the batch as a whole (``self._timing``), by the tokens a call feeds in all (rows times
+        its length): a server's batch changes size as clients come and go, so its plain rounds alone measure
+        how the cost grows with the tokens fed (on 2 cores the linearized SmolLM2's call costs about rows times
+        length: there, drafting in a batch cannot pay unless nearly every row keeps its drafts)."""
         from edgeattn.runtimes.speculative import Schedule
 
         timing = self.__dict__.setdefault("_timing", Schedule())
@@ -703,13 +706,23 @@ class Streams:
             st = self._streams[sid]
             a = st.schedule.alphas.get(getattr(st.drafter, "match", None), st.schedule.PRIOR) if d else 0.0
             rows.append((len(st.todo), len(d), a))
+        N = len(rows)
         base = max(m for m, _, _ in rows)
-        best_k, best = 0, timing.MARGIN * len(rows) / timing.cost(base)
+        best_k, best = 0, timing.MARGIN * N / timing.cost(N * base)
+        # (incrementally over k: this runs every drafting round, beside a call of a millisecond for a small model)
+        expected, powers = float(N), [1.0] * N
         for k in range(1, max(n for _, n, _ in rows) + 1):
-            expected = sum(sum(a**j for j in range(min(k, n) + 1)) for _, n, a in rows)
-            rate = expected / timing.cost(max(m + min(k, n) for m, n, _ in rows))
+            longest = base
+            for i, (m, n, a) in enumerate(rows):
+                if n >= k:
+                    powers[i] *= a
+                    expected += powers[i]
+                longest = max(longest, m + min(k, n))
+            rate = expected / timing.cost(N * longest)
             if rate > best:
                 best_k, best = k, rate
+            elif k >= best_k + 2:  # two longer drafts in a row worse: the gain is geometric, the cost linear
+                break
         return best_k
 
     def step_speculative(self, errors: dict | None = None, stats=None) -> dict[int, list[int]]:
@@ -891,13 +904,13 @@ class Streams:
             return out
 
     def _end_round(self, T: int, seconds: float, failed, stopped, guard, before: dict) -> None:
-        """A speculative round's end: the batch's call of T tokens timed (``_batch_k``), the failed and stopped
+        """A speculative round's end: the batch's call of T tokens a row timed (``_batch_k``), the failed and stopped
         rows parked, and the round's progress (the tokens that entered the rows' states, not those to feed
         again) counted by the ``DraftGuard``."""
         if len(before) > 1:
             from edgeattn.runtimes.speculative import Schedule
 
-            self.__dict__.setdefault("_timing", Schedule()).observe(T, seconds)
+            self.__dict__.setdefault("_timing", Schedule()).observe(len(before) * T, seconds)
         if failed:
             self._park(failed, keep=False)
         if stopped:

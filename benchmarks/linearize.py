@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--max-train-tokens", type=int, default=None, help="default: edgeattn linearize's")
     ap.add_argument("--eval-every", type=float, default=4.0, help="minutes of training between evaluations")
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
@@ -76,6 +77,7 @@ def main() -> None:
         transfer_share=args.transfer_share,
         seq_len=args.seq_len,
         save_every=10**9,
+        **({} if args.max_train_tokens is None else {"max_train_tokens": args.max_train_tokens}),
     )
     teacher, source = load_teacher(teacher_path)
     corpus = load_corpus(

@@ -83,6 +83,24 @@ def timed(sess, prompt_ids, n, speculative, sampling=None, rollback="auto"):
     return out, elapsed, per_call
 
 
+def server_metrics(url: str) -> dict:
+    """The server's step calls and (``--speculative``) drafted and kept tokens, from its /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    got = {}
+    for key, name in (
+        ("steps", "edgeattn_steps_total"),
+        ("drafted", "edgeattn_speculative_drafted_total"),
+        ("accepted", "edgeattn_speculative_accepted_total"),
+    ):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        got[key] = int(float(m.group(1))) if m else 0
+    return got
+
+
 def serve_round(artifact, clients: int, prompts: list, n: int, threads: int, speculative: bool) -> dict:
     """One server (plain or ``--speculative ngram``), ``clients`` concurrent clients each streaming every prompt
     in turn from its own start: {"tok_s", "texts"} (texts by (client, prompt index))."""
@@ -151,7 +169,7 @@ def serve_round(artifact, clients: int, prompts: list, n: int, threads: int, spe
 
         out, seconds = asyncio.run(all_clients())
         texts = {k: v for t, _ in out for k, v in t.items()}
-        return {"tok_s": sum(tok for _, tok in out) / seconds, "texts": texts}
+        return {"tok_s": sum(tok for _, tok in out) / seconds, "texts": texts, **server_metrics(url)}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -187,6 +205,11 @@ def server_main(args, tasks) -> None:
                     "spec_range": [round(min(spec), 1), round(max(spec), 1)],
                     "repeats": args.repeats,
                     "same_text": all(r["texts"] == runs[False][0]["texts"] for r in runs[True]),
+                    # per round: the servers' step calls, and the speculative one's drafted and kept tokens
+                    "plain_steps": [r["steps"] for r in runs[False]],
+                    "spec_steps": [r["steps"] for r in runs[True]],
+                    "drafted": [r["drafted"] for r in runs[True]],
+                    "accepted": [r["accepted"] for r in runs[True]],
                 }
             )
             print(rows[-1], flush=True)
@@ -195,14 +218,17 @@ def server_main(args, tasks) -> None:
     )
     print()
     print(
-        "| clients | kind | plain tok/s [min-max] | speculative tok/s [min-max] | ratio of medians | same text |"
+        "| clients | kind | plain tok/s [min-max] | speculative tok/s [min-max] | ratio of medians | same text "
+        "| step calls plain / speculative | drafted / kept |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         (a, b), (c, d) = r["plain_range"], r["spec_range"]
+        calls = f"{'+'.join(map(str, r['plain_steps']))} / {'+'.join(map(str, r['spec_steps']))}"
+        kept = f"{'+'.join(map(str, r['drafted']))} / {'+'.join(map(str, r['accepted']))}"
         print(
             f"| {r['clients']} | {r['kind']} | {r['plain_tok_s']} [{a}-{b}] | {r['spec_tok_s']} [{c}-{d}] | "
-            f"{r['speedup']:.2f}x | {r['same_text']} |"
+            f"{r['speedup']:.2f}x | {r['same_text']} | {calls} | {kept} |"
         )
     print(
         json.dumps(

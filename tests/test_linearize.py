@@ -342,3 +342,31 @@ def test_gated_deltanet_starts_from_the_teachers_grouped_projections(hf_teacher)
         torch.testing.assert_close(getattr(mixer, name).weight, want)
     torch.testing.assert_close(mixer.q_proj.weight, attn.q_proj.weight)
     torch.testing.assert_close(mixer.o_proj.weight, attn.o_proj.weight)
+
+
+def test_ablations_benchmark_runs_each_and_reports_a_failed_one(hf_teacher, tmp_path):
+    """benchmarks/linearize_ablations.py end to end on the tiny teacher: each ablation a fresh linearize run whose
+    held-out perplexity lands in the table and the JSON line; one that cannot run (layers 0-7 kept of a 2-layer
+    teacher) is a failed row with its one-line reason, not a crash; an unknown ablation is one line."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.serve_helpers import REPO
+
+    _, d = hf_teacher
+    script = str(REPO / "benchmarks" / "linearize_ablations.py")
+    cmd = [sys.executable, script, "--teacher", str(d), "--only", "base,keep_first8,window16", "--steps", "2"]
+    cmd += ["--eval-windows", "2", "--seq-len", "48", "--max-train-tokens", "20000", "--parallel", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = {r["name"]: r for r in out["rows"]}
+    assert list(rows) == ["base", "keep_first8", "window16"]
+    for name in ("base", "window16"):
+        assert rows[name]["steps"] == 2 and rows[name]["ppl"] > 1 and rows[name]["ppl_teacher"] > 1
+        assert rows[name]["ratio"] == pytest.approx(rows[name]["ppl"] / rows[name]["ppl_teacher"], rel=0.01)
+    assert "layers 0..1" in rows["keep_first8"]["failed"]
+    assert "| base |" in res.stdout and "| keep_first8 |" in res.stdout
+    bad = subprocess.run([sys.executable, script, "--only", "nope"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "unknown ablation 'nope'" in bad.stderr and "Traceback" not in bad.stderr

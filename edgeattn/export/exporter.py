@@ -605,13 +605,14 @@ class ExportPlan:
             from edgeattn.export.genai import check_genai
 
             check_genai(model)
-        if self.one_graph and not one_graph_ok(model, target, precision):
+        ok = one_graph_ok(model, target, precision)
+        if self.one_graph and not ok:
             raise ValueError(
                 f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every "
                 f"layer's mixer among {sorted(ONE_GRAPH_MIXERS)} or a plain softmax (got target {target!r}, "
                 f"precision {precision!r}, mixers {cfg.mixers})"
             )
-        self.one = one_graph_ok(model, target, precision) if self.one_graph is None else self.one_graph
+        self.one = ok if self.one_graph is None else self.one_graph
         if self.prefill_logits is None:
             # the fast path by default: a prompt's prefill runs the head on its last token only (SmolLM2-135M
             # int4: prefill 1.x faster; benchmarks/RESULTS.md, issue 32 item 7); a step and a prefill graph of

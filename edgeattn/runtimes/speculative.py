@@ -557,9 +557,6 @@ def generate(
                 sess._rewind(mark)
                 stats.readvanced += len(todo) + kept
                 todo = todo + chosen
-        kept = next(
-            (i for i, (a, b) in enumerate(zip(chosen, drafts)) if a != b), min(len(chosen), len(drafts))
-        )
         stats.rounds += 1
         stats.drafting_rounds += bool(drafts)
         stats.drafted += len(drafts)

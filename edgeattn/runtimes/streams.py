@@ -793,11 +793,13 @@ class Streams:
             # a batch drafts in the epochs its realized throughput says pay (DraftGuard)
             guard = self.__dict__.setdefault("_guard", DraftGuard()) if n > 1 else None
             before = {sid: self._streams[sid].position for sid in self._rows} if guard is not None else {}
+            plain = guard is not None and guard.mode == "plain"  # (then no row drafts, nor counts its skips)
             for sid in self._rows:
                 st, dec, d = self._streams[sid], self._streams[sid].decoder, []
-                if guard is not None and guard.mode == "plain":
-                    pass
-                elif st.skip:
+                if plain:
+                    drafts[sid] = d
+                    continue
+                if st.skip:
                     st.skip -= 1
                     skipped.add(sid)
                 elif st.drafter is not None and not dec.done and not one_token and len(st.todo) <= MAX_TODO:

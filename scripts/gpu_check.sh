@@ -33,6 +33,9 @@ fi
 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" "$@"
 rc=$?
 mkdir -p "$OUT_DIR"
+# issue 34's `edgeattn linearize --device cuda` (a tiny transformers teacher; skipped on machines without CUDA)
+"$PY" -m pytest -q -rs tests/test_linearize.py -k cuda > "$OUT_DIR/linearize_cuda.txt" 2>&1
+echo "gpu_check.sh: linearize on CUDA: $(tail -n 1 "$OUT_DIR/linearize_cuda.txt")"
 tar -czf "$OUT_DIR/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
 if [[ $(stat -c %s "$OUT_DIR/triton-cache.tgz" 2>/dev/null || echo 0) -gt $((48 * 1024 * 1024)) ]]; then
     rm -f "$OUT_DIR/triton-cache.tgz"

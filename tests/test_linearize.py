@@ -370,3 +370,22 @@ def test_ablations_benchmark_runs_each_and_reports_a_failed_one(hf_teacher, tmp_
     assert "| base |" in res.stdout and "| keep_first8 |" in res.stdout
     bad = subprocess.run([sys.executable, script, "--only", "nope"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "unknown ablation 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_check.sh runs it on one)")
+def test_linearize_on_cuda_starts_where_the_cpu_run_does_and_learns(hf_teacher, tmp_path):
+    """--device cuda: the first step's loss equals the CPU run's (the same batch, the same student), a few steps
+    lower the attention-transfer loss as on the CPU, and the checkpoint loads on the CPU."""
+    _, d = hf_teacher
+    teacher, _ = L.load_teacher(d)
+    corpus = L.load_corpus(d / "tokenizer.json", 1, FAST["held_out_tokens"])
+    ids = torch.cat(corpus.held_out_windows(FAST["seq_len"], 2))
+    first = {}
+    for device in ("cpu", "cuda"):
+        cfg = L.LinearizeConfig(stage="transfer", steps=10, device=device, **FAST)
+        before = _losses(teacher, L.build_student(teacher, cfg), ids)[0]
+        result = L.linearize(d, tmp_path / device, cfg, verbose=False)
+        first[device] = result.history[0][2]
+        after = _losses(teacher, EdgeLM.load(tmp_path / device), ids)[0]
+        assert after < 0.9 * before, (device, before, after)
+    assert first["cuda"] == pytest.approx(first["cpu"], rel=1e-3), first

@@ -372,7 +372,9 @@ def test_ablations_benchmark_runs_each_and_reports_a_failed_one(hf_teacher, tmp_
     assert bad.returncode == 2 and "unknown ablation 'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_check.sh runs it on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_check.sh runs it on one)"
+)
 def test_linearize_on_cuda_starts_where_the_cpu_run_does_and_learns(hf_teacher, tmp_path):
     """--device cuda: the first step's loss equals the CPU run's (the same batch, the same student), a few steps
     lower the attention-transfer loss as on the CPU, and the checkpoint loads on the CPU."""

@@ -370,6 +370,7 @@ def test_ablations_benchmark_runs_each_and_reports_a_failed_one(hf_teacher, tmp_
     assert "| base |" in res.stdout and "| keep_first8 |" in res.stdout
     bad = subprocess.run([sys.executable, script, "--only", "nope"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "unknown ablation 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 @pytest.mark.skipif(

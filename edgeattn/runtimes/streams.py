@@ -689,6 +689,13 @@ class Streams:
         if st.max_length is not None and held >= st.max_length:
             st.decoder.done = True
 
+    def _batch_timing(self):
+        """The measured cost of a batch's calls, keyed by the tokens all rows feed (a ``Schedule``; ``_batch_k``
+        reads it, ``_end_round`` feeds it)."""
+        from edgeattn.runtimes.speculative import Schedule
+
+        return self.__dict__.setdefault("_timing", Schedule())
+
     def _batch_k(self, drafts: dict) -> int:
         """The draft length for every row of a batch: the k that maximizes the tokens all rows expect (``1 + a +
         ... + a^k`` per row, ``a`` its schedule's chance for its drafts, k cut to the drafts it has) over the
@@ -698,9 +705,7 @@ class Streams:
         its length): a server's batch changes size as clients come and go, so its plain rounds alone measure
         how the cost grows with the tokens fed (on 2 cores the linearized SmolLM2's call costs about rows times
         length: there, drafting in a batch cannot pay unless nearly every row keeps its drafts)."""
-        from edgeattn.runtimes.speculative import Schedule
-
-        timing = self.__dict__.setdefault("_timing", Schedule())
+        timing = self._batch_timing()
         rows = []
         for sid, d in drafts.items():
             st = self._streams[sid]
@@ -910,9 +915,7 @@ class Streams:
         rows parked, and the round's progress (the tokens that entered the rows' states, not those to feed
         again) counted by the ``DraftGuard``."""
         if len(before) > 1:
-            from edgeattn.runtimes.speculative import Schedule
-
-            self.__dict__.setdefault("_timing", Schedule()).observe(len(before) * T, seconds)
+            self._batch_timing().observe(len(before) * T, seconds)
         if failed:
             self._park(failed, keep=False)
         if stopped:

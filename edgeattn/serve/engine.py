@@ -498,9 +498,8 @@ class Engine:
         for sid in sids:
             h = self._live[sid]
             gen = self.streams.generated(sid)
-            if (
-                gen and h.error is None and self.cache.enabled
-            ):  # (get_state copies the state: not for nothing)
+            # (get_state copies the state: not for nothing)
+            if gen and h.error is None and self.cache.enabled:
                 tokens = np.concatenate([h.prompt, np.asarray(gen, np.int64)])
                 self.cache.put(
                     tokens, self.streams.get_state(sid), self.streams.logits(sid), salt=h.request.cache_salt

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv/bin/python -m pytest -q "$@"
+# one worker per core, each test file on one worker (its module fixtures built once); -n 0 runs in-process
+exec .venv/bin/python -m pytest -q -n "${EDGEATTN_TEST_WORKERS:-$(nproc)}" --dist loadfile "$@"

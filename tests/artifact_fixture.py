@@ -345,7 +345,13 @@ def build_generate() -> Path:
     import pytest
 
     if not _BUILD_OUTCOME:
-        _BUILD_OUTCOME.append(_build())
+        import fcntl
+
+        # pytest-xdist's workers share build/cpp-tests: one builds while the others wait, then find it built
+        CPP_BUILD.parent.mkdir(exist_ok=True)
+        with open(CPP_BUILD.parent / ".cpp-tests.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _BUILD_OUTCOME.append(_build())
     kind, value = _BUILD_OUTCOME[0]
     if kind == "skip":
         pytest.skip(str(value))

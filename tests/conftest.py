@@ -2,6 +2,12 @@ import os
 
 import pytest
 
+# pytest-xdist's workers (scripts/test.sh) start with COLUMNS=80 and LINES=24 set by execnet: rich would wrap the
+# CLI's tables there. The workers run the tests as one plain pytest process does, without them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
+
 try:
     import torch
 

@@ -25,6 +25,7 @@ ngram`` (``--repeats`` rounds of each, interleaved: medians and their ranges) (a
 ``openai`` client, each streaming greedy completions of the tasks in turn (client i starts at task i): aggregate
 tokens/s over the round (all tokens / wall time; every reply ``-n`` tokens long, ``ignore_eos``), per server and
 number of clients, grounded and free tasks apart, and whether every text equals the plain server's.
+``--kinds free`` (or ``grounded``) runs only the tasks of that kind.
 
 ``--llama GGUF --llama-bin DIR``: beside edgeattn, llama.cpp's own self-speculative decoding on the same prompts
 (the GGUF the artifact was exported from): ``llama-speculative-simple --spec-type ngram-simple`` (prompt lookup),
@@ -182,7 +183,7 @@ def server_main(args, tasks) -> None:
     tok = open_session(args.artifact, threads=1).tokenizer
     rows = []
     for clients in [int(c) for c in args.server.split(",")]:
-        for kind in ("grounded", "free"):
+        for kind in args.kinds:
             sel = [t for t in tasks if t["kind"] == kind]
             prompts = [tok.apply_chat_template(t["chat"]) if args.chat else t["raw"] for t in sel]
             runs = {False: [], True: []}
@@ -292,6 +293,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tasks", type=Path, default=TASKS)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kinds", default="grounded,free", help="comma-separated: the tasks' kinds to run")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with --seed")
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--repetition-window", type=int, default=0)
@@ -332,8 +334,12 @@ def main() -> None:
         sessions[a] = s
     sess = sessions[args.artifact]
     tasks = json.loads(args.tasks.read_text())["tasks"]
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not args.kinds or any(k not in ("grounded", "free") for k in args.kinds):
+        ap.error(f"--kinds: comma-separated grounded, free; got {','.join(args.kinds)!r}")
+    tasks = [t for t in tasks if t["kind"] in args.kinds]
     if args.quick:
-        tasks = [next(t for t in tasks if t["kind"] == k) for k in ("grounded", "free")]
+        tasks = [next(t for t in tasks if t["kind"] == k) for k in args.kinds]
         args.max_new_tokens, args.repeats = 24, 1
     if args.server:
         return server_main(args, tasks)
@@ -436,7 +442,7 @@ def main() -> None:
         )
     summary = {}
     for a, d in sorted({(r["artifact"], r["drafter"]) for r in rows}):
-        for kind in ("grounded", "free"):
+        for kind in args.kinds:
             sel = [r for r in rows if r["artifact"] == a and r["drafter"] == d and r["kind"] == kind]
             summary[f"{a}/{d}/{kind}" if several else f"{d}/{kind}"] = {
                 "speedup_geomean": round(geomean([r["speedup"] for r in sel]), 3),
@@ -458,7 +464,7 @@ def main() -> None:
                 f"| {r['task']} | {r['kind']} | {r['tokens']} | {r['plain_tok_s']} | {r['spec_tok_s']} | "
                 f"{r['speedup']:.2f}x | {r['accepted_per_drafted']} |"
             )
-        for kind in ("grounded", "free"):
+        for kind in args.kinds:
             sel = [r for r in llama_rows if r["kind"] == kind]
             summary[f"llama.cpp-{LLAMA_NGRAM}/{kind}"] = {
                 "speedup_geomean": round(geomean([r["speedup"] for r in sel]), 3),

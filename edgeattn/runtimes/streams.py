@@ -905,7 +905,8 @@ class Streams:
                     stopped.append(sid)
             seconds = time.perf_counter() - t0
             for st, drafted, kept in rounds:
-                st.schedule.observe(T, seconds)
+                if n == 1:  # a row's schedule prices its calls alone (a batch's are ``_batch_timing``'s)
+                    st.schedule.observe(T, seconds)
                 st.schedule.update(drafted, kept, getattr(st.drafter, "match", None))
             self._end_round(T, seconds, failed, stopped, guard, before)
             return out

@@ -22,13 +22,14 @@ JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpp_vs_python import build  # noqa: E402  (the same CMake build)
@@ -68,7 +69,7 @@ def run(binary: Path, art: Path, n: int, tokens: int, threads: int, separate: bo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=100)

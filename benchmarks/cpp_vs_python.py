@@ -35,7 +35,6 @@ Builds the example with the README's recipe (build/cpp) unless --binary is given
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import statistics
@@ -44,6 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def measure(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads, both sides")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rss-tokens", type=int, default=10000)

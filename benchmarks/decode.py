@@ -19,12 +19,12 @@ cannot build or run are listed as missing with the command that re-runs them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 FAMILIES = ("gla", "retnet", "linear", "aft", "flash", "swa", "softmax")
@@ -97,7 +97,7 @@ def check(row: dict) -> tuple[bool, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)

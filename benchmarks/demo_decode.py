@@ -17,7 +17,6 @@ Prints a table, one sentence with the result, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 WARMUP = 128  # untimed steps before the timed run (at most the largest mark)
@@ -112,7 +112,7 @@ def result_sentence(name: str, results: dict, lo: int, hi: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--marks", default="128,8192")
     ap.add_argument("--threads", type=int, default=2)

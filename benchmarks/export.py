@@ -19,7 +19,6 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 HERE = Path(__file__).resolve().parent
@@ -136,7 +136,7 @@ def int8_bpb(trained: Path, root: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100, help="decode steps per timing")

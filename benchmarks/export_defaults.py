@@ -29,11 +29,12 @@ Prints a markdown table, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
@@ -133,7 +134,7 @@ def paired(args, precisions, contexts, prefills) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precisions", default="fp32,int4")
     ap.add_argument("--variants", default=",".join(FLAGS))
     ap.add_argument("--repeats", type=int, default=3)

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,7 +120,7 @@ def rss_kib(pid: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="int4")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeattn-export-memory"))
     ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")

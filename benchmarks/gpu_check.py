@@ -83,6 +83,8 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("tests", "kernels", "train", "decode")
@@ -924,7 +926,7 @@ def parse_budgets(text: str | None) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="output folder ($OUT)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: the CPU check (Triton's interpreter)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, in this order")

@@ -24,7 +24,6 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from edgeattn.bench.args import ArgumentParser
 
 BATCH = 16
 SCHEMA = {
@@ -288,7 +289,7 @@ def step_time(artifact: str, threads: int | None, steps: int = 20) -> tuple[floa
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="llguidance,llguidance-serial,xgrammar,outlines")
     ap.add_argument("--vocabs", default="49152,248320")
     ap.add_argument("--steps", type=int, default=60, help="document tokens walked (its first N)")

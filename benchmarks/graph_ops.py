@@ -14,13 +14,13 @@ Prints a table of op counts, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,7 +65,7 @@ def build(root: Path, name: str) -> dict[str, Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=lambda s: s.split(","), default=MODELS)
     args = ap.parse_args()
     counts = {}

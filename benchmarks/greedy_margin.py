@@ -20,7 +20,6 @@ Prints a table, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,7 +71,7 @@ def forced(session, prompt: list[int], toks: list[int]) -> np.ndarray:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--workdir", default=None)

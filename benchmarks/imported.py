@@ -109,7 +109,6 @@ CPU (``with_cpu``: its model, kind and ISA flags).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import shutil
@@ -119,6 +118,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (the workers, the run loop and the table of benchmarks/peers.py)
@@ -675,7 +676,7 @@ def print_targets(goals: dict, contexts: list[int], prefills: list[int]) -> None
 
 def main() -> None:
     global ARCH
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--model",
         choices=("qwen35", "smollm2"),

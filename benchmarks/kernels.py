@@ -49,7 +49,6 @@ Prints a table, then one JSON line. Without CUDA it says so and prints {"skipped
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -57,6 +56,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 CHUNK = 64
@@ -353,7 +353,7 @@ def delta_rows(args, lengths) -> tuple[list[dict], dict[str, dict[str, float]], 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)

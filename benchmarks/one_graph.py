@@ -18,13 +18,13 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 SIZES = {
@@ -56,7 +56,7 @@ def main() -> None:
     from edgeattn.artifact.manifest import Manifest
     from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4)

@@ -17,7 +17,6 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 B, H, K = 1, 4, 64
@@ -102,7 +102,7 @@ def time_once(fn, mode) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument(
         "--families", default="gla,retnet,linear,aft,flash,swa,softmax,deltanet,gated_deltanet,kda"

@@ -27,7 +27,6 @@ Prints a table per benchmark, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -35,6 +34,7 @@ import time
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 
@@ -396,7 +396,7 @@ def matmulnbits(threads: int, rounds: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--context", type=int, default=16384, help="gqa: tokens in the KV buffer")

@@ -20,7 +20,6 @@ vocabulary 256). Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 SIZES = {
@@ -98,7 +98,7 @@ def measure(arts: dict[bool, Path], threads: int, tokens: int, rounds: int) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=lambda s: s.split(","), default=["small", "full"])
     ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--tokens", type=int, default=200)

@@ -53,6 +53,8 @@ import threading
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
+
 FULL = dict(d_model=768, n_layers=12, n_heads=12)
 QUICK = dict(d_model=128, n_layers=2, n_heads=2)
 VOCAB = 256
@@ -841,7 +843,7 @@ def print_table(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="tiny models and short contexts (seconds)")
     ap.add_argument("--threads", default="1,2")

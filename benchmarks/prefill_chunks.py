@@ -15,7 +15,6 @@ range, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import _cpu_ticks, disturbance  # noqa: E402
 
@@ -31,7 +32,7 @@ from edgeattn.bench.machine import with_cpu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifacts", nargs="+", help="one or more artifacts (each one session, interleaved too)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length")
     ap.add_argument("--chunks", default="64,128,256,512,1024", help="tokens per call")

@@ -24,7 +24,6 @@ layer kind (each layer's mixer from the manifest) and op type.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -32,6 +31,7 @@ import re
 import tempfile
 import time
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 LAYER = re.compile(r"(?:blocks|layers)\.(\d+)[./]")
@@ -167,7 +167,7 @@ def _mixers(path: str) -> list[str] | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("graphs", nargs="+")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)

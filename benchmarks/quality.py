@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -216,7 +218,7 @@ def llama_perplexity(gguf: Path, lib: str, lists: list[list[int]], threads: int)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tokens", type=int, default=512, help="tokens of each text scored")
     ap.add_argument("--prompts", type=int, default=50)

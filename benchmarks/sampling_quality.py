@@ -17,10 +17,10 @@ Prints a table and ends with one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 PROMPTS = ["def ", "import ", "class ", "    return ", "# "]
@@ -93,7 +93,7 @@ def evaluate(sess, setting, seeds, tokens) -> dict:
 def main() -> None:
     from edgeattn.runtimes import open_session
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact")
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=8, help="seeds per prompt, for select and for heldout each")

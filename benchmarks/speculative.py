@@ -49,7 +49,6 @@ JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -58,6 +57,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from edgeattn.bench.args import ArgumentParser
 
 TASKS = Path(__file__).with_name("speculative_tasks.json")
 
@@ -204,6 +205,9 @@ def server_main(args, tasks) -> None:
                     "speedup": round(statistics.median(spec) / statistics.median(plain), 3),
                     "plain_range": [round(min(plain), 1), round(max(plain), 1)],
                     "spec_range": [round(min(spec), 1), round(max(spec), 1)],
+                    # each round's tokens/s, in the order run (plain and speculative interleaved)
+                    "plain_rounds": [round(x, 1) for x in plain],
+                    "spec_rounds": [round(x, 1) for x in spec],
                     "repeats": args.repeats,
                     "same_text": all(r["texts"] == runs[False][0]["texts"] for r in runs[True]),
                     # per round: the servers' step calls, and the speculative one's drafted and kept tokens
@@ -282,7 +286,7 @@ def geomean(xs):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--against", type=Path, action="append", default=[], help="another artifact, interleaved")
     ap.add_argument("--rollbacks", default="auto", help="comma-separated: auto, readvance, states")
@@ -315,6 +319,14 @@ def main() -> None:
         "repetition_window": args.repetition_window,
         "seed": args.seed,
     }
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in ("grounded", "free") for k in kinds):
+        ap.error(f"--kinds: comma-separated grounded, free; got {args.kinds!r}")
+    args.kinds = kinds
+    try:
+        tasks = json.loads(args.tasks.read_text())["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--tasks {args.tasks}: not a tasks file ({e})")
     if args.max_new_tokens < 2 or args.repeats < 1 or args.threads < 1:
         ap.error("-n must be >= 2, --repeats and --threads >= 1")
     for a in [args.artifact, *args.against]:
@@ -327,16 +339,15 @@ def main() -> None:
 
     sessions = {}
     for a in [args.artifact, *args.against]:
-        s = open_session(a, threads=args.threads)
+        try:
+            s = open_session(a, threads=args.threads)
+        except (OSError, ValueError) as e:  # not an artifact, or a damaged one
+            ap.error(f"{a}: {' '.join(str(e).split())}")
         reason = s.speculative_refusal() if hasattr(s, "speculative_refusal") else "not onnxruntime"
         if reason:
             ap.error(reason)
         sessions[a] = s
     sess = sessions[args.artifact]
-    tasks = json.loads(args.tasks.read_text())["tasks"]
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not args.kinds or any(k not in ("grounded", "free") for k in args.kinds):
-        ap.error(f"--kinds: comma-separated grounded, free; got {','.join(args.kinds)!r}")
     tasks = [t for t in tasks if t["kind"] in args.kinds]
     if args.quick:
         tasks = [next(t for t in tasks if t["kind"] == k) for k in args.kinds]

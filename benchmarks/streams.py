@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 MiB = 2**20
@@ -109,7 +110,7 @@ def build(args, workdir: Path) -> Path:
 def model_parser(doc: str) -> argparse.ArgumentParser:
     """The argument parser of a benchmark on ``build``'s GLA: its size (92.5M parameters by default) and
     threads; the benchmark adds its own arguments."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)

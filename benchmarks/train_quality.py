@@ -16,13 +16,13 @@ Prints a table for people and ends with one JSON line for programs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 # On a machine shared with other jobs, OpenMP threads that spin while waiting for a descheduled peer make
@@ -69,7 +69,7 @@ def run_one(mixer: str, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mixers", nargs="*", default=["gla", "retnet", "linear", "softmax"])
     p.add_argument("--time-budget", type=float, default=600.0, help="seconds of training per mixer")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")

@@ -24,7 +24,6 @@ Needs chromium and web/node_modules (scripts/setup_env.sh). Prints a table, then
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def main() -> None:
     from edgeattn.web.serve import serve_site
     from tests.browser import Browser, browser_missing
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="small,full")
     ap.add_argument("--threads", default="1,2", help="thread counts, each on both sides")
     ap.add_argument("--tokens", type=int, default=256, help="generated tokens per timed run")

@@ -22,7 +22,6 @@ Prints a table, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 SIZE = dict(d_model=768, n_layers=12, n_heads=12)
@@ -171,7 +171,7 @@ def check_kv_dtypes(ap, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)

@@ -374,9 +374,8 @@ class DraftGuard:
     faster (drafting only with ``MARGIN`` over plain), the slower tried again after a number of epochs that
     doubles each time it loses again (up to ``MAX_GAP``). Progress is what entered the rows' states, not the tokens
     chosen: a row sent back to feed its tokens again has made none, so a drafting epoch's backlog counts against
-    it. (The linearized SmolLM2's server at 16 clients still drafts a little and ran free text at 0.97x and
-    0.91x of plain in two runs, after ``Streams._batch_k`` came to time calls by all the tokens they feed;
-    benchmarks/RESULTS.md.)"""
+    it. (The linearized SmolLM2's server still drafts a little in a batch: free text at 0.996x of plain at 16
+    clients and 0.98x-1.03x at 4, over 7-9 rounds; benchmarks/RESULTS.md.)"""
 
     EPOCH = 8  # rounds per epoch
     MAX_GAP = 16  # epochs of the faster kind before the slower is tried again, at most

@@ -77,12 +77,6 @@ def run_one(name: str, args, workdir: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
-def fail(message: str) -> None:
-    """A bad option: one line on stderr, exit status 2 (argparse's, without its usage block)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(ABLATIONS), help="comma-separated ablations")
@@ -100,9 +94,9 @@ def main() -> None:
     names = list(dict.fromkeys(n for n in args.only.split(",") if n))  # (each once: one folder each)
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
-        fail(f"unknown ablation {unknown[0]!r}; known: {', '.join(ABLATIONS)}")
+        ap.error(f"unknown ablation {unknown[0]!r}; known: {', '.join(ABLATIONS)}")
     if args.steps < 1 or args.distill_steps < 2 or args.parallel < 1 or args.minutes <= 0:
-        fail("--steps >= 1, --distill-steps >= 2, --parallel >= 1 and --minutes > 0")
+        ap.error("--steps >= 1, --distill-steps >= 2, --parallel >= 1 and --minutes > 0")
 
     from edgeattn._cpu import cpu_model
 

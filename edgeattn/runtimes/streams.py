@@ -692,9 +692,12 @@ class Streams:
     def _batch_timing(self):
         """The measured cost of a batch's calls, keyed by the tokens all rows feed (a ``Schedule``; ``_batch_k``
         reads it, ``_end_round`` feeds it)."""
-        from edgeattn.runtimes.speculative import Schedule
+        timing = self.__dict__.get("_timing")
+        if timing is None:  # (made once: this runs twice a round)
+            from edgeattn.runtimes.speculative import Schedule
 
-        return self.__dict__.setdefault("_timing", Schedule())
+            timing = self._timing = Schedule()
+        return timing
 
     def _batch_k(self, drafts: dict) -> int:
         """The draft length for every row of a batch: the k that maximizes the tokens all rows expect (``1 + a +
@@ -796,7 +799,9 @@ class Streams:
             drafts, skipped = {}, set()
             n = len(self._rows)
             # a batch drafts in the epochs its realized throughput says pay (DraftGuard)
-            guard = self.__dict__.setdefault("_guard", DraftGuard()) if n > 1 else None
+            guard = None
+            if n > 1:
+                guard = self.__dict__.get("_guard") or self.__dict__.setdefault("_guard", DraftGuard())
             before = {sid: self._streams[sid].position for sid in self._rows} if guard is not None else {}
             plain = guard is not None and guard.mode == "plain"  # (then no row drafts, nor counts its skips)
             for sid in self._rows:

@@ -188,21 +188,22 @@ def test_a_prefill_chunk_longer_than_the_kv_buffer_is_one_line(softmax, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize("length, chunk", [(40, 16), (12, 8)])
 def test_int4_with_buffers_shorter_than_the_precision_check_exports_and_equals_the_long_one(
-    softmax, tmp_path
+    softmax, tmp_path, length, chunk
 ):
     """The int4 precision check feeds 4 calls of 16 tokens; buffers of 40 tokens hold 2 of them (the
     export used to fail in the torch reference: "The expanded size of the tensor (40) must match the
-    existing size (64)"). The
-    short buffers give the logits of the default length's int4 export."""
+    existing size (64)"), and buffers of 12 not even one (it failed the same way: the check's calls are
+    then 12 tokens long). The short buffers give the logits of the default length's int4 export."""
     from edgeattn.runtimes import open_session
 
     ckpt, _, _ = softmax
-    opts = dict(precision="int4", prefill_chunk=16, prefill_logits="all")
-    short = export_model(ckpt, tmp_path / "short", max_length=40, **opts)
-    assert open_session(short).manifest.max_length == 40
+    opts = dict(precision="int4", prefill_chunk=chunk, prefill_logits="all")
+    short = export_model(ckpt, tmp_path / "short", max_length=length, **opts)
+    assert open_session(short).manifest.max_length == length
     full = export_model(ckpt, tmp_path / "full", **opts)
-    ids = np.arange(1, 31)[None]
+    ids = np.arange(1, length - 1)[None]
     np.testing.assert_allclose(open_session(short).prefill(ids), open_session(full).prefill(ids), atol=1e-4)
 
 

@@ -419,11 +419,14 @@ def _graph_passes(graph, target: str, optimize: bool = True, tie: bool = False) 
 
 def _check_ids(plan, tokens: int, vocab: int):
     """The precision check's calls of ``tokens`` ids (``precision.check_ids``): as many as the KV buffers hold
-    (at most ``CHECK_CALLS``; one at least: the prefill chunk fits, ``ExportPlan`` checks it)."""
+    (at most ``CHECK_CALLS``; one at least: a fixed-length graph's chunk fits, ``ExportPlan`` checks it). A
+    graph with a dynamic token axis is checked with calls of ``CHECK_TOKENS``, or of the buffers' length
+    where they hold fewer."""
     from edgeattn.export.precision import CHECK_CALLS, check_ids
 
     calls = CHECK_CALLS
     if plan.kv_buffers:
+        tokens = min(tokens, plan.length)
         calls = max(1, min(calls, plan.length // tokens))
     return check_ids(plan.batch_size, tokens, vocab, calls)
 

@@ -200,6 +200,8 @@ def main() -> None:
     ap.add_argument("--own-weights", action="store_true", help="also C++ with --no-share-weights")
     ap.add_argument("--skip-python", action="store_true", help="leave the Python session out")
     args = ap.parse_args()
+    if args.artifact is not None:
+        ap.check_artifact(args.artifact, "--artifact")
 
     binary = build(args.binary)
     results = {}

@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--marks", default="128,8192")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    ap.check_artifact(args.artifact)
     marks = [int(m) for m in args.marks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         base = softmax_baseline(args.artifact, Path(tmp), max(marks) + 64)

@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=16384)
     ap.add_argument("--trained", type=Path, default=None, help="a trained checkpoint for the int8 bpb figure")
     args = ap.parse_args()
+    if args.trained is not None:
+        ap.check_source(args.trained, "--trained", ("checkpoint",))
 
     from edgeattn.runtimes import open_session
 

@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=8, help="seeds per prompt, for select and for heldout each")
     args = ap.parse_args()
+    ap.check_artifact(args.artifact)
     sess = open_session(args.artifact, threads=1)
     if sess.tokenizer.kind != "byte":
         raise SystemExit("error: this script measures byte-level artifacts (the demo's)")

@@ -185,6 +185,8 @@ def main() -> None:
         help="with --trained: also fp32 and int4 b128 with these KV buffers (int8,float16)",
     )
     args = ap.parse_args()
+    if args.trained is not None:
+        ap.check_source(args.trained, "--trained", ("checkpoint",))
     check_kv_dtypes(ap, args)
     if args.bpb_only:
         if args.trained is None:

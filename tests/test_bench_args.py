@@ -30,6 +30,15 @@ def test_every_benchmark_parses_with_the_one_line_parser():
         (["streams.py", "--quick", "--n", "x"], "error: argument --n"),
         # a folder that is not an artifact: the session's own error, on one line
         (["speculative.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'}: "),
+        (["demo_decode.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
+        (["sampling_quality.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
+        (["cpp_vs_python.py", "--artifact", str(ROOT / "docs")], "error: --artifact: "),
+        # a checkpoint option given something else: named, and the kind it is
+        (
+            ["weights.py", "--trained", str(ROOT / "docs")],
+            f"error: --trained: {ROOT / 'docs'} is not an edgeattn",
+        ),
+        (["export.py", "--trained", str(ROOT / "docs")], "error: --trained: "),
     ],
 )
 def test_a_bad_option_is_one_line_and_exit_2(args, message):

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -11,3 +17,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")
+
+    def check_artifact(self, path: str | os.PathLike, option: str = "") -> None:
+        """``error`` unless ``path`` is an exported artifact whose manifest reads and whose files match their
+        hashes (what ``open_session`` checks first), so that a wrong folder is one line, not a traceback."""
+        from edgeattn.artifact.manifest import Manifest
+
+        try:
+            Manifest.load(path)
+        except (OSError, ValueError) as e:
+            self.error(f"{option}{': ' if option else ''}{_first_line(e)}")
+
+    def check_source(self, path: str | os.PathLike, option: str, kinds: tuple[str, ...]) -> None:
+        """``error`` unless ``path`` is a model source of one of ``kinds`` (``edgeattn.artifact.sources``:
+        ``checkpoint``, ``huggingface``, ``artifact``, ``gguf``)."""
+        from edgeattn.artifact.sources import directory_kind
+
+        try:
+            kind = directory_kind(path)
+        except (OSError, ValueError) as e:
+            self.error(f"{option}: {_first_line(e)}")
+        if kind not in kinds:
+            self.error(f"{option}: {path} is of kind '{kind}'; this needs: {', '.join(kinds)}")

@@ -10,8 +10,8 @@ at each precision, against its own fp32 export.
   tests/fixtures/smollm_prompts.json (chat ones through the chat template), then the openings of the
   standard library's functions (each ``def`` line of the modules above and the next two lines).
 
-Variants: fp32, fp16, int8, int4 with blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with
-the int8 KV buffer; ``int4-b32`` is a GGUF's int4 default (blocks of 32 with offsets,
+Variants: fp32, fp16, int8 (the default weight-only blocks; ``int8-u8`` the dynamic quantization), int4 with
+blocks of 32 and 128, symmetric and asymmetric, and fp32 weights with the int8 KV buffer; ``int4-b32`` is a GGUF's int4 default (blocks of 32 with offsets,
 ``edgeattn.export.precision.offset_blocks``), ``int4-b32-plain`` ONNX Runtime's symmetric blocks of 32.
 fp32 and int4 exports are one graph, whose calls return their last token's logits by default
 (``--prefill-logits last``: perplexity steps every token); ``fp32-all`` and ``int4-b32-all`` are the same with
@@ -63,7 +63,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VARIANTS = {
     "fp32": {},
     "fp16": {"precision": "fp16"},
-    "int8": {"precision": "int8"},
+    "int8": {"precision": "int8"},  # the default: weight-only 8-bit MatMulNBits (--int8-weights blocks)
+    "int8-u8": {"precision": "int8", "quantization": {"weights": "u8"}},  # ONNX Runtime's dynamic quantization
     # a GGUF's int4 default: blocks of 32 with offsets (edgeattn.export.precision.offset_blocks)
     "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True, "offsets": True}},
     "int4-b32-asym": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": False}},

@@ -33,7 +33,12 @@ CASES = [
     ("mamba2", "mamba2", {}),
     ("hybrid_portable_fp16", "gla,softmax,swa", {"target": "portable", "precision": "fp16"}),
     ("gla_int4", "gla", {"precision": "int4"}),
-    ("gla_int8_genai_off", "gla,softmax", {"precision": "int8", "one_graph": False}),
+    # int8's dynamic quantization (uint8 weights per channel; the default became weight-only "blocks")
+    (
+        "gla_int8_genai_off",
+        "gla,softmax",
+        {"precision": "int8", "one_graph": False, "quantization": {"weights": "u8"}},
+    ),
     # a Hugging Face Qwen3.5 directory with its tokenizer, through `edgeattn export HF_DIR` (the converter)
     ("qwen3_5_hf_int4", "hf:qwen3_5", {"precision": "int4"}),
 ]

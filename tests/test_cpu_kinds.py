@@ -134,10 +134,15 @@ def test_int8_and_int4_exports_give_the_same_logits_on_a_cpu_without_avx512_or_v
         ids,
     )
     arts, native = {}, {}
-    for precision in ("int8", "int4"):
-        # every position compared (int8 is two graphs: every token's logits; fp32 and int4 one graph)
+    for precision, q in (("int8", {"weights": "u8"}), ("int8-blocks", None), ("int4", None)):
+        # every position compared (prefill_logits "all"); int8-blocks: the default int8, 8-bit MatMulNBits
         arts[precision] = export_model(
-            ckpt, tmp_path / precision, precision=precision, prefill_chunk=PREFILL, prefill_logits="all"
+            ckpt,
+            tmp_path / precision,
+            precision=precision.split("-")[0],
+            prefill_chunk=PREFILL,
+            prefill_logits="all",
+            quantization=q,
         )
         native[precision] = run_logits(open_session(arts[precision], threads=2), ids)
     np.save(tmp_path / "ids.npy", ids)
@@ -166,7 +171,7 @@ def test_int8_and_int4_exports_give_the_same_logits_on_a_cpu_without_avx512_or_v
                 rel,
             )
             # ... and within the int8 bound test_export states (int4's is the check's default for int4)
-            if precision == "int8":
+            if precision.startswith("int8"):
                 assert rel["emulated"] <= 0.3, (graph, rel)
 
 
@@ -180,7 +185,7 @@ def int8_arts(tmp_path_factory):
     }
 
 
-def test_int8_weights_are_unsigned_by_default_and_signed_on_request(tmp_path, int8_arts):
+def test_int8_weights_are_blocks_by_default_and_unsigned_or_signed_on_request(tmp_path, int8_arts):
     import onnx
 
     from edgeattn.artifact.manifest import Manifest
@@ -188,7 +193,10 @@ def test_int8_weights_are_unsigned_by_default_and_signed_on_request(tmp_path, in
 
     ckpt = make_checkpoint(tmp_path / "ck", "gla", seed=1)
     default = export_model(ckpt, tmp_path / "default", precision="int8", prefill_chunk=PREFILL)
-    for art, want in ((default, "u8"), (int8_arts["u8"], "u8"), (int8_arts["s8"], "s8")):
+    graph = onnx.load(str(Manifest.load(default).graph_path("step")), load_external_data=False).graph
+    assert int8_weights(graph) == "blocks"  # weight-only: no integer MatMul whose weights could saturate
+    assert not [n for n in graph.node if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")]
+    for art, want in ((int8_arts["u8"], "u8"), (int8_arts["s8"], "s8")):
         m = Manifest.load(art)
         for g in ("step", "prefill"):
             graph = onnx.load(str(m.graph_path(g)), load_external_data=False).graph

@@ -76,7 +76,9 @@ def test_reduced_precision_streams_equal_single_sessions(tmp_path, precision):
 def test_int8_with_a_dynamic_batch_is_refused(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
     with pytest.raises(ValueError, match="int8 quantizes activations with one scale per tensor"):
-        export_model(ckpt, tmp_path / "art", precision="int8", dynamic_batch=True)
+        export_model(
+            ckpt, tmp_path / "art", precision="int8", dynamic_batch=True, quantization={"weights": "u8"}
+        )
 
 
 def test_gqa_kv_buffer_steps_sequences_at_different_positions_in_one_batch(tmp_path):
@@ -119,6 +121,16 @@ def test_cli_export_dynamic_batch_then_run_and_check(tmp_path):
     assert res.exit_code == 0, res.output
     res = invoke("check", tmp_path / "art", "--tokens", 40)
     assert res.exit_code == 0 and "OK" in res.output, res.output
-    res = invoke("export", ckpt, "--out", tmp_path / "q_art", "--dynamic-batch", "--precision", "int8")
+    res = invoke(
+        "export",
+        ckpt,
+        "--out",
+        tmp_path / "q_art",
+        "--dynamic-batch",
+        "--precision",
+        "int8",
+        "--int8-weights",
+        "u8",
+    )
     assert_bad_input(res, "int8 quantizes activations")
     assert not (tmp_path / "q_art").exists()

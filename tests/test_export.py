@@ -156,9 +156,16 @@ def test_state_of_another_model_is_refused(ckpts, tmp_path):
         b.load_state(tmp_path / "s.safetensors")
 
 
-@pytest.mark.parametrize("precision, max_rel", [("fp16", 3e-2), ("int8", 0.3)])
-def test_reduced_precision_keeps_state_float32_and_stays_close(ckpts, tmp_path, precision, max_rel):
-    art = export_model(ckpts["gla"], tmp_path / "art", precision=precision, prefill_chunk=PREFILL)
+@pytest.mark.parametrize(
+    "precision, weights, max_rel", [("fp16", None, 3e-2), ("int8", None, 0.3), ("int8", "u8", 0.3)]
+)
+def test_reduced_precision_keeps_state_float32_and_stays_close(ckpts, tmp_path, precision, weights, max_rel):
+    """int8 by default is weight-only (8-bit MatMulNBits, one graph); ``u8`` ONNX Runtime's dynamic
+    quantization (integer MatMuls, two graphs)."""
+    q = {"weights": weights} if weights else None
+    art = export_model(
+        ckpts["gla"], tmp_path / "art", precision=precision, prefill_chunk=PREFILL, quantization=q
+    )
     m = Manifest.load(art)
     for g in ("step", "prefill"):
         graph = onnx.load(str(m.graph_path(g))).graph
@@ -167,8 +174,15 @@ def test_reduced_precision_keeps_state_float32_and_stays_close(ckpts, tmp_path, 
             io[e.input] == onnx.TensorProto.FLOAT and io[e.output] == onnx.TensorProto.FLOAT for e in m.state
         )
     if precision == "int8":
-        ops = {n.op_type for n in onnx.load(str(m.graph_path("step"))).graph.node}
-        assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+        nodes = onnx.load(str(m.graph_path("step"))).graph.node
+        ops = {n.op_type for n in nodes}
+        if weights == "u8":
+            assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+            assert m.graph_path("step") != m.graph_path("prefill")
+        else:
+            assert not ops & {"MatMulInteger", "DynamicQuantizeMatMul"}
+            bits = {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+            assert bits == {8} and m.graph_path("step") == m.graph_path("prefill")
     report = check_artifact(art, tokens=120)
     assert report.ok and all(r["rel"] <= max_rel for r in report.graphs.values())
     assert abs(report.bpb["artifact"] - report.bpb["torch"]) < 0.05 * report.bpb["torch"]

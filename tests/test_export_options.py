@@ -52,13 +52,13 @@ REFUSED = {
     "last in fp16": (HYBRID, dict(precision="fp16", prefill_logits="last"), ["precision 'fp16'"]),
     "last in int8, float16 KV": (
         HYBRID,
-        dict(precision="int8", kv_dtype="float16", prefill_logits="last"),
+        dict(precision="int8", kv_dtype="float16", prefill_logits="last", quantization={"weights": "u8"}),
         ["precision 'int8'"],
     ),
     "last with two graphs": (HYBRID, dict(one_graph=False, prefill_logits="last"), ["one_graph False"]),
     "int8 with a dynamic batch": (
         HYBRID,
-        dict(precision="int8", dynamic_batch=True),
+        dict(precision="int8", dynamic_batch=True, quantization={"weights": "u8"}),
         ["DynamicQuantizeLinear"],
     ),
     # from the checkpoint's config: no weights read either

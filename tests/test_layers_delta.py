@@ -321,7 +321,8 @@ def test_reduced_precision_with_the_fused_ops_stays_close(tmp_path, mixer, preci
     ckpt = make_checkpoint(tmp_path / "ck", mixer)
     art = export_model(ckpt, tmp_path / "art", precision=precision, prefill_chunk=PREFILL)
     want = {"LinearAttention", "CausalConvWithState"} | GATE_OPS[mixer].keys()
-    assert _rules(art / "step.onnx")[0].keys() == want
+    # int8's weights are 8-bit MatMulNBits (com.microsoft too): the fused recurrence ops stay beside them
+    assert _rules(art / "step.onnx")[0].keys() - {"MatMulNBits"} == want
     report = check_artifact(art, tokens=120)
     assert report.ok, report.graphs
     assert abs(report.bpb["artifact"] - report.bpb["torch"]) < 0.01 * report.bpb["torch"]

@@ -95,10 +95,15 @@ def _compare(a: np.ndarray, b: np.ndarray, graph_path) -> dict:
 
 
 def int8_weights(graph) -> str | None:
-    """The element type of the integer MatMuls' weights, "s8" or "u8" (``export --int8-weights``); None
-    in a graph without any."""
+    """The element type of the integer MatMuls' weights, "s8" or "u8" (``export --int8-weights``), or
+    "blocks" for 8-bit MatMulNBits (weight-only); None in a graph without any."""
     import onnx
 
+    if any(
+        n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 8 for a in n.attribute)
+        for n in graph.node
+    ):
+        return "blocks"
     types = {i.name: i.data_type for i in graph.initializer}
     found = {
         types.get(n.input[1])

@@ -27,6 +27,7 @@ from edgeattn import __version__
 from edgeattn._atomic import make_temp_dir, replace_dir
 from edgeattn._deps import require
 from edgeattn.artifact.manifest import (
+    INT8_DEFAULT,
     KV_DTYPES,
     MANIFEST,
     PRECISIONS,
@@ -54,7 +55,7 @@ DELTA_FAMILIES = frozenset({"deltanet", "gated_deltanet", "kda", "mamba2"})
 ONE_GRAPH_MIXERS = frozenset(
     {"linear", "performer", "retnet", "gla", "hedgehog", "hedgehog_window", *DELTA_FAMILIES}
 )
-ONE_GRAPH_PRECISIONS = ("fp32", "int4")
+ONE_GRAPH_PRECISIONS = ("fp32", "int4")  # and int8 with weight-only blocks (ExportPlan.graph_precision)
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -547,6 +548,16 @@ class ExportPlan:
     tie: bool = False
     source_notes: list = field(default_factory=list)
 
+    @property
+    def int8_blocks(self) -> bool:
+        """int8 with weight-only MatMulNBits (``quantization={"weights": "blocks"}``): graphs like int4's."""
+        return self.precision == "int8" and (self.quantization or {}).get("weights", INT8_DEFAULT) == "blocks"
+
+    @property
+    def graph_precision(self) -> str:
+        """The precision whose graph rules apply (one graph, any batch): int8's blocks follow int4's."""
+        return "int4" if self.int8_blocks else self.precision
+
     def check(self) -> None:
         """ValueError in one line for options that cannot go together (no model needed)."""
         target, precision = self.target, self.precision
@@ -554,9 +565,10 @@ class ExportPlan:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if precision == "int4" and target != "onnxruntime":
+        if self.graph_precision == "int4" and target != "onnxruntime":
+            what = "int8 with --int8-weights blocks" if self.int8_blocks else "int4"
             raise ValueError(
-                "precision int4 uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
+                f"precision {what} uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
             )
         if self.genai and (target != "onnxruntime" or precision != "fp32"):
             raise ValueError(
@@ -569,7 +581,7 @@ class ExportPlan:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.prefill_logits not in (None, "all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {self.prefill_logits!r}")
-        if self.dynamic_batch and precision == "int8":
+        if self.dynamic_batch and precision == "int8" and not self.int8_blocks:
             raise ValueError(
                 "precision int8 quantizes activations with one scale per tensor (ONNX Runtime's "
                 "DynamicQuantizeLinear), across the whole batch, so sequences batched together would change "
@@ -580,7 +592,9 @@ class ExportPlan:
                 "--dynamic-batch and --genai cannot be combined (onnxruntime-genai's graph has its own batch)"
             )
         if self.prefill_logits == "last" and (
-            target != "onnxruntime" or precision not in ONE_GRAPH_PRECISIONS or self.one_graph is False
+            target != "onnxruntime"
+            or self.graph_precision not in ONE_GRAPH_PRECISIONS
+            or self.one_graph is False
         ):
             raise ValueError(
                 "prefill_logits 'last' needs the one graph that serves step and prefill: target 'onnxruntime', "
@@ -608,7 +622,7 @@ class ExportPlan:
             from edgeattn.export.genai import check_genai
 
             check_genai(model)
-        ok = one_graph_ok(model, target, precision)
+        ok = one_graph_ok(model, target, self.graph_precision)
         if self.one_graph and not ok:
             raise ValueError(
                 f"one_graph needs target 'onnxruntime', precision among {ONE_GRAPH_PRECISIONS} and every "
@@ -667,7 +681,7 @@ class ExportPlan:
         # faults in only the rows it reads, where one shared E^T stays resident whole (Qwen3.5-0.8B: 930 MiB
         # less memory for 970 MiB more file, benchmarks/RESULTS.md)
         rows = self.one and target == "onnxruntime" and precision == "fp32"
-        self.tie = self.optimize and precision != "int4" and cfg.tie_embeddings and not rows
+        self.tie = self.optimize and self.graph_precision != "int4" and cfg.tie_embeddings and not rows
 
     @property
     def limited(self) -> bool:
@@ -964,7 +978,7 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         dynamic_batch=plan.dynamic_batch,
         target=plan.target,
         precision=plan.precision,
-        opset=21 if plan.precision == "int4" else OPSET,
+        opset=21 if plan.graph_precision == "int4" else OPSET,
         requires={"onnxruntime": min_onnxruntime(cfg, plan.target)},
         exported_with={"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
         max_length=plan.length if plan.limited else None,

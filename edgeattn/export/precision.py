@@ -9,9 +9,11 @@
   ``edgeattn.export.optimize`` run in float16 with ``stash_type`` float32: their mean square is float32. Trained gates are far from their
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
-- int8: ONNX Runtime's dynamic quantization of the MatMul projections whose weights are initializers
+- int8: by default (``INT8_DEFAULT``, ``--int8-weights blocks``) weight-only 8-bit MatMulNBits in symmetric
+  blocks of 32 along K (``quantize_int8``; one graph, like int4); with ``u8`` or ``s8`` ONNX Runtime's dynamic
+  quantization of the MatMul projections whose weights are initializers
   (8-bit weights, one scale and zero point per output channel; activations quantized per call to uint8);
-  the recurrence itself is untouched. The weights are unsigned by default (``INT8_WEIGHTS``): ONNX Runtime's CPU
+  the recurrence itself is untouched. Of those two the weights are unsigned by default: ONNX Runtime's CPU
   kernels multiply uint8 activations by int8 weights with 16-bit saturating sums (``vpmaddubsw``) on CPUs
   without VNNI (AVX2 AMD EPYCs, AVX-512 without VNNI), and the tiny GLA test model's logits went 0.56
   relative off there against 0.20 on a VNNI CPU; uint8 x uint8 widens to 16 bits before it multiplies
@@ -51,7 +53,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES
+from edgeattn.artifact.manifest import INT8_DEFAULT, INT8_WEIGHTS, KV_DTYPES
 from edgeattn.export.graph import OFFSET_SUFFIX, sort_topologically
 
 
@@ -677,10 +679,12 @@ def quantize_int4(
     accuracy_level: int = 4,
     share_embedding: bool = True,
     offsets: bool = False,
+    bits: int = 4,
 ):
     """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
     ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``); ``offsets``: the
-    MatMuls' blocks with an offset each (``offset_blocks``; symmetric only)."""
+    MatMuls' blocks with an offset each (``offset_blocks``; symmetric only). ``bits`` 8: the MatMuls only
+    (int8's ``blocks`` weights; the embedding stays float32, as int8's dynamic quantization leaves it)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
@@ -703,15 +707,16 @@ def quantize_int4(
         for n in model.graph.node:
             if n.domain == "com.microsoft" and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
                 n.domain = ""
-        pairs = tied_heads(model) if share_embedding and symmetric else []
-        by_offset = offset_blocks(model, block_size, accuracy_level) if offsets and symmetric else {}
+        four = bits == 4
+        pairs = tied_heads(model) if share_embedding and symmetric and four else []
+        by_offset = offset_blocks(model, block_size, accuracy_level) if offsets and symmetric and four else {}
         q = MatMulNBitsQuantizer(
             model,
-            bits=4,
+            bits=bits,
             block_size=block_size,
             is_symmetric=symmetric,
             accuracy_level=accuracy_level,
-            op_types_to_quantize=("MatMul", "Gather"),
+            op_types_to_quantize=("MatMul", "Gather") if four else ("MatMul",),
             nodes_to_exclude=[n.name for n in model.graph.node if n.name.endswith(OFFSET_SUFFIX)],
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
@@ -751,22 +756,30 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     return model
 
 
-# int8 weights (``--int8-weights``, one of INT8_WEIGHTS): "u8", the default, gives the same logits on every
-# x86-64 CPU kind (the module docstring); "s8" is ONNX Runtime's own default, faster on CPUs with VNNI or AMX
+# int8 weights (``--int8-weights``, one of INT8_WEIGHTS): "blocks", the default, is weight-only (``quantize_int8``);
+# of the dynamic quantizations "u8" gives the same logits on every x86-64 CPU kind (the module docstring);
+# "s8" is ONNX Runtime's own default, faster on CPUs with VNNI or AMX
 # (benchmarks/RESULTS.md, issue 38) and saturating on the CPU kinds (``edgeattn.bench.machine.cpu_kind``)
 # where MLAS multiplies uint8 by int8 with vpmaddubsw:
 S8_SATURATES = ("avx2", "avx512")
+INT8_BLOCK = 32  # int8 "blocks" weights: one float32 scale per 32 weights along K (llama.cpp's Q8_0 blocks)
 
 
-def quantize_int8(model, weights: str = "u8"):
+def quantize_int8(model, weights: str = INT8_DEFAULT):
     """ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose weights are
     initializers, one scale and zero point per output channel; ``weights`` "u8" (uint8) or "s8" (int8).
-    Its quantizer reads and writes files: through a scratch directory."""
+    Its quantizer reads and writes files: through a scratch directory. ``weights`` "blocks": weight-only
+    instead, MatMulNBits with 8 bits in symmetric blocks of ``INT8_BLOCK`` along K (``quantize_int4`` with
+    8 bits), the activations float32 outside it (one graph, any batch: nothing is quantized per call
+    across rows). On SmolLM2-135M it kept perplexity within 0.9% of fp32's where the dynamic quantization's
+    per-tensor activations lost 25% (benchmarks/RESULTS.md, issue 32)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     if weights not in INT8_WEIGHTS:
         raise ValueError(f"int8 weights must be one of {', '.join(INT8_WEIGHTS)}, got {weights!r}")
+    if weights == "blocks":
+        return quantize_int4(model, block_size=INT8_BLOCK, share_embedding=False, bits=8)
 
     inits = {i.name for i in model.graph.initializer}
     matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & inits]

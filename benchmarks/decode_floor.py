@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # peers.py's workers, also where this module is loaded from a file path
 MIN_WEIGHT = 65536  # a MatMul's initializer of at least this many values is a weight product
 HEAD_N = 8192  # a product with this many outputs or more is the vocabulary head
 
@@ -221,17 +221,6 @@ def floor_worker(cfg: dict) -> dict:
     return out
 
 
-def run(cmd: list[str], timeout: float) -> dict:
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    if res.returncode != 0:
-        lines = (res.stderr or res.stdout).strip().splitlines()
-        return {"error": lines[-1] if lines else f"exit {res.returncode}"}
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def whole_cfg(name: str, path: str, args, python: str | None = None) -> dict:
     """benchmarks/peers.py's worker configuration: the whole model at one context and one prefill."""
     cfg = {
@@ -250,9 +239,9 @@ def whole_cfg(name: str, path: str, args, python: str | None = None) -> dict:
 
 def measure(item: dict, args) -> dict:
     """One round of one model: the whole model (peers.py's worker), then for an ONNX model its floors."""
-    cfg = item["whole"]
-    cmd = [cfg.get("python") or sys.executable, str(HERE / "peers.py"), "--worker", json.dumps(cfg)]
-    whole = run(cmd, args.timeout)
+    from peers import run_json, run_worker
+
+    whole = run_worker(item["whole"], args.timeout)
     out = {"whole": whole}
     if "error" not in whole:
         ctx = whole["contexts"][str(args.context)]
@@ -260,7 +249,7 @@ def measure(item: dict, args) -> dict:
         out["other"] = max(ctx["other"], whole["prefill_other"])
     if item["onnx"]:
         fcfg = {"path": item["path"], "threads": args.threads, "steps": args.steps, "prefill": args.prefill}
-        floor = run(
+        floor = run_json(
             [sys.executable, str(Path(__file__).resolve()), "--floor-worker", json.dumps(fcfg)], args.timeout
         )
         out["floor"] = floor

@@ -685,6 +685,11 @@ def measure_pair(
 def run_worker(cfg: dict, timeout: float | None) -> dict:
     """One worker process for ``cfg`` (its interpreter ``cfg["python"]``, this one by default)."""
     cmd = [cfg.get("python") or sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    return run_json(cmd, timeout)
+
+
+def run_json(cmd: list[str], timeout: float | None) -> dict:
+    """Run ``cmd``; its last stdout line as JSON, or ``{"error": ...}`` (its last line of output, or why)."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

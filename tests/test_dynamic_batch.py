@@ -56,7 +56,7 @@ def test_dynamic_artifact_runs_in_a_batch_one_session_like_a_fixed_one(tmp_path)
     np.testing.assert_allclose(a.step(ids[:, :1]), b.step(ids[:, :1]), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "int4", "int8"])  # int8: its default weight-only blocks
 def test_reduced_precision_streams_equal_single_sessions(tmp_path, precision):
     from edgeattn.runtimes.streams import Streams
 

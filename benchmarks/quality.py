@@ -63,8 +63,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VARIANTS = {
     "fp32": {},
     "fp16": {"precision": "fp16"},
-    "int8": {"precision": "int8"},  # the default: weight-only 8-bit MatMulNBits (--int8-weights blocks)
-    "int8-u8": {"precision": "int8", "quantization": {"weights": "u8"}},  # ONNX Runtime's dynamic quantization
+    # int8: the default, weight-only 8-bit MatMulNBits (--int8-weights blocks); int8-u8: the dynamic quantization
+    "int8": {"precision": "int8"},
+    "int8-u8": {"precision": "int8", "quantization": {"weights": "u8"}},
     # a GGUF's int4 default: blocks of 32 with offsets (edgeattn.export.precision.offset_blocks)
     "int4-b32": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": True, "offsets": True}},
     "int4-b32-asym": {"precision": "int4", "quantization": {"block_size": 32, "symmetric": False}},

@@ -196,6 +196,12 @@ def test_int8_weights_are_blocks_by_default_and_unsigned_or_signed_on_request(tm
     graph = onnx.load(str(Manifest.load(default).graph_path("step")), load_external_data=False).graph
     assert int8_weights(graph) == "blocks"  # weight-only: no integer MatMul whose weights could saturate
     assert not [n for n in graph.node if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")]
+    # the portable target has no MatMulNBits: its int8 default stays the dynamic quantization, unsigned
+    portable = export_model(
+        ckpt, tmp_path / "portable", target="portable", precision="int8", prefill_chunk=PREFILL
+    )
+    graph = onnx.load(str(Manifest.load(portable).graph_path("step")), load_external_data=False).graph
+    assert int8_weights(graph) == "u8"
     for art, want in ((int8_arts["u8"], "u8"), (int8_arts["s8"], "s8")):
         m = Manifest.load(art)
         for g in ("step", "prefill"):

@@ -439,6 +439,19 @@ def test_portable_fp16_and_int8_run_in_the_page(precision, browser, tmp_path):
 
 
 @needs_browser
+def test_int8_weight_blocks_run_in_the_page(browser, tmp_path):
+    """int8's default on the onnxruntime target: 8-bit MatMulNBits, which onnxruntime-web's WASM build runs."""
+    from edgeattn.export import export_model
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla")
+    art = export_model(ckpt, tmp_path / "art", precision="int8", prefill_chunk=16)
+    site = build_site(art, tmp_path / "site")
+    page = run_page(browser, site, prompt=PROMPT, max_new_tokens=24, temperature=0)
+    assert page["error"] is None
+    assert page["tokens"] == python_greedy(art, PROMPT, 24)
+
+
+@needs_browser
 def test_the_site_opened_as_a_file_says_to_serve_it_over_http(artifacts, browser, tmp_path):
     """file:// loads no ES module in Chromium: the page says so, and how to serve it, instead of staying
     at "loading..." (issue 31)."""

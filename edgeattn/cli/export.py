@@ -61,14 +61,15 @@ def export(
         ),
     ] = None,
     int8_weights: Annotated[
-        Int8Weights,
+        Int8Weights | None,
         typer.Option(
-            help="int8: blocks (the default) is weight-only, 8-bit MatMulNBits in blocks of 32, one graph like "
-            "int4's, within 0.9% of fp32's perplexity on SmolLM2; u8 and s8 quantize activations per call (ONNX "
-            "Runtime's dynamic quantization, two graphs): u8 gives the same logits on every CPU, s8 is faster "
-            "with VNNI or AMX and saturates on AVX2 CPUs without VNNI (`edgeattn check` says so there)."
+            help="int8: blocks (the default on target onnxruntime) is weight-only, 8-bit MatMulNBits in blocks "
+            "of 32, one graph like int4's, within 0.9% of fp32's perplexity on SmolLM2; u8 (the default on "
+            "portable) and s8 quantize activations per call (ONNX Runtime's dynamic quantization, two graphs): "
+            "u8 gives the same logits on every CPU, s8 is faster with VNNI or AMX and saturates on AVX2 CPUs "
+            "without VNNI (`edgeattn check` says so there)."
         ),
-    ] = Int8Weights.blocks,
+    ] = None,
     no_checkpoint: Annotated[
         bool,
         typer.Option(
@@ -152,7 +153,7 @@ def export(
         | ({"offsets": int4_offsets} if int4_offsets is not None else {})
         if precision == Precision.int4
         else {"weights": int8_weights.value}
-        if precision == Precision.int8
+        if precision == Precision.int8 and int8_weights is not None
         else None,
         genai=genai,
         max_length=max_length,

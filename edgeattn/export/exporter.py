@@ -549,9 +549,19 @@ class ExportPlan:
     source_notes: list = field(default_factory=list)
 
     @property
+    def int8_weights(self) -> str | None:
+        """int8's weights (``quantization["weights"]``): by default ``INT8_DEFAULT`` on the onnxruntime target,
+        whose MatMulNBits the portable target lacks: "u8" there (standard integer MatMuls)."""
+        if self.precision != "int8":
+            return None
+        return (self.quantization or {}).get("weights") or (
+            INT8_DEFAULT if self.target == "onnxruntime" else "u8"
+        )
+
+    @property
     def int8_blocks(self) -> bool:
-        """int8 with weight-only MatMulNBits (``quantization={"weights": "blocks"}``): graphs like int4's."""
-        return self.precision == "int8" and (self.quantization or {}).get("weights", INT8_DEFAULT) == "blocks"
+        """int8 with weight-only MatMulNBits (``int8_weights`` "blocks"): graphs like int4's."""
+        return self.int8_weights == "blocks"
 
     @property
     def graph_precision(self) -> str:
@@ -911,7 +921,10 @@ def _write_artifact(source, plan: ExportPlan, tmp: Path) -> None:
         if plan.precision != "fp32":
             from edgeattn.export.precision import convert_precision
 
-            graph = convert_precision(graph, plan.precision, entries, **(plan.quantization or {}))
+            options = dict(plan.quantization or {})
+            if plan.int8_weights:  # int8's weights as the plan resolved them for the target
+                options["weights"] = plan.int8_weights
+            graph = convert_precision(graph, plan.precision, entries, **options)
         if plan.prefill_logits == "last":
             from edgeattn.export.optimize import last_token_logits
 

@@ -9,8 +9,9 @@
   ``edgeattn.export.optimize`` run in float16 with ``stash_type`` float32: their mean square is float32. Trained gates are far from their
   initial values: in float16, differences of their cumulative sums lose about 1e-2 and a trained GLA's
   logits were off by 40%.
-- int8: by default (``INT8_DEFAULT``, ``--int8-weights blocks``) weight-only 8-bit MatMulNBits in symmetric
-  blocks of 32 along K (``quantize_int8``; one graph, like int4); with ``u8`` or ``s8`` ONNX Runtime's dynamic
+- int8: by default on the onnxruntime target (``INT8_DEFAULT``, ``--int8-weights blocks``) weight-only 8-bit
+  MatMulNBits in symmetric blocks of 32 along K (``quantize_int8``; one graph, like int4); with ``u8`` (the
+  portable target's default: it has no MatMulNBits) or ``s8`` ONNX Runtime's dynamic
   quantization of the MatMul projections whose weights are initializers
   (8-bit weights, one scale and zero point per output channel; activations quantized per call to uint8);
   the recurrence itself is untouched. Of those two the weights are unsigned by default: ONNX Runtime's CPU

@@ -767,13 +767,13 @@ INT8_BLOCK = 32  # int8 "blocks" weights: one float32 scale per 32 weights along
 
 
 def quantize_int8(model, weights: str = INT8_DEFAULT):
-    """ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose weights are
-    initializers, one scale and zero point per output channel; ``weights`` "u8" (uint8) or "s8" (int8).
-    Its quantizer reads and writes files: through a scratch directory. ``weights`` "blocks": weight-only
-    instead, MatMulNBits with 8 bits in symmetric blocks of ``INT8_BLOCK`` along K (``quantize_int4`` with
-    8 bits), the activations float32 outside it (one graph, any batch: nothing is quantized per call
-    across rows). On SmolLM2-135M it kept perplexity within 0.9% of fp32's where the dynamic quantization's
-    per-tensor activations lost 25% (benchmarks/RESULTS.md, issue 32)."""
+    """``weights`` "blocks" (``INT8_DEFAULT``): weight-only, MatMulNBits with 8 bits in symmetric blocks of
+    ``INT8_BLOCK`` along K (``quantize_int4`` with 8 bits), the activations float32 outside it (one graph,
+    any batch: nothing is quantized per call across rows). On SmolLM2-135M it kept perplexity within 0.9% of
+    fp32's where the dynamic quantization's per-tensor activations lost 25% (benchmarks/RESULTS.md, issue 32).
+    "u8" (uint8) or "s8" (int8): ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose
+    weights are initializers, one scale and zero point per output channel (the portable target's default:
+    it has no MatMulNBits); its quantizer reads and writes files: through a scratch directory."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -108,6 +108,7 @@ class Streams:
         import onnxruntime as ort
 
         from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
+        from edgeattn.runtimes.speculative import DraftGuard, Schedule
 
         self._ort = ort
         m = artifact if isinstance(artifact, Manifest) else Manifest.load(artifact)
@@ -156,6 +157,10 @@ class Streams:
         self._bufs: list[list[np.ndarray]] = [[], []]
         self._cur = 0
         self._grow(self.max_streams or 1)
+        # speculative batches (step_speculative): the measured cost of a batch's calls, keyed by the tokens all
+        # rows feed (``_batch_k`` reads it, ``_end_round`` feeds it), and whether drafting pays (DraftGuard)
+        self._timing = Schedule()
+        self._guard = DraftGuard()
 
     # ---- the batch buffers ----
 
@@ -689,16 +694,6 @@ class Streams:
         if st.max_length is not None and held >= st.max_length:
             st.decoder.done = True
 
-    def _batch_timing(self):
-        """The measured cost of a batch's calls, keyed by the tokens all rows feed (a ``Schedule``; ``_batch_k``
-        reads it, ``_end_round`` feeds it)."""
-        timing = self.__dict__.get("_timing")
-        if timing is None:  # (made once: this runs twice a round)
-            from edgeattn.runtimes.speculative import Schedule
-
-            timing = self._timing = Schedule()
-        return timing
-
     def _batch_k(self, drafts: dict) -> int:
         """The draft length for every row of a batch: the k that maximizes the tokens all rows expect (``1 + a +
         ... + a^k`` per row, ``a`` its schedule's chance for its drafts, k cut to the drafts it has) over the
@@ -708,7 +703,7 @@ class Streams:
         its length): a server's batch changes size as clients come and go, so its plain rounds alone measure
         how the cost grows with the tokens fed (on 2 cores the linearized SmolLM2's call costs about rows times
         length: there, drafting in a batch cannot pay unless nearly every row keeps its drafts)."""
-        timing = self._batch_timing()
+        timing = self._timing
         rows = []
         for sid, d in drafts.items():
             st = self._streams[sid]
@@ -753,7 +748,6 @@ class Streams:
             MAX_DRAFT,
             MAX_TODO,
             PLAIN_STRETCH,
-            DraftGuard,
             SpeculativeStats,
         )
 
@@ -799,9 +793,7 @@ class Streams:
             drafts, skipped = {}, set()
             n = len(self._rows)
             # a batch drafts in the epochs its realized throughput says pay (DraftGuard)
-            guard = None
-            if n > 1:
-                guard = self.__dict__.get("_guard") or self.__dict__.setdefault("_guard", DraftGuard())
+            guard = self._guard if n > 1 else None
             before = {sid: self._streams[sid].position for sid in self._rows} if guard is not None else {}
             plain = guard is not None and guard.mode == "plain"  # (then no row drafts, nor counts its skips)
             for sid in self._rows:
@@ -910,7 +902,7 @@ class Streams:
                     stopped.append(sid)
             seconds = time.perf_counter() - t0
             for st, drafted, kept in rounds:
-                if n == 1:  # a row's schedule prices its calls alone (a batch's are ``_batch_timing``'s)
+                if n == 1:  # a row's schedule prices its calls alone (a batch's are ``self._timing``'s)
                     st.schedule.observe(T, seconds)
                 st.schedule.update(drafted, kept, getattr(st.drafter, "match", None))
             self._end_round(T, seconds, failed, stopped, guard, before)
@@ -921,7 +913,7 @@ class Streams:
         rows parked, and the round's progress (the tokens that entered the rows' states, not those to feed
         again) counted by the ``DraftGuard``."""
         if len(before) > 1:
-            self._batch_timing().observe(len(before) * T, seconds)
+            self._timing.observe(len(before) * T, seconds)
         if failed:
             self._park(failed, keep=False)
         if stopped:

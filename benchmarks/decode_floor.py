@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give at least one --model (an edgeattn artifact or an onnxruntime-genai folder)")
     if args.llama and not args.llama_python:
         ap.error("--llama needs --llama-python (an interpreter with llama-cpp-python)")
+    if args.log is not None and not (args.log.parent.is_dir() and os.access(args.log.parent, os.W_OK)):
+        ap.error(f"--log {args.log}: its folder does not exist or is not writable")
     if min(args.rounds, args.steps, args.threads) < 1 or args.context < 1 or args.prefill < 2:
         ap.error("--rounds, --steps and --threads must be at least 1, --context 1 and --prefill 2")
     items = []

@@ -182,6 +182,7 @@ def test_report_of_a_log_gives_the_verdict_per_precision_class(tmp_path):
         (["--model", str(ROOT / "docs"), "--llama", "x.gguf"], "error: --llama needs --llama-python"),
         (["--report", str(ROOT / "README.md")], "error: --report "),
         ([], "error: give at least one --model"),
+        (["--model", str(ROOT / "docs"), "--log", "/nonexistent/floor.jsonl"], "error: --log /nonexistent/"),
     ],
 )
 def test_a_bad_option_is_one_line(args, message):

@@ -49,7 +49,7 @@ STAGES = [
     ("edgeattn.export.exporter", "_graph_passes"),  # after: the same, in memory
     ("edgeattn.export.exporter", "_spill"),  # after: the passed graph through a scratch file
     ("edgeattn.export.precision", "convert_precision"),
-    ("edgeattn.export.precision", "quantize_int4"),
+    ("edgeattn.export.precision", "quantize_nbits"),
     ("edgeattn.export.precision", "graph_logits"),  # after: the converted graph's check logits
     ("edgeattn.export.precision", "logit_error"),  # before: the two sessions of the check
     ("edgeattn.export.weights", "share_weights"),  # before: weights.bin from the graph files

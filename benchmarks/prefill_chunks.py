@@ -47,14 +47,9 @@ def main() -> None:
     if not chunks or min(chunks) < 1 or args.tokens < 1 or args.rounds < 1:
         ap.error("--chunks, --tokens and --rounds must be positive")
 
-    from edgeattn.runtimes import open_session
-
     sessions = {}
     for a in args.artifacts:
-        try:
-            sessions[a] = open_session(a, threads=args.threads)
-        except (OSError, ValueError) as e:
-            ap.error(f"{a}: {str(e).splitlines()[0]}")
+        sessions[a] = ap.open_session(a, threads=args.threads)
         if not getattr(sessions[a], "any_tokens", False):
             ap.error(f"{a}: not a one-graph artifact with a dynamic token axis (CPU)")
     vocab = min(s.manifest.vocab_size for s in sessions.values())

@@ -335,14 +335,9 @@ def main() -> None:
     rollbacks = [r.strip() for r in args.rollbacks.split(",") if r.strip()]
     if not rollbacks or any(r not in ("auto", "readvance", "states") for r in rollbacks):
         ap.error(f"--rollbacks: comma-separated auto, readvance, states; got {args.rollbacks!r}")
-    from edgeattn.runtimes import open_session
-
     sessions = {}
     for a in [args.artifact, *args.against]:
-        try:
-            s = open_session(a, threads=args.threads)
-        except (OSError, ValueError) as e:  # not an artifact, or a damaged one
-            ap.error(f"{a}: {' '.join(str(e).split())}")
+        s = ap.open_session(a, threads=args.threads)  # not an artifact, or a damaged one: one line
         reason = s.speculative_refusal() if hasattr(s, "speculative_refusal") else "not onnxruntime"
         if reason:
             ap.error(reason)
@@ -359,7 +354,9 @@ def main() -> None:
         if d != "ngram" and not Path(d).is_dir():
             ap.error(f"--drafters: {d!r} is neither 'ngram' nor an artifact directory")
     # a draft artifact is opened once (its own session, the same threads)
-    opened = {d: d if d == "ngram" else open_session(d, threads=args.threads) for d in drafters}
+    opened = {
+        d: d if d == "ngram" else ap.open_session(d, "--drafters", threads=args.threads) for d in drafters
+    }
     tok = sess.tokenizer
     # (artifact, drafter, rollback): "states" only where the artifact has per-token states
     variants = [

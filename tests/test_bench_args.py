@@ -30,6 +30,7 @@ def test_every_benchmark_parses_with_the_one_line_parser():
         (["streams.py", "--quick", "--n", "x"], "error: argument --n"),
         # a folder that is not an artifact: the session's own error, on one line
         (["speculative.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'}: "),
+        (["prefill_chunks.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'}: "),
         (["demo_decode.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
         (["sampling_quality.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
         (["cpp_vs_python.py", "--artifact", str(ROOT / "docs")], "error: --artifact: "),

@@ -28,6 +28,16 @@ class ArgumentParser(argparse.ArgumentParser):
         except (OSError, ValueError) as e:
             self.error(f"{option}{': ' if option else ''}{_first_line(e)}")
 
+    def open_session(self, path: str | os.PathLike, option: str = "", **kwargs):
+        """``edgeattn.runtimes.open_session(path, **kwargs)``, or ``error`` naming ``option`` (or the path)
+        where it is not an artifact or a damaged one: one line, not a traceback."""
+        from edgeattn.runtimes import open_session
+
+        try:
+            return open_session(path, **kwargs)
+        except (OSError, ValueError) as e:
+            self.error(f"{option or path}: {' '.join(_first_line(e).split())}")
+
     def check_source(self, path: str | os.PathLike, option: str, kinds: tuple[str, ...]) -> None:
         """``error`` unless ``path`` is a model source of one of ``kinds`` (``edgeattn.artifact.sources``:
         ``checkpoint``, ``huggingface``, ``artifact``, ``gguf``)."""

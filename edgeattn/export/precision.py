@@ -673,7 +673,7 @@ def offset_blocks(model, block_size: int, accuracy_level: int) -> dict[str, tupl
     return done
 
 
-def quantize_int4(
+def quantize_nbits(
     model,
     block_size: int = 128,
     symmetric: bool = True,
@@ -682,10 +682,11 @@ def quantize_int4(
     offsets: bool = False,
     bits: int = 4,
 ):
-    """The model with MatMul weights as MatMulNBits (4 bits) and the embedding as GatherBlockQuantized;
-    ``share_embedding``: a tied embedding reads the head's table (``share_tied_int4``); ``offsets``: the
-    MatMuls' blocks with an offset each (``offset_blocks``; symmetric only). ``bits`` 8: the MatMuls only
-    (int8's ``blocks`` weights; the embedding stays float32, as int8's dynamic quantization leaves it)."""
+    """The model with MatMul weights as MatMulNBits of ``bits`` bits. 4 (int4): the embedding as
+    GatherBlockQuantized too; ``share_embedding``: a tied embedding reads the head's table
+    (``share_tied_int4``); ``offsets``: the MatMuls' blocks with an offset each (``offset_blocks``; symmetric
+    only). 8 (int8's ``blocks`` weights): the MatMuls only, the embedding stays float32 (as int8's dynamic
+    quantization leaves it)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from edgeattn.export.graph import ORT_DEFAULT_DOMAIN_OPS
@@ -751,7 +752,7 @@ def convert_precision(model, precision: str, entries: list[dict], **options):
     elif precision == "int8":
         model = quantize_int8(model, **options)
     elif precision == "int4":
-        model = quantize_int4(model, **{**INT4_DEFAULTS, **options})
+        model = quantize_nbits(model, **{**INT4_DEFAULTS, **options})
     else:
         raise ValueError(f"unknown precision {precision!r}")
     return model
@@ -768,7 +769,7 @@ INT8_BLOCK = 32  # int8 "blocks" weights: one float32 scale per 32 weights along
 
 def quantize_int8(model, weights: str = INT8_DEFAULT):
     """``weights`` "blocks" (``INT8_DEFAULT``): weight-only, MatMulNBits with 8 bits in symmetric blocks of
-    ``INT8_BLOCK`` along K (``quantize_int4`` with 8 bits), the activations float32 outside it (one graph,
+    ``INT8_BLOCK`` along K (``quantize_nbits`` with 8 bits), the activations float32 outside it (one graph,
     any batch: nothing is quantized per call across rows). On SmolLM2-135M it kept perplexity within 0.9% of
     fp32's where the dynamic quantization's per-tensor activations lost 25% (benchmarks/RESULTS.md, issue 32).
     "u8" (uint8) or "s8" (int8): ONNX Runtime's dynamic quantization of the MatMul and Gemm projections whose
@@ -780,7 +781,7 @@ def quantize_int8(model, weights: str = INT8_DEFAULT):
     if weights not in INT8_WEIGHTS:
         raise ValueError(f"int8 weights must be one of {', '.join(INT8_WEIGHTS)}, got {weights!r}")
     if weights == "blocks":
-        return quantize_int4(model, block_size=INT8_BLOCK, share_embedding=False, bits=8)
+        return quantize_nbits(model, block_size=INT8_BLOCK, share_embedding=False, bits=8)
 
     inits = {i.name for i in model.graph.initializer}
     matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & inits]

@@ -284,3 +284,45 @@ def test_a_small_initializer_is_never_shadowed_by_another_graphs_shared_one(tmp_
     for g, n, want in (("a.onnx", 4, 3.0), ("b.onnx", MIN_BYTES, 2.0)):
         s = ort.InferenceSession(str(tmp_path / g), so, providers=["CPUExecutionProvider"])
         assert np.all(s.run(None, {"x": np.ones(n, np.float32)})[0] == want)
+
+
+def test_int4_accuracy_level_is_an_export_option(ckpts, tmp_path):
+    """``--int4-accuracy-level``: MatMulNBits' attribute on every int4 product (the default 4 where it is not
+    given); off int4, or outside 0..4, refused in one line with nothing written."""
+    from typer.testing import CliRunner
+
+    from edgeattn.cli.main import app
+
+    ckpt = str(ckpts["gla,softmax"])
+    runner = CliRunner()
+    for extra, words in [
+        (["--precision", "int4", "--int4-accuracy-level", "7"], "accuracy_level is int4's"),
+        (["--int4-accuracy-level", "1"], "apply to --precision int4 only"),
+        (["--precision", "fp32", "--int8-weights", "u8"], "--int8-weights applies to --precision int8 only"),
+    ]:
+        res = runner.invoke(app, ["export", ckpt, "--out", str(tmp_path / "bad"), *extra])
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
+        assert not (tmp_path / "bad").exists()
+    torch.manual_seed(0)  # the model of the int4 bound's test (weights at the init scale, d_model 64)
+    from tests.export_helpers import tiny_config
+
+    ckpt = str(EdgeLM(tiny_config("gla", d_model=64, n_heads=2)).save(tmp_path / "ckpt"))
+    ids = text_ids(48)
+    want = run_logits(open_session(export_model(ckpt, tmp_path / "fp32")), ids)["logits"]
+    for name, extra, level in [("a1", ["--int4-accuracy-level", "1"], 1), ("a4", [], 4)]:
+        res = runner.invoke(
+            app, ["export", ckpt, "--out", str(tmp_path / name), "--precision", "int4", *extra]
+        )
+        assert res.exit_code == 0, res.output
+        graph = onnx.load(str(tmp_path / name / "step.onnx"), load_external_data=False).graph
+        levels = [
+            a.i
+            for n in graph.node
+            if n.op_type == "MatMulNBits"
+            for a in n.attribute
+            if a.name == "accuracy_level"
+        ]
+        assert levels and set(levels) == {level}
+        got = run_logits(open_session(tmp_path / name), ids)["logits"]
+        assert np.abs(got - want).max() <= INT4_MAX_REL * np.abs(want).max()

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors, writing
+from edgeattn.cli._common import CLIError, Command, Force, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -58,6 +58,15 @@ def export(
             "--int4-offsets/--no-int4-offsets",
             help="int4: a step and a minimum per block, as llama.cpp's Q4_1 (default: on for a GGUF file, "
             "whose 4-bit weights it keeps; off elsewhere, 1.5x slower decode).",
+        ),
+    ] = None,
+    int4_accuracy_level: Annotated[
+        int | None,
+        typer.Option(
+            help="int4: MatMulNBits' accuracy_level. 4 (the default): activations rounded to int8 per block, "
+            "the fastest decode; 0 or 1: float32 activations, a several-token call's logits equal one token "
+            "at a time, and on some CPUs a faster prefill (SmolLM2 int4 on an Intel Xeon with AVX-512: 1.4x "
+            "prefill, 1.35x slower decode; benchmarks/RESULTS.md).",
         ),
     ] = None,
     int8_weights: Annotated[
@@ -140,6 +149,17 @@ def export(
     from edgeattn.export.exporter import export_model
 
     check_output_dir(out, "--out")
+    int4_only = {
+        "--int4-block-size": int4_block_size is not None,
+        "--int4-asymmetric": int4_asymmetric,
+        "--int4-offsets/--no-int4-offsets": int4_offsets is not None,
+        "--int4-accuracy-level": int4_accuracy_level is not None,
+    }
+    given = [name for name, on in int4_only.items() if on]
+    if given and precision != Precision.int4:
+        raise CLIError(f"{', '.join(given)} apply to --precision int4 only (got --precision {precision.value})")
+    if int8_weights is not None and precision != Precision.int8:
+        raise CLIError(f"--int8-weights applies to --precision int8 only (got --precision {precision.value})")
     options = dict(
         target=target.value,
         precision=precision.value,
@@ -151,6 +171,7 @@ def export(
         quantization={"symmetric": not int4_asymmetric}
         | ({"block_size": int4_block_size} if int4_block_size is not None else {})
         | ({"offsets": int4_offsets} if int4_offsets is not None else {})
+        | ({"accuracy_level": int4_accuracy_level} if int4_accuracy_level is not None else {})
         if precision == Precision.int4
         else {"weights": int8_weights.value}
         if precision == Precision.int8 and int8_weights is not None

@@ -580,6 +580,12 @@ class ExportPlan:
             raise ValueError(
                 f"precision {what} uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
             )
+        level = (self.quantization or {}).get("accuracy_level")
+        if level is not None and (precision != "int4" or isinstance(level, bool) or level not in range(5)):
+            raise ValueError(
+                f"accuracy_level is int4's MatMulNBits attribute, 0..4 (got {level!r} with precision "
+                f"{precision!r}): 4 (the default) int8 activations, 0 or 1 float32"
+            )
         if self.genai and (target != "onnxruntime" or precision != "fp32"):
             raise ValueError(
                 "--genai exports fp32 graphs for target 'onnxruntime' (ONNX Runtime's fused ops)"

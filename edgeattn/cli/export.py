@@ -157,7 +157,9 @@ def export(
     }
     given = [name for name, on in int4_only.items() if on]
     if given and precision != Precision.int4:
-        raise CLIError(f"{', '.join(given)} apply to --precision int4 only (got --precision {precision.value})")
+        raise CLIError(
+            f"{', '.join(given)} apply to --precision int4 only (got --precision {precision.value})"
+        )
     if int8_weights is not None and precision != Precision.int8:
         raise CLIError(f"--int8-weights applies to --precision int8 only (got --precision {precision.value})")
     options = dict(

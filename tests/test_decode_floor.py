@@ -1,6 +1,7 @@
 """benchmarks/decode_floor.py: the weights-only graph holds every weight product of a model and nothing else,
 wired as the model wires it (checked against numpy and against the model's own outputs), the head on one
-token; bad options are one line."""
+token; the attention-only graph is the model's GroupQueryAttention over its own buffers (against numpy); the
+verdict adds the attention to the products; bad options are one line."""
 
 import importlib.util
 import json
@@ -141,8 +142,9 @@ def test_report_of_a_log_gives_the_verdict_per_precision_class(tmp_path):
     def whole(ms, tps):
         return {"whole": {"contexts": {}}, "decode_ms": ms, "prefill_tps": tps, "other": 0.0}
 
+    attention = {"nodes": 2, "ms_1": 0.5, "prefill_ms": 100.0, "chunk": 256}
     rows = [
-        ("edgeattn-x-int4", {**whole(8.0, 700.0), "floor": floor(4.0, 900.0)}),
+        ("edgeattn-x-int4", {**whole(8.0, 700.0), "floor": {**floor(4.0, 900.0), "attention": attention}}),
         ("llama-x-q4_0", whole(6.0, 800.0)),
         ("edgeattn-x", {**whole(20.0, 700.0), "floor": floor(19.0, 900.0)}),
         ("llama-x-q8_0", whole(12.0, 600.0)),
@@ -164,15 +166,88 @@ def test_report_of_a_log_gives_the_verdict_per_precision_class(tmp_path):
     assert v["fp32"]["decode_target_ms"] == pytest.approx(10.0) and v["fp32"][
         "prefill_target_tps"
     ] == pytest.approx(720.0)
+    # with the attention: 4.0 + 0.5 ms within 5.0; 512 / (512 / 900 + 0.1) = 765 tok/s below 960
     assert v["int4"]["models"]["edgeattn-x-int4"] == {
         "decode_floor_under_target": True,
         "prefill_floor_over_target": False,
+        "decode_floor_with_attention_under_target": True,
+        "prefill_floor_with_attention_over_target": False,
     }
+    row = next(r for r in out["rows"] if r["model"] == "edgeattn-x-int4")
+    assert row["floor_ms_1"]["median"] == pytest.approx(4.5)
+    assert row["floor_tps_prefill"]["median"] == pytest.approx(512 / (512 / 900 + 0.1))
     assert v["fp32"]["models"]["edgeattn-x"] == {
         "decode_floor_under_target": False,
         "prefill_floor_over_target": True,
     }
     assert out["rounds"] == 2
+
+
+def test_attention_only_graph_is_the_models_attention_over_its_own_buffers(tmp_path):
+    """A model whose GroupQueryAttention (4 query heads on 2 KV heads of 8, no rotary) reads KV buffers of 32
+    slots: the attention-only graph has that node, buffers of the graph's own shape, and over a 5-token
+    prefill from an empty buffer gives numpy's causal grouped attention and writes the keys into the buffer."""
+    mod = _module()
+    H, KV, D, L, T = 4, 2, 8, 32, 5
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["qin", "kin", "vin", "past_key_values.0.key", "past_key_values.0.value", "seqlens", "total"],
+        ["attn", "present.0.key", "present.0.value"],
+        domain="com.microsoft",
+        num_heads=H,
+        kv_num_heads=KV,
+    )
+    kv_shape = [1, KV, L, D]
+    graph = helper.make_graph(
+        [node],
+        "m",
+        [
+            helper.make_tensor_value_info("qin", TensorProto.FLOAT, [1, "T", H * D]),
+            helper.make_tensor_value_info("kin", TensorProto.FLOAT, [1, "T", KV * D]),
+            helper.make_tensor_value_info("vin", TensorProto.FLOAT, [1, "T", KV * D]),
+            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, kv_shape),
+            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, kv_shape),
+            helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+            helper.make_tensor_value_info("total", TensorProto.INT32, []),
+        ],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(
+        helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        ),
+        str(path),
+    )
+    model, buffers, widths = mod.attention_nodes(path, 1000)
+    assert [n.op_type for n in model.graph.node] == ["GroupQueryAttention"]
+    assert buffers == {"past0.key": kv_shape, "past0.value": kv_shape}
+    assert widths == {"q": H * D, "k": KV * D, "v": KV * D}
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, T, n * D)).astype(np.float32) for n in (H, KV, KV))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    zeros = np.zeros(kv_shape, np.float32)
+    out, key, _ = sess.run(
+        None,
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "past0.key": zeros,
+            "past0.value": zeros,
+            "seqlens_k": np.array([T - 1], np.int32),
+            "total_sequence_length": np.array(T, np.int32),
+        },
+    )
+    qh, kh, vh = (x.reshape(T, -1, D).transpose(1, 0, 2) for x in (q, k, v))
+    want = []
+    for h in range(H):
+        s = qh[h] @ kh[h // (H // KV)].T / np.sqrt(D) + np.triu(np.full((T, T), -np.inf), 1)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want.append((p / p.sum(-1, keepdims=True)) @ vh[h // (H // KV)])
+    want = np.stack(want, 1).reshape(1, T, H * D)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(key[0, :, :T], kh, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

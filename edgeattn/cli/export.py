@@ -64,9 +64,8 @@ def export(
         int | None,
         typer.Option(
             help="int4: MatMulNBits' accuracy_level. 4 (the default): activations rounded to int8 per block, "
-            "the fastest decode; 0 or 1: float32 activations, a several-token call's logits equal one token "
-            "at a time, and on some CPUs a faster prefill (SmolLM2 int4 on an Intel Xeon with AVX-512: 1.4x "
-            "prefill, 1.35x slower decode; benchmarks/RESULTS.md).",
+            "the fastest decode; 0 or 1: float32 activations, on some CPUs a faster prefill (SmolLM2 int4 on "
+            "an Intel Xeon with AVX-512: 1.38x prefill, 1.32x slower decode; benchmarks/RESULTS.md).",
         ),
     ] = None,
     int8_weights: Annotated[

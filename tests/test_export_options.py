@@ -56,6 +56,16 @@ REFUSED = {
         ["precision 'int8'"],
     ),
     "last with two graphs": (HYBRID, dict(one_graph=False, prefill_logits="last"), ["one_graph False"]),
+    "int4 options on fp32": (
+        HYBRID,
+        dict(quantization={"block_size": 32, "accuracy_level": 1}),
+        ["--int4-accuracy-level (accuracy_level), --int4-block-size (block_size)", "--precision int4 only"],
+    ),
+    "int8 weights on int4": (
+        HYBRID,
+        dict(precision="int4", quantization={"weights": "u8"}),
+        ["--int8-weights"],
+    ),
     "int8 with a dynamic batch": (
         HYBRID,
         dict(precision="int8", dynamic_batch=True, quantization={"weights": "u8"}),

@@ -297,8 +297,11 @@ def test_int4_accuracy_level_is_an_export_option(ckpts, tmp_path):
     runner = CliRunner()
     for extra, words in [
         (["--precision", "int4", "--int4-accuracy-level", "7"], "accuracy_level is int4's"),
-        (["--int4-accuracy-level", "1"], "apply to --precision int4 only"),
-        (["--precision", "fp32", "--int8-weights", "u8"], "--int8-weights applies to --precision int8 only"),
+        (["--int4-accuracy-level", "1"], "--int4-accuracy-level (accuracy_level): for --precision int4 only"),
+        (
+            ["--precision", "fp32", "--int8-weights", "u8"],
+            "--int8-weights (weights): for --precision int8 only",
+        ),
     ]:
         res = runner.invoke(app, ["export", ckpt, "--out", str(tmp_path / "bad"), *extra])
         lines = [ln for ln in res.output.splitlines() if ln.strip()]

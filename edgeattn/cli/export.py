@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from edgeattn.artifact.manifest import INT8_WEIGHTS, KV_DTYPES, PRECISIONS, TARGETS
-from edgeattn.cli._common import CLIError, Command, Force, check_output_dir, cli_errors, writing
+from edgeattn.cli._common import Command, Force, check_output_dir, cli_errors, writing
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -148,19 +148,6 @@ def export(
     from edgeattn.export.exporter import export_model
 
     check_output_dir(out, "--out")
-    int4_only = {
-        "--int4-block-size": int4_block_size is not None,
-        "--int4-asymmetric": int4_asymmetric,
-        "--int4-offsets/--no-int4-offsets": int4_offsets is not None,
-        "--int4-accuracy-level": int4_accuracy_level is not None,
-    }
-    given = [name for name, on in int4_only.items() if on]
-    if given and precision != Precision.int4:
-        raise CLIError(
-            f"{', '.join(given)} apply to --precision int4 only (got --precision {precision.value})"
-        )
-    if int8_weights is not None and precision != Precision.int8:
-        raise CLIError(f"--int8-weights applies to --precision int8 only (got --precision {precision.value})")
     options = dict(
         target=target.value,
         precision=precision.value,
@@ -169,14 +156,19 @@ def export(
         prefill_chunk=prefill_chunk,
         force=force,
         include_checkpoint=not no_checkpoint,
-        quantization={"symmetric": not int4_asymmetric}
-        | ({"block_size": int4_block_size} if int4_block_size is not None else {})
-        | ({"offsets": int4_offsets} if int4_offsets is not None else {})
-        | ({"accuracy_level": int4_accuracy_level} if int4_accuracy_level is not None else {})
-        if precision == Precision.int4
-        else {"weights": int8_weights.value}
-        if precision == Precision.int8 and int8_weights is not None
-        else None,
+        # only the options given: the plan refuses those of another precision (ExportPlan.check)
+        quantization={
+            k: v
+            for k, v in {
+                "symmetric": False if int4_asymmetric else None,
+                "block_size": int4_block_size,
+                "offsets": int4_offsets,
+                "accuracy_level": int4_accuracy_level,
+                "weights": int8_weights.value if int8_weights is not None else None,
+            }.items()
+            if v is not None
+        }
+        or None,
         genai=genai,
         max_length=max_length,
         kv_dtype=kv_dtype.value,

@@ -57,6 +57,14 @@ ONE_GRAPH_MIXERS = frozenset(
 )
 ONE_GRAPH_PRECISIONS = ("fp32", "int4")  # and int8 with weight-only blocks (ExportPlan.graph_precision)
 CHECKPOINT_DIR = "checkpoint"
+# the CLI's flag of each quantization option (ExportPlan.check names both)
+QUANTIZATION_FLAGS = {
+    "block_size": "--int4-block-size",
+    "symmetric": "--int4-asymmetric",
+    "offsets": "--int4-offsets/--no-int4-offsets",
+    "accuracy_level": "--int4-accuracy-level",
+    "weights": "--int8-weights",
+}
 
 
 class GraphModule(torch.nn.Module):
@@ -580,11 +588,17 @@ class ExportPlan:
             raise ValueError(
                 f"precision {what} uses ONNX Runtime's MatMulNBits: export it with target 'onnxruntime'"
             )
-        level = (self.quantization or {}).get("accuracy_level")
-        if level is not None and (precision != "int4" or isinstance(level, bool) or level not in range(5)):
+        given = self.quantization or {}
+        for need, keys in (("int4", set(INT4_DEFAULTS)), ("int8", {"weights"})):
+            wrong = sorted(set(given) & keys) if precision != need else []
+            if wrong:
+                names = ", ".join(f"{QUANTIZATION_FLAGS.get(k, k)} ({k})" for k in wrong)
+                raise ValueError(f"{names}: for --precision {need} only (got precision {precision!r})")
+        level = given.get("accuracy_level")
+        if level is not None and (isinstance(level, bool) or level not in range(5)):
             raise ValueError(
-                f"accuracy_level is int4's MatMulNBits attribute, 0..4 (got {level!r} with precision "
-                f"{precision!r}): 4 (the default) int8 activations, 0 or 1 float32"
+                f"accuracy_level is int4's MatMulNBits attribute, 0..4 (got {level!r}): 4 (the default) int8 "
+                "activations, 0 or 1 float32"
             )
         if self.genai and (target != "onnxruntime" or precision != "fp32"):
             raise ValueError(

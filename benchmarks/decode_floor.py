@@ -369,9 +369,10 @@ def floor_worker(cfg: dict) -> dict:
     if any(x.endswith(OFFSET_SUFFIX) for x in names):
         out["with_offsets"] = _time_products(path, threads, steps, P, offsets=True)
     chunk = P
-    manifest = path.parent / "edgeattn.json"
-    if manifest.is_file():  # edgeattn prefills in calls of its prefill graph's tokens
-        chunk = min(P, int(json.loads(manifest.read_text())["graphs"]["prefill"]["tokens"]))
+    if path.name == "step.onnx":  # edgeattn prefills in calls of its prefill graph's tokens
+        from edgeattn.artifact.manifest import Manifest
+
+        chunk = min(P, Manifest.load(path.parent, verify=False).prefill_tokens)
     out["attention"] = _time_attention(path, threads, steps, P, cfg.get("context", 128), chunk)
     nodes = optimized_node_count(path, threads)
     chain = _session(empty_chain(nodes).SerializeToString(), threads)

@@ -169,7 +169,8 @@ def attention_nodes(path: Path, length: int):
     ``past{i}.key``/``.value`` -> ``present{i}.key``/``.value`` (bound to one buffer each, as the sessions
     bind them) of ``[1, kv_heads, L, head]`` (L the graph's own buffer length, else ``length``), and its
     rotary caches as initializers. Returns the model, the buffer shapes and the inputs' widths; None where the
-    graph has no GroupQueryAttention or its head size is neither fixed nor told by a whole-head rotary cache."""
+    graph has no GroupQueryAttention, its head size is neither fixed nor told by a whole-head rotary cache, or
+    a node takes inputs past the rotary caches (an int8 KV buffer's scales: not rebuilt here)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -188,6 +189,8 @@ def attention_nodes(path: Path, length: int):
     nodes, ins, outs, tensors, buffers, widths = [], [], [], [], {}, {}
     for i, n in enumerate(gqa):
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if any(n.input[9:]):
+            return None
         shape = shapes.get(n.input[3])
         if not shape or len(shape) != 4:
             return None

@@ -55,8 +55,11 @@ The device run (a later session's; at most 10 minutes a command, 15 minutes of d
 after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 455 s together, about 8
 minutes with the imports and the wheels' install) keep the run inside 560 s. From the first H100 runs
 (RESULTS.md): the compiled tests take 87 s; fla's kernels compile for about 40 s an op even with their
-autotuning capped (``--fla-autotune-configs``), so the kernels section gets the most. A second call in the
-same session that carries the first's ``triton-cache.tgz`` back (scripts/gpu_check.sh) skips compiling.
+autotuning capped (``--fla-autotune-configs``), so the kernels section gets the most. On an H200
+(2026-11-28) every section finished inside its budget: 421 s in all, the train section with 10 s to spare
+(its Gated DeltaNet edgeattn row came from a second call: ``--sections train --models gated_deltanet
+--train-libs edgeattn``). The Triton cache came to over 48 MB there, so it was not packed; a second call
+recompiles. Then scripts/gpu_profile.sh (benchmarks/gpu_profile.py) says where the time goes.
 
     python benchmarks/gpu_check.py --out DIR [--sections tests,kernels,train,decode] [--budgets train=60]
     python benchmarks/gpu_check.py --out DIR --tiny      # this CPU: tiny shapes, Triton's interpreter
@@ -553,6 +556,7 @@ def section_train(s: Section) -> None:
             + (f"  peak {row['peak_mib']:.0f} MiB" if "peak_mib" in row else "")
             + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}")  # fmt: skip
 
+    libs = {x.strip() for x in s.args.train_libs.split(",") if x.strip()}
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
         for name, kw in fla_configs(z).items():
             if s.args.models and name not in s.args.models.split(","):
@@ -571,11 +575,16 @@ def section_train(s: Section) -> None:
             if fla_model is None:
                 continue
             # fla first: the edgeattn row then carries the ratio
-            s.item(f"{name} fla train", lambda n=name, m=fla_model: measure(n, "fla", m, fla_loss), need=20)
+            if "fla" in libs:
+                s.item(
+                    f"{name} fla train", lambda n=name, m=fla_model: measure(n, "fla", m, fla_loss), need=20
+                )
             del fla_model
             if s.cuda:
                 torch.cuda.empty_cache()
-            edge = s.item(f"{name} edgeattn import", lambda d=d: load_source(d).model, need=20)
+            edge = None
+            if "edgeattn" in libs:
+                edge = s.item(f"{name} edgeattn import", lambda d=d: load_source(d).model, need=20)
             if edge is not None:
                 s.item(
                     f"{name} edgeattn train",
@@ -941,6 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", default=None, help="kernels: some of " + ",".join(KERNEL_OPS))
     ap.add_argument("--models", default=None, help="train: gla and/or gated_deltanet")
     ap.add_argument("--train-batch", type=int, default=None, help="train: sequences per step (default 8)")
+    ap.add_argument("--train-libs", default="fla,edgeattn", help="train: fla and/or edgeattn (default both)")
     ap.add_argument(
         "--fla-autotune-configs",
         type=int,
@@ -1033,6 +1043,12 @@ def main(argv=None) -> int:
     if bad or not sections:
         print(
             f"gpu_check: --sections: unknown {bad}; expected some of {', '.join(SECTIONS)}", file=sys.stderr
+        )
+        return 2
+    libs = {x.strip() for x in args.train_libs.split(",") if x.strip()}
+    if not libs or libs - {"fla", "edgeattn"}:
+        print(
+            f"gpu_check: --train-libs: expected fla and/or edgeattn, got {args.train_libs!r}", file=sys.stderr
         )
         return 2
     try:

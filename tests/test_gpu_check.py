@@ -115,6 +115,7 @@ def test_a_section_past_its_budget_is_killed_and_the_next_runs(tmp_path, monkeyp
         (["--sections", "tests,bogus"], "unknown ['bogus']"),
         (["--budgets", "tests=soon"], "'tests=soon' is not SECTION=SECONDS"),
         (["--budgets", "nope=3"], "unknown section 'nope'"),
+        (["--train-libs", "fla,torch"], "--train-libs: expected fla and/or edgeattn"),
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Why the Triton kernels are slower than fla's on a GPU (issue 36), in one device call after
+# scripts/gpu_check.sh: benchmarks/gpu_profile.py (the launch-setting sweep and the per-kernel breakdown of
+# ours and fla's), Nsight Compute on one forward + backward of gla and gated_delta (speed of light,
+# occupancy, launch statistics: CSV), and the train section's edgeattn Gated DeltaNet row that the first
+# run's budget left out. Output in $OUT (or the first argument), 8 files at most:
+#
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_profile.sh", carry=[".whl"], timeout_s=330)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-runs/gpu-profile}}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+if ! "$PY" -c "import fla" 2>/dev/null; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_profile.sh: fla is not installed and .whl/ holds no wheels (run scripts/fetch_gpu_wheels.sh here, carry .whl)" >&2
+        exit 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+timeout 170 "$PY" benchmarks/gpu_profile.py --out "$OUT_DIR" --budget ${PROFILE_BUDGET:-150} 2>&1 | tee "$OUT_DIR/profile.log"
+echo "gpu_profile.sh: profile exit ${PIPESTATUS[0]}"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+if [[ -n "$NCU" ]]; then
+    for op in gla gated_delta; do
+        timeout ${NCU_TIMEOUT:-35} "$NCU" --nvtx --nvtx-include "ncu/" --clock-control none \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --csv --page details \
+            --log-file "$OUT_DIR/ncu_$op.csv" "$PY" benchmarks/gpu_profile.py --ncu "$op" --out "$OUT_DIR"
+        echo "gpu_profile.sh: ncu $op exit $? ($(wc -l < "$OUT_DIR/ncu_$op.csv" 2>/dev/null || echo 0) lines)"
+    done
+else
+    echo "gpu_profile.sh: ncu not found" | tee "$OUT_DIR/ncu_gla.csv"
+fi
+timeout 90 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR/train" --sections train --models gated_deltanet \
+    --train-libs edgeattn --budgets train=${TRAIN_BUDGET:-70}
+echo "gpu_profile.sh: train exit $?"

@@ -1,0 +1,91 @@
+"""benchmarks/gpu_profile.py (issue 36): the launch-setting sweep and the per-kernel breakdown, run here at
+tiny shapes in Triton's interpreter (--tiny). On a GPU only the sizes change (gpu_profile.SIZES). The
+interpreter ignores warps and stages, so here every setting must give the shipped setting's numbers exactly;
+what a setting does on a GPU is measured there (benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("fla")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_profile.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_profile  # noqa: E402
+
+
+def run(out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it when there is no GPU
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_sweep_and_breakdown_of_ours_and_fla(tmp_path):
+    out = tmp_path / "out"
+    res = run(out, "--ops", "gla", "--configs", "8-4-2", "--jobs", "2")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "profile.jsonl").read_text().splitlines()]
+    kinds = lambda k: [r for r in recs if r["kind"] == k]  # noqa: E731
+    assert not kinds("error") and not kinds("skipped"), kinds("error") + kinds("skipped")
+    (ship,) = kinds("shipped")
+    shipped16 = "-".join(str(x) for x in ship["launch"]["16bit"])
+    # the shipped setting is added to those asked for; each compiled in its own process, fla's op too
+    assert sorted(r["job"] for r in kinds("compile")) == sorted(
+        ["config 8-4-2", f"config {shipped16}", "fla gla"]
+    )
+    assert all(r["rc"] == 0 for r in kinds("compile")), kinds("compile")
+    sweep = {r["config"]: r for r in kinds("sweep")}
+    assert set(sweep) == {"8-4-2", shipped16}
+    for r in sweep.values():
+        assert r["op"] == "gla" and r["ms"] > 0
+        assert r["max_rel_rms_vs_shipped"] == 0.0  # the interpreter ignores warps and stages
+    totals = {r["impl"]: r for r in kinds("breakdown_total")}
+    assert set(totals) == {"triton", "fla"} and all(t["ms"] > 0 for t in totals.values())
+    for impl in ("triton", "fla"):
+        rows = [r for r in kinds("kernel") if r["impl"] == impl]
+        assert rows and abs(sum(r["share"] for r in rows) - 1) < 1e-6
+    md = (out / "profile.md").read_text()
+    assert "| setting | gla |" in md and "**gla, triton**" in md and "**gla, fla**" in md
+
+
+def test_a_setting_reaches_every_launch_and_is_restored():
+    torch = pytest.importorskip("torch")
+    from edgeattn.kernels import delta_chunk, gated_chunk
+
+    before = gpu_profile.shipped()
+    try:
+        gpu_profile.set_config((16, 2, 3))
+        for dtype in (torch.bfloat16, torch.float32):
+            assert gated_chunk.wide(dtype) == {"num_warps": 16, "num_stages": 3}
+            assert gated_chunk.narrow(dtype) == {"num_warps": 2, "num_stages": 3}
+            assert delta_chunk.launch(dtype) == (16, 2, 3)  # the delta-rule kernels read the same table
+    finally:
+        gpu_profile.set_config(before)
+    assert gated_chunk.LAUNCH == before
+    assert gated_chunk.launch(torch.bfloat16) == before["16bit"] != (16, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ops", "gla,bogus"], "unknown ['bogus']"),
+        (["--configs", "8-4"], "'8-4' is not WIDE-NARROW-STAGES"),
+        (["--configs", "6-4-2"], "warps must be powers of two"),
+        (["--ncu", "nope"], "--ncu: unknown op 'nope'"),
+        (["--budget", "-1"], "--budget must be a positive"),
+    ],
+)
+def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
+    res = run(tmp_path / "out", *args, timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()

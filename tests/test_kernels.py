@@ -390,3 +390,19 @@ def test_float32_dot_precision_per_device_and_forced(monkeypatch):
     monkeypatch.setenv("EDGEATTN_TRITON_F32_DOT", "fp64")
     with pytest.raises(ValueError, match="EDGEATTN_TRITON_F32_DOT must be one of ieee, tf32, tf32x3"):
         utils.dot_precision(torch.float32)
+
+
+@pytest.mark.parametrize("G", [1, 80])  # 80: keys in three blocks of 32, the last one partial
+def test_chunk_local_cumsum_against_a_float64_cumsum_within_each_chunk(G):
+    from edgeattn.kernels.utils import chunk_local_cumsum
+
+    gen = torch.Generator().manual_seed(0)
+    T, BT = 100, 64  # one full chunk and a partial one
+    g = (-torch.rand(2, T, 3, G, generator=gen) * 5).float()
+    g[0, 3, 1] = -1e4  # a gate at the floor: the pair keeps the small ones after it exact
+    gc = chunk_local_cumsum(g.to(DEVICE), BT).cpu()
+    assert gc.shape == (2, T, 3, G, 2) and gc.dtype == torch.float32
+    ref = torch.cat([c.double().cumsum(1) for c in g.split(BT, dim=1)], dim=1)
+    got = gc[..., 0].double() + gc[..., 1].double()
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-9), (got - ref).abs().max()
+    assert torch.equal(gc[..., 0], ref.float())  # hi is the float64 sum rounded

@@ -243,7 +243,7 @@ for arch in (80, 90):
                     sig = {n: "constexpr" if n in c else "i32" if n == "T" else f"*{dt}" if n in low else "*fp32"
                            for n in fn.arg_names}
                     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
-                    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=stages))
+                    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=dc.launch(torch_dt)[0], num_stages=stages))
                     print(arch, dt, K, fn.__name__, gate, out.metadata.shared)
 """
 

@@ -47,14 +47,14 @@ from __future__ import annotations
 from edgeattn._deps import require
 from edgeattn.kernels.gated_chunk import (
     BC,
-    NARROW,
-    WIDE,
     chunk_bwd_dA,
     chunk_bwd_dqk,
     chunk_bwd_dqk_intra_gk_kernel,
     chunk_fwd_A,
     chunk_fwd_o,
     chunk_size_to_block,
+    launch,
+    narrow,
 )
 from edgeattn.kernels.utils import (
     block_size,
@@ -240,7 +240,7 @@ def chunk_delta_fwd_h(k, w, u, gc, h0, BT: int):
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_delta_fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, gc, h, vn, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=WIDE, num_stages=stages,
+        USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=launch(k.dtype)[0], num_stages=stages,
     )  # fmt: skip
     return h, vn, ht
 
@@ -257,7 +257,7 @@ def chunk_delta_bwd_dhu(q, k, w, gc, A, do, dht, BT: int):
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     chunk_delta_bwd_dhu_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, w, gc, A, do, dh, dv, dht, dh0, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_DHT=dht is not None, PREC=dot_precision(q.dtype), num_warps=WIDE, num_stages=stages,
+        USE_DHT=dht is not None, PREC=dot_precision(q.dtype), num_warps=launch(q.dtype)[0], num_stages=stages,
     )  # fmt: skip
     return dh, dv, dh0
 
@@ -350,7 +350,7 @@ def intra_gk_bwd(k, gc, dP, BT: int):
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
         k, k, gc, dP, dk_row, dk_col, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=dot_precision(k.dtype),
-        num_warps=NARROW, num_stages=2,
+        **narrow(k.dtype),
     )  # fmt: skip
     return dk_row, dk_col
 

@@ -54,11 +54,28 @@ triton = require("triton")
 tl = require("triton.language")
 
 BC = 16  # sub-chunk of the per-key gate's intra-chunk matrix
-# Warps per program: 8 for the kernels holding [BT, 64] float32 tiles, 4 for the [BC, *] ones, and
-# 2 pipeline stages. Chosen from compiling for sm_80/89/90 at K = V = 128 (no GPU at hand): bfloat16
-# spills no registers, float32 at most 232 bytes on sm_90 (a few KB on sm_80/89), and shared memory
-# stays under the 99 KB of consumer GPUs. Not timed on a GPU.
-WIDE, NARROW = 8, 4
+# Launch settings by the inputs' dtype: (warps of the kernels holding [BT, 64] tiles, warps of the [BC, *]
+# sub-chunk ones, pipeline stages), read at each launch (benchmarks/gpu_profile.py sweeps them on a GPU).
+# 16-bit inputs (training): 4-4-1, the fastest over all four ops (gla, simple_gla, gated_delta, kda) of the
+# 12 settings timed on an H200 (RESULTS.md, 2026-11-28): 3.7-16% faster forward + backward than 8-4-2,
+# outputs and gradients equal to 1e-7; 16 warps gave wrong results there (Triton 3.6). float32: 8-4-2, the
+# setting the compiled tests passed with on an H100 and an H200 (float32 spills at most 232 bytes on sm_90).
+LAUNCH = {"16bit": (4, 4, 1), "float32": (8, 4, 2)}
+
+
+def launch(dtype) -> tuple[int, int, int]:
+    """(wide warps, narrow warps, stages) for inputs of ``dtype``."""
+    return LAUNCH["float32" if dtype == torch.float32 else "16bit"]
+
+
+def wide(dtype) -> dict:
+    w, _, stages = launch(dtype)
+    return dict(num_warps=w, num_stages=stages)
+
+
+def narrow(dtype) -> dict:
+    _, n, stages = launch(dtype)
+    return dict(num_warps=n, num_stages=stages)
 
 
 @triton.jit
@@ -634,7 +651,7 @@ def chunk_fwd_h(k, v, gc, h0, BT: int):
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_fwd_h_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         k, v, gc, h, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=_gate_kind(gc), USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=WIDE, num_stages=2,
+        GATE=_gate_kind(gc), USE_H0=h0 is not None, PREC=dot_precision(k.dtype), **wide(k.dtype),
     )  # fmt: skip
     return h, ht
 
@@ -648,11 +665,11 @@ def chunk_fwd_A(q, k, gc, BT: int):
     A = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
     if gate == 2:
         chunk_fwd_A_gk_kernel[(NT * (BT // BC), B * H)](
-            q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, num_warps=NARROW, num_stages=2
+            q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **narrow(q.dtype)
         )
     else:
         chunk_fwd_A_kernel[(NT, B * H)](
-            q, k, gc, A, T, H=H, K=K, BT=BT, BK=BK, GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2
+            q, k, gc, A, T, H=H, K=K, BT=BT, BK=BK, GATE=gate, PREC=prec, **wide(q.dtype)
         )
     return A
 
@@ -666,7 +683,7 @@ def chunk_fwd_o(q, v, gc, h, A, BT: int):
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     chunk_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
         q, v, gc, h, A, o, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=_gate_kind(gc), PREC=dot_precision(q.dtype), num_warps=WIDE, num_stages=2,
+        GATE=_gate_kind(gc), PREC=dot_precision(q.dtype), **wide(q.dtype),
     )  # fmt: skip
     return o
 
@@ -683,8 +700,7 @@ def chunk_bwd_dA(v, do, BT: int):
     B, T, H, V = v.shape
     dA = torch.empty(B, T, H, BT, dtype=torch.float32, device=v.device)
     chunk_bwd_dA_kernel[(triton.cdiv(T, BT), B * H)](
-        v, do, dA, T, H=H, V=V, BT=BT, BV=block_size(V, 64), PREC=dot_precision(v.dtype),
-        num_warps=WIDE, num_stages=2,
+        v, do, dA, T, H=H, V=V, BT=BT, BV=block_size(V, 64), PREC=dot_precision(v.dtype), **wide(v.dtype),
     )  # fmt: skip
     return dA
 
@@ -703,12 +719,12 @@ def chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT: int):
     dg = None if gate == 0 else torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     if gate == 2:
         chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
-            q, k, gc, dA, dq, dk, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, num_warps=NARROW, num_stages=2
+            q, k, gc, dA, dq, dk, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **narrow(q.dtype)
         )
     chunk_bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, T, H=H, K=K, V=V, BT=BT, BK=BK,
         BV=block_size(V, 32),  # [BT, BK] dq, dk and [BT, BT] dA are live across the V loop
-        GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2,
+        GATE=gate, PREC=prec, **wide(q.dtype),
     )  # fmt: skip
     return dq, dk, dg
 
@@ -726,14 +742,14 @@ def chunk_bwd(q, k, v, gc, A, h0, do, dht, BT: int):
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     chunk_bwd_dh_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         q, do, gc, dh, dht, dh0, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=gate, USE_DHT=dht is not None, PREC=prec, num_warps=WIDE, num_stages=2,
+        GATE=gate, USE_DHT=dht is not None, PREC=prec, **wide(q.dtype),
     )  # fmt: skip
 
     dA = chunk_bwd_dA(v, do, BT)
     dv = torch.empty_like(v)
     chunk_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
         k, gc, A, do, dh, dv, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=gate, PREC=prec, num_warps=WIDE, num_stages=2,
+        GATE=gate, PREC=prec, **wide(q.dtype),
     )  # fmt: skip
     dq, dk, dg = chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT)
     if gate == 1:

@@ -75,12 +75,12 @@ def load_state(
 
 @triton.jit
 def chunk_local_cumsum_kernel(g, gc, T, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos = i_b.to(tl.int64) * T
 
     o_t = i_t * BT + tl.arange(0, BT)
-    o_g = tl.arange(0, BG)
+    o_g = i_g * BG + tl.arange(0, BG)
     m_g = (o_t < T)[:, None] & (o_g < G)[None, :]
     o_tg = (bos + o_t)[:, None] * (H * G) + i_h * G + o_g[None, :]
     b_b = tl.cumsum(tl.load(g + o_tg, mask=m_g, other=0).to(tl.float64), axis=0)
@@ -257,7 +257,12 @@ def chunk_local_cumsum(g, BT: int):
     halves [B, T, H, G, 2] (hi, lo) of float64 sums."""
     B, T, H, G = g.shape
     gc = torch.empty(B, T, H, G, 2, dtype=torch.float32, device=g.device)
-    chunk_local_cumsum_kernel[(triton.cdiv(T, BT), B * H)](g, gc, T, H=H, G=G, BT=BT, BG=block_size(G))
+    # keys in blocks of 32: a [64, 128] float64 scan in one program held 255 registers a thread and 64 KB of
+    # shared memory on an H200 (ncu: 12.5% occupancy, 1.33 ms for B=8, T=2048, H=16, K=128; fla's 0.07 ms)
+    BG = block_size(G, 32)
+    chunk_local_cumsum_kernel[(triton.cdiv(T, BT), triton.cdiv(G, BG), B * H)](
+        g, gc, T, H=H, G=G, BT=BT, BG=BG
+    )
     return gc
 
 

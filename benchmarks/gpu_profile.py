@@ -15,8 +15,8 @@ says why they are slower, in one call of a few minutes:
                that ours and fla's can be compared stage by stage. fla's ops are compiled (autotuned, capped
                as in gpu_check.py) in parallel processes too, while ours compile.
     --ncu OP   (a child run under Nsight Compute by scripts/gpu_profile.sh) one warm forward + backward of
-               OP inside an NVTX range "ncu", so that ``ncu --nvtx --nvtx-include ncu/`` profiles those
-               kernels alone.
+               OP between cudaProfilerStart and cudaProfilerStop, so that ``ncu --profile-from-start off``
+               profiles those kernels alone (the backward's too, launched from autograd's own thread).
 
 Output in ``--out``: profile.jsonl (one JSON object a line, every figure and every error) and profile.md
 (the tables). On this CPU ``--tiny`` runs the same code at tiny shapes in Triton's interpreter
@@ -357,12 +357,14 @@ def run_ncu(args) -> int:
     xs = b.inputs(op)
     b.fwd_bwd(fn, xs)  # compile outside the profiled range
     b.sync()
+    # cudaProfilerStart/Stop, not an NVTX range: NVTX push/pop ranges are per thread, and autograd launches
+    # the backward from a thread of its own (an H200 run's range held the forward kernels alone)
     if b.cuda:
-        b.torch.cuda.nvtx.range_push("ncu")
+        b.torch.cuda.profiler.start()
     b.fwd_bwd(fn, xs)
     b.sync()
     if b.cuda:
-        b.torch.cuda.nvtx.range_pop()
+        b.torch.cuda.profiler.stop()
     return 0
 
 
@@ -378,7 +380,11 @@ def build_parser():
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run (default 200)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPUs - 1)")
     ap.add_argument("--fla-autotune-configs", type=int, default=4, help="fla's autotuner: configs a kernel")
-    ap.add_argument("--ncu", default=None, help="one warm forward + backward of this op in an NVTX range")
+    ap.add_argument(
+        "--ncu",
+        default=None,
+        help="one warm forward + backward of this op between cudaProfilerStart/Stop (for ncu)",
+    )
     ap.add_argument("--child-config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-fla", default=None, help=argparse.SUPPRESS)
     return ap

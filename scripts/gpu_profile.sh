@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Why the Triton kernels are slower than fla's on a GPU (issue 36), in one device call after
 # scripts/gpu_check.sh: benchmarks/gpu_profile.py (the launch-setting sweep and the per-kernel breakdown of
-# ours and fla's), Nsight Compute on one forward + backward of gla and gated_delta (speed of light,
-# occupancy, launch statistics: CSV), and the train section's edgeattn Gated DeltaNet row that the first
+# ours and fla's), Nsight Compute on one forward + backward of gla and gated_delta (our Triton kernels:
+# speed of light, occupancy, launch statistics: CSV), and the train section's edgeattn Gated DeltaNet row that the first
 # run's budget left out. Output in $OUT (or the first argument), 8 files at most:
 #
-#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_profile.sh", carry=[".whl"], timeout_s=330)
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_profile.sh", carry=[".whl"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-profile}}
@@ -27,7 +27,8 @@ echo "gpu_profile.sh: profile exit ${PIPESTATUS[0]}"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [[ -n "$NCU" ]]; then
     for op in gla gated_delta; do
-        timeout ${NCU_TIMEOUT:-35} "$NCU" --nvtx --nvtx-include "ncu/" --clock-control none \
+        # edgeattn's Triton kernels only (torch.profiler's breakdown has PyTorch's); from cudaProfilerStart
+        timeout ${NCU_TIMEOUT:-60} "$NCU" --profile-from-start off -k "regex:^chunk_" --clock-control none \
             --section SpeedOfLight --section Occupancy --section LaunchStats --csv --page details \
             --log-file "$OUT_DIR/ncu_$op.csv" "$PY" benchmarks/gpu_profile.py --ncu "$op" --out "$OUT_DIR"
         echo "gpu_profile.sh: ncu $op exit $? ($(wc -l < "$OUT_DIR/ncu_$op.csv" 2>/dev/null || echo 0) lines)"

@@ -57,6 +57,12 @@ def test_tiny_sweep_and_breakdown_of_ours_and_fla(tmp_path):
     assert "| setting | gla |" in md and "**gla, triton**" in md and "**gla, fla**" in md
 
 
+def test_the_ncu_child_runs_one_warm_forward_and_backward(tmp_path):
+    res = run(tmp_path / "out", "--ncu", "simple_gla", timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # a child under ncu writes nothing of its own
+
+
 def test_a_setting_reaches_every_launch_and_is_restored():
     torch = pytest.importorskip("torch")
     from edgeattn.kernels import delta_chunk, gated_chunk

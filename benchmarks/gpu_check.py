@@ -50,15 +50,15 @@ section, with its bfloat16 cases at K = 64 and 128, is what says whether they ar
 
 The device run (a later session's; at most 10 minutes a command, 15 minutes of device time in all):
 
-    run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+    run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 
-after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 455 s together, about 8
-minutes with the imports and the wheels' install) keep the run inside 560 s. From the first H100 runs
+after ``bash scripts/fetch_gpu_wheels.sh`` here. The budgets (``BUDGETS``, 495 s together, about 9
+minutes with the imports and the wheels' install) keep the run inside 590 s. From the first H100 runs
 (RESULTS.md): the compiled tests take 87 s; fla's kernels compile for about 40 s an op even with their
 autotuning capped (``--fla-autotune-configs``), so the kernels section gets the most. On an H200
-(2026-11-28) every section finished inside its budget: 421 s in all, the train section with 10 s to spare
-(its Gated DeltaNet edgeattn row came from a second call: ``--sections train --models gated_deltanet
---train-libs edgeattn``). The Triton cache came to over 48 MB there, so it was not packed; a second call
+(2026-11-28) every section finished inside its budget: 421 s in all, the train section (then 130 s) with
+10 s to spare and without its Gated DeltaNet edgeattn row (about 40 s, from a second call: ``--sections
+train --models gated_deltanet --train-libs edgeattn``), hence 170 s now. The Triton cache came to over 48 MB there, so it was not packed; a second call
 recompiles. Then scripts/gpu_profile.sh (benchmarks/gpu_profile.py) says where the time goes.
 
     python benchmarks/gpu_check.py --out DIR [--sections tests,kernels,train,decode] [--budgets train=60]
@@ -92,7 +92,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("tests", "kernels", "train", "decode")
 # Seconds per section on an H100. Imports, Triton compiles and fla's autotuning are inside them.
-BUDGETS = {"tests": 100, "kernels": 180, "train": 130, "decode": 45}
+BUDGETS = {"tests": 100, "kernels": 180, "train": 170, "decode": 45}
 TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_aft_flash.py", "tests/test_kernels_delta.py")
 # Compiles for sm80/sm90 without running anything: a CPU-side check that already runs in the slow suite.
 TEST_DESELECT = (

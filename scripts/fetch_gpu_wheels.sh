@@ -7,7 +7,7 @@
 # `carry`:
 #
 #     bash scripts/fetch_gpu_wheels.sh          # here, once
-#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -3,7 +3,7 @@
 # benchmarks/gpu_check.py (its docstring says what it measures). Output in $OUT (or the first argument).
 # The exact device call, after `bash scripts/fetch_gpu_wheels.sh` here:
 #
-#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 #
 # Any further arguments go to gpu_check.py (e.g. --sections kernels,train --budgets kernels=200).
 #

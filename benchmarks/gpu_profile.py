@@ -10,6 +10,9 @@ says why they are slower, in one call of a few minutes:
                first, in parallel processes (one per setting, sharing Triton's on-disk cache), then timed
                here one after another; each setting's output and gradients are compared with the shipped
                setting's (a miscompile or a race shows as a difference, not only as a time).
+    wy         gated_delta and kda with the delta rule's WY part in PyTorch (shipped) and in Triton
+               (EDGEATTN_DELTA_WY=triton, edgeattn.kernels.delta_chunk): times, and the Triton form against
+               PyTorch's on the same inputs.
     breakdown  forward + backward of each op, ours and fla's, under torch.profiler: every GPU kernel's time
                per call of the op (Triton kernels by name, PyTorch's as cuBLAS / elementwise kernels), so
                that ours and fla's can be compared stage by stage. fla's ops are compiled (autotuned, capped
@@ -267,6 +270,36 @@ def sweep(b: Bench, rec: Records, ops, configs, deadline) -> None:
                 set_config(default)
 
 
+def wy_forms(b: Bench, rec: Records, ops, deadline) -> None:
+    """The delta rule's WY part in PyTorch (shipped) and in Triton (EDGEATTN_DELTA_WY=triton): each op's
+    forward + backward time, and the Triton form's output and gradients against PyTorch's."""
+    from edgeattn.kernels import delta_chunk
+
+    shipped_form = delta_chunk.WY
+    for op in [o for o in ops if o in ("gated_delta", "kda")]:
+        fn = b.impls(op)["triton"]
+        xs = b.inputs(op)
+        ref = None
+        for form in ("torch", "triton"):
+            if time.time() > deadline:
+                rec.write("skipped", item=f"wy {op} {form}", reason="time budget")
+                continue
+            delta_chunk.WY = form
+            try:
+                o, g, do = b.fwd_bwd(fn, xs, None if ref is None else ref[2])
+                if ref is None:
+                    ref = (o, g, do)
+                diff = max([rel_rms(o, ref[0])] + [rel_rms(a, r) for a, r in zip(g, ref[1]) if r is not None])
+                ms = b.kb.time_fwd_bwd_any(fn, xs)
+                rec.write("wy", op=op, form=form, ms=ms, max_rel_rms_vs_torch=diff)
+                say(f"[wy] {op:<12}{form:<7}{ms:9.3f} ms  vs torch {diff:.1e}")
+            except Exception as e:  # noqa: BLE001
+                rec.write("error", item=f"wy {op} {form}", error=f"{type(e).__name__}: {e}"[:300])
+                say(f"[wy] {op:<12}{form:<7}ERROR {type(e).__name__}: {e}"[:300])
+            finally:
+                delta_chunk.WY = shipped_form
+
+
 def device_time(evt) -> float:
     """An event's own time on the device (on the CPU for a CPU run), microseconds."""
     for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
@@ -328,6 +361,12 @@ def markdown(records: list[dict]) -> str:
                 r = by.get((op, c))
                 cells.append("-" if r is None else f"{r['ms']:.3f} ({r['max_rel_rms_vs_shipped']:.0e})")
             out.append(f"| {c} | " + " | ".join(cells) + " |")
+        out.append("")
+    wy = [r for r in records if r["kind"] == "wy"]
+    if wy:
+        out += ["**The WY part**, PyTorch (shipped) or Triton (EDGEATTN_DELTA_WY=triton): forward + backward ms, "
+                "max rel. RMS against PyTorch's", "", "| op | form | ms | vs torch |", "|---|---|---|---|"]  # fmt: skip
+        out += [f"| {r['op']} | {r['form']} | {r['ms']:.3f} | {r['max_rel_rms_vs_torch']:.0e} |" for r in wy]
         out.append("")
     tot = {(r["op"], r["impl"]): r for r in records if r["kind"] == "breakdown_total"}
     for op in dict.fromkeys(r["op"] for r in records if r["kind"] == "kernel"):
@@ -469,6 +508,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             rec.write("error", item=f"breakdown {op} triton", error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc(limit=4, file=sys.stdout)
+    wy_forms(b, rec, ops, t_start + 0.7 * args.budget)
     sweep(b, rec, ops, configs, t_start + 0.8 * args.budget)
     for op in fla_ops:
         if time.time() > deadline:

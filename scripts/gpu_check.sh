@@ -16,17 +16,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-check}}
 shift || true
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import fla" 2>/dev/null; then
-    if ! ls .whl/*.whl >/dev/null 2>&1; then
-        echo "gpu_check.sh: fla is not installed and .whl/ holds no wheels (run scripts/fetch_gpu_wheels.sh here, carry .whl)" >&2
-        exit 2
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh gpu_check.sh
 if [[ -f .triton-cache.tgz ]]; then
     tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "gpu_check.sh: Triton cache from .triton-cache.tgz"
 fi

@@ -12,17 +12,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-profile}}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
-if ! "$PY" -c "import fla" 2>/dev/null; then
-    if ! ls .whl/*.whl >/dev/null 2>&1; then
-        echo "gpu_profile.sh: fla is not installed and .whl/ holds no wheels (run scripts/fetch_gpu_wheels.sh here, carry .whl)" >&2
-        exit 2
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh gpu_profile.sh
 timeout 170 "$PY" benchmarks/gpu_profile.py --out "$OUT_DIR" --budget ${PROFILE_BUDGET:-150} 2>&1 | tee "$OUT_DIR/profile.log"
 echo "gpu_profile.sh: profile exit ${PIPESTATUS[0]}"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)

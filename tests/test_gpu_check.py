@@ -46,12 +46,13 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
     assert all(t["outcome"] == "passed" for t in records(out, "test"))
 
     times = {(r["op"], r["impl"]) for r in records(out, "kernel_time")}
-    want = {(op, impl) for op in ops for impl in ("triton", "fla", "torch")} | {("sdpa", "sdpa")}
+    ours = {op: ("triton", "triton-wy") if op in ("gated_delta", "kda") else ("triton",) for op in ops}
+    want = {(op, impl) for op in ops for impl in ("fla", "torch", *ours[op])} | {("sdpa", "sdpa")}
     assert times == want
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 for r in records(out, "kernel_time"))
-    assert all("vs_fla" in r for r in records(out, "kernel_time") if r["impl"] in ("triton", "torch"))
-    checks = {r["op"]: r for r in records(out, "kernel_check")}
-    assert sorted(checks) == sorted(ops)
+    assert all("vs_fla" in r for r in records(out, "kernel_time") if r["impl"] not in ("fla", "sdpa"))
+    checks = {(r["op"], r["impl"]): r for r in records(out, "kernel_check")}
+    assert sorted(checks) == sorted((op, impl) for op in ops for impl in ours[op])
     for op, r in checks.items():  # float32 here: ours and fla (an independent implementation) agree
         assert set(r["rel_rms"]) >= {"o", "dq", "dk", "dv", "dg"}
         assert r["max_rel_rms"] < 1e-4, (op, r["rel_rms"])
@@ -77,9 +78,9 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
 
 def test_tiny_run_of_every_section(tmp_path):
     out = tmp_path / "out"
-    res = run(out, "--ops", "simple_gla", "--models", "gla", "--tests-k", FAST_TEST)
+    res = run(out, "--ops", "simple_gla,gated_delta", "--models", "gla", "--tests-k", FAST_TEST)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    check_run(out, ["simple_gla"], ["gla"])
+    check_run(out, ["simple_gla", "gated_delta"], ["gla"])
     assert "| path | context |" in res.stdout  # the tables are printed last
 
 

@@ -57,6 +57,21 @@ def test_tiny_sweep_and_breakdown_of_ours_and_fla(tmp_path):
     assert "| setting | gla |" in md and "**gla, triton**" in md and "**gla, fla**" in md
 
 
+def test_tiny_wy_forms_of_the_delta_rule(tmp_path):
+    out = tmp_path / "out"
+    res = run(out, "--ops", "gated_delta", "--configs", "4-4-1", "--jobs", "2", "--no-fla")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "profile.jsonl").read_text().splitlines()]
+    assert not [r for r in recs if r["kind"] in ("error", "skipped")]
+    wy = {r["form"]: r for r in recs if r["kind"] == "wy"}
+    assert set(wy) == {"torch", "triton"} and all(
+        r["op"] == "gated_delta" and r["ms"] > 0 for r in wy.values()
+    )
+    assert wy["torch"]["max_rel_rms_vs_torch"] == 0.0
+    assert 0 < wy["triton"]["max_rel_rms_vs_torch"] < 1e-5  # two implementations, one result
+    assert "| gated_delta | triton |" in (out / "profile.md").read_text()
+
+
 def test_the_ncu_child_runs_one_warm_forward_and_backward(tmp_path):
     res = run(tmp_path / "out", "--ncu", "simple_gla", timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -365,3 +365,105 @@ def test_tiny_gated_deltanet_model_follows_the_torch_loss_curve(monkeypatch, n_l
     print(f"loss curves over {steps} steps: max difference {max(diffs):.2e}")
     assert max(diffs) <= 1e-3, f"loss curves differ by up to {max(diffs):.2e}: {curves}"
     assert curves["triton"][-1] < curves["triton"][0]
+
+
+# -- the WY part in Triton (EDGEATTN_DELTA_WY=triton) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "gate, T, chunk, kw",
+    [
+        ("none", 65, 64, {}),
+        ("head", 65, 64, {}),
+        ("head", 63, 32, {"use_state": False, "beta_max": 2.0}),  # negative eigenvalues
+        ("head", 40, 16, {"strong": True}),  # gates down to -1e4
+        ("key", 36, 16, {}),
+        ("key", 20, 16, {"strong": True}),
+    ],
+)
+def test_wy_part_in_triton_against_fla(monkeypatch, gate, T, chunk, kw):
+    from edgeattn.kernels import delta_chunk
+
+    monkeypatch.setattr(delta_chunk, "WY", "triton")
+    check(1, T, 1, 2, 16, 16, gate, scale=K_SCALE.get(gate), chunk_size=chunk, **kw)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_wy_part_in_triton_bfloat16(monkeypatch, gate):
+    from edgeattn.kernels import delta_chunk
+
+    monkeypatch.setattr(delta_chunk, "WY", "triton")
+    T, chunk = (65, 64) if gate != "key" else (20, 16)
+    check(1, T, 1, 2, 16, 16, gate, torch.bfloat16, chunk_size=chunk)
+
+
+def test_wy_part_in_triton_equals_pytorch_at_a_wider_head(monkeypatch):
+    """Both forms of the WY part on the same inputs, K = 32 and V = 48 (two value blocks in backward)."""
+    from edgeattn.kernels import delta_chunk
+
+    q, k, v, beta, g, S0 = make_inputs(1, 70, 1, 2, 32, 48, "head")
+    outs = {}
+    for form in ("torch", "triton"):
+        monkeypatch.setattr(delta_chunk, "WY", form)
+        ins = leaves((q, k, v, beta, g, S0), [torch.float32] * 6, guard=False)
+        o, S = chunk_delta_rule_triton(*ins[:5], scale=0.3, initial_state=ins[5])
+        outs[form] = [o, S, *torch.autograd.grad(project([o, S], torch.float32), ins)]
+    for a, b in zip(outs["triton"], outs["torch"]):
+        assert_rms("triton vs torch WY", a, b, 1e-5)
+
+
+def test_wy_form_from_the_environment(monkeypatch):
+    from edgeattn.kernels import delta_chunk
+
+    monkeypatch.setenv("EDGEATTN_DELTA_WY", "Triton")
+    assert delta_chunk.wy_form() == "triton"
+    monkeypatch.setenv("EDGEATTN_DELTA_WY", "cuda")
+    with pytest.raises(ValueError, match="EDGEATTN_DELTA_WY must be one of torch, triton, got 'cuda'"):
+        delta_chunk.wy_form()
+    monkeypatch.delenv("EDGEATTN_DELTA_WY")
+    assert delta_chunk.wy_form() == delta_chunk.WY == "torch"
+
+
+_COMPILE_WY = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from edgeattn.kernels import delta_chunk as dc
+for arch in (80, 90):
+    for dt, torch_dt in (("bf16", dc.torch.bfloat16), ("fp32", dc.torch.float32)):
+        for K in (64, 128):
+            for fn in (dc.wy_fwd_kernel, dc.wy_bwd_kernel):
+                for gate in (0, 1, 2):
+                    fwd = fn is dc.wy_fwd_kernel
+                    c = dict(H=4, K=K, V=K, BT=64, BK=K, BV=64 if fwd else 32, GATE=gate,
+                             PREC="ieee" if arch >= 90 else "tf32x3")
+                    if fwd:
+                        c["SOLVE"] = True
+                    if gate == 0:
+                        c["gc"] = None
+                    low = {"k", "v", "w", "u"}
+                    sig = {n: "constexpr" if n in c else "i32" if n == "T" else f"*{dt}" if n in low else "*fp32"
+                           for n in fn.arg_names}
+                    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
+                    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dc.wy_launch(torch_dt))
+                    print(arch, dt, K, fn.__name__, gate, out.metadata.shared)
+"""
+
+
+@pytest.mark.slow
+def test_wy_kernels_compile_for_sm80_and_sm90_within_99_kb_of_shared_memory():
+    """The WY kernels compiled (not run) as on a GPU at their launch settings: shared memory as consumer
+    GPUs allow (99 KB) for 16-bit inputs (training); float32 inputs at K = 128 take 128 KB on sm_80 (the
+    backward's float32 products, tf32x3 there), within an A100's 164 KB, not a consumer card's 99 KB."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE_WY], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert len(rows) == 2 * 2 * 2 * 2 * 3
+    too_big = [row for row in rows if int(row[-1]) > (99 if row[1] == "bf16" else 164) * 1024]
+    assert not too_big, too_big

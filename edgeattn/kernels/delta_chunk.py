@@ -32,6 +32,9 @@ What runs where:
                       w and P); q and k repeated to the HV value heads (a copy when HV > H; q scaled in
                       the same pass) and their gradients summed back; the within-chunk reverse sum of
                       the WY part's gate gradient.
+  Triton, opt-in      ``wy_fwd_kernel`` / ``wy_bwd_kernel``: the same WY algebra, one program per chunk and
+                      head (Tinv by forward substitution), with EDGEATTN_DELTA_WY=triton; not yet timed
+                      on a GPU (benchmarks/gpu_profile.py times both forms there).
 
 Gate gradient: with ``db`` the gradient of the cumulative gate b, ``dg_t = sum_{s >= t in chunk} db_s +
 sum_v h[n + 1] dh[n]``; the recurrence on v_new gives ``db = q dq - k dk`` (``gated_chunk.py``), the
@@ -43,6 +46,8 @@ h * HV/H ... (h + 1) * HV/H - 1), beta [B, T, HV], g None, [B, T, HV] or [B, T, 
 """
 
 from __future__ import annotations
+
+import os
 
 from edgeattn._deps import require
 from edgeattn.kernels.gated_chunk import (
@@ -355,36 +360,289 @@ def intra_gk_bwd(k, gc, dP, BT: int):
     return dk_row, dk_col
 
 
+# -- the WY part in Triton (EDGEATTN_DELTA_WY=triton; PyTorch's by default until timed on a GPU) ----------
+
+# On an H200 (RESULTS.md, 2026-11-28) the PyTorch WY part took ~9 of gated_delta's 12.3 ms forward +
+# backward (B=8, T=2048, H=16, K=V=128): ~60 small kernels and float32 GEMMs on the CUDA cores, where fla
+# runs three Triton kernels. These two kernels do the same algebra as wy_fwd / wy_bwd; they are tested
+# against them in Triton's interpreter and not yet timed on a GPU, so PyTorch's stays the default.
+WY_FORMS = ("torch", "triton")
+WY = "torch"
+
+
+def wy_form() -> str:
+    """EDGEATTN_DELTA_WY (torch or triton), else the module's WY: where the WY part runs."""
+    value = os.environ.get("EDGEATTN_DELTA_WY", "").strip().lower() or WY
+    if value not in WY_FORMS:
+        raise ValueError(f"EDGEATTN_DELTA_WY must be one of {', '.join(WY_FORMS)}, got {value!r}")
+    return value
+
+
+@triton.jit
+def wy_fwd_kernel(
+    k,
+    v,
+    beta,
+    gc,
+    P,
+    Tinv,
+    w,
+    u,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GATE: tl.constexpr,
+    SOLVE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # One chunk of one head: Tinv = (I + diag(beta) P_strict)^-1 by forward substitution (SOLVE; else read
+    # back), then w = Tinv (beta * k * exp(b)) and u = Tinv (beta * v). Sums and dots in float32.
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    NT = tl.cdiv(T, BT)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    p_T = Tinv + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0).to(tl.float32)
+    if SOLVE:
+        b_P = tl.load(P + ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0)
+        b_N = tl.where(o_i[:, None] > o_i[None, :], b_beta[:, None] * b_P, 0)
+        b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+        for i in range(1, BT):  # row i of X = e_i - N[i, :] X (rows < i final, N[i, j >= i] = 0)
+            b_row = tl.sum(tl.where(o_i[:, None] == i, b_N, 0), axis=0)
+            b_new = tl.sum(b_row[:, None] * b_X, axis=0)
+            b_X = tl.where(o_i[:, None] == i, b_X - b_new[None, :], b_X)
+        tl.store(p_T, b_X)
+    else:
+        b_X = tl.load(p_T)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
+    if GATE == 1:
+        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+        b_k *= tl.exp(b_g + b_g_lo)[:, None]
+    elif GATE == 2:
+        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
+        b_k *= tl.exp(b_g + b_g_lo)
+    b_w = dot(b_X, b_beta[:, None] * b_k, PREC)
+    tl.store(w + o_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        o_tv = (bos + o_t)[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_v = tl.load(v + o_tv, mask=m_tv, other=0).to(tl.float32)
+        b_u = dot(b_X, b_beta[:, None] * b_v, PREC)
+        tl.store(u + o_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def wy_bwd_kernel(
+    k,
+    v,
+    beta,
+    gc,
+    P,
+    Tinv,
+    h,
+    dvn,
+    dv,
+    dbeta,
+    dk,
+    dP,
+    db,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GATE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # The backward of v_new = u - w h[n] through w, u, Tinv and P, one chunk of one head (wy_bwd's
+    # algebra). No gate or a whole-head one: dk complete (w's part, P's rows and columns) and the gate's
+    # db, summed over keys and over the later tokens of the chunk. A per-key gate: dk of w's part and dP;
+    # P's part runs in the per-key intra-chunk kernel.
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    NT = tl.cdiv(T, BT)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    strict = o_i[:, None] > o_i[None, :]
+    p_T = Tinv + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * BT * BT
+    b_Tt = tl.load(p_T + o_i[None, :] * BT + o_i[:, None])  # Tinv transposed
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0).to(tl.float32)
+    o_tA = ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :]
+    b_P = tl.where(strict, tl.load(P + o_tA, mask=m_t[:, None], other=0), 0)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
+    if GATE == 1:
+        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+        b_gam = tl.exp(b_g + b_g_lo)[:, None]
+        b_kg = b_k * b_gam
+    elif GATE == 2:
+        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
+        b_gam = tl.exp(b_g + b_g_lo)
+        b_kg = b_k * b_gam
+    else:
+        b_kg = b_k
+
+    p_h = h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)  # dbeta
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        o_tv = (bos + o_t)[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_du = tl.load(dvn + o_tv, mask=m_tv, other=0).to(tl.float32)
+        b_v = tl.load(v + o_tv, mask=m_tv, other=0).to(tl.float32)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+        b_dw -= dot(b_du, tl.trans(b_h), PREC)
+        b_Ttdu = dot(b_Tt, b_du, PREC)
+        tl.store(dv + o_tv, b_beta[:, None] * b_Ttdu, mask=m_tv)
+        b_db += tl.sum(b_v * b_Ttdu, axis=1)
+        b_dT += dot(b_du, tl.trans(b_beta[:, None] * b_v), PREC)
+    b_Ttdw = dot(b_Tt, b_dw, PREC)
+    b_dT += dot(b_dw, tl.trans(b_beta[:, None] * b_kg), PREC)
+    b_db += tl.sum(b_kg * b_Ttdw, axis=1)
+    if GATE == 0:
+        b_dkw = b_beta[:, None] * b_Ttdw
+    else:
+        b_dkw = b_beta[:, None] * b_gam * b_Ttdw
+    b_dM = -dot(dot(b_Tt, b_dT, PREC), b_Tt, PREC)
+    b_dM = tl.where(strict, b_dM, 0)
+    b_db += tl.sum(b_dM * b_P, axis=1)
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_db, mask=m_t)
+    b_dP = b_beta[:, None] * b_dM
+    if GATE == 2:
+        tl.store(dP + o_tA, b_dP, mask=m_t[:, None])
+        tl.store(dk + o_tk, b_dkw, mask=m_tk)
+    else:
+        if GATE == 1:
+            b_d = (b_g[:, None] - b_g[None, :]) + (b_g_lo[:, None] - b_g_lo[None, :])
+            b_dP *= tl.exp(tl.where(strict, b_d, float("-inf")))
+        b_row = dot(b_dP, b_k, PREC)
+        b_col = dot(tl.trans(b_dP), b_k, PREC)
+        tl.store(dk + o_tk, b_dkw + b_row + b_col, mask=m_tk)
+        if GATE == 1:
+            b_g1 = tl.sum(b_k * (b_dkw + b_row - b_col), axis=1)  # [BT]: summed over keys
+            b_rev = tl.sum(b_g1, axis=0) - tl.cumsum(b_g1, axis=0) + b_g1  # over s >= t in the chunk
+            tl.store(db + (bos + o_t) * H + i_h, b_rev, mask=m_t)
+
+
+def wy_launch(dtype) -> dict:
+    """The narrow kernels' warps, one stage: a second stage took wy_bwd_kernel to 128 KB of shared memory
+    at K = 128 on sm_80 (float32 inputs), over the 99 KB of consumer GPUs."""
+    return dict(num_warps=narrow(dtype)["num_warps"], num_stages=1)
+
+
+def wy_fwd_triton(k, v, beta, gc, P, BT: int, Tinv=None):
+    """wy_fwd in one Triton kernel from the cumulative gates: (Tinv, w, u); with ``Tinv`` given, w and u
+    recomputed from it (backward)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    solve = Tinv is None
+    if solve:
+        Tinv = torch.empty(B, NT, H, BT, BT, dtype=torch.float32, device=k.device)
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    wy_fwd_kernel[(NT, B * H)](
+        k, v, beta, gc, P, Tinv, w, u, T, H=H, K=K, V=V, BT=BT, BK=block_size(K), BV=block_size(V, 64),
+        GATE=_gate_kind(gc), SOLVE=solve, PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+    )  # fmt: skip
+    return Tinv, w, u
+
+
+def wy_bwd_triton(k, v, beta, gc, P, Tinv, h, dvn, BT: int):
+    """wy_bwd in Triton: (dv, dbeta, dk of the WY part, db) with db as chunk_delta_bwd adds it: a per-key
+    gate's per key, still to be summed over the chunk's later tokens ([B, NT, H, BT, K]); a whole-head
+    gate's already summed over keys and later tokens ([B, T, H, 1]); None without a gate."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    gate = _gate_kind(gc)
+    dv = torch.empty(B, T, H, V, dtype=torch.float32, device=k.device)
+    dbeta = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    dk = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
+    dP = torch.empty(B, T, H, BT, dtype=torch.float32, device=k.device) if gate == 2 else None
+    db = torch.empty(B, T, H, dtype=torch.float32, device=k.device) if gate == 1 else None
+    wy_bwd_kernel[(NT, B * H)](
+        k, v, beta, gc, P, Tinv, h, dvn, dv, dbeta, dk, dP, db, T, H=H, K=K, V=V, BT=BT, BK=block_size(K),
+        BV=block_size(V, 32), GATE=gate, PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+    )  # fmt: skip
+    if gate == 1:
+        return dv, dbeta, dk, db.unsqueeze(-1)
+    if gate == 0:
+        return dv, dbeta, dk, None
+    dk_row, dk_col = intra_gk_bwd(k, gc, dP, BT)
+    kc = chunked(k, BT)
+    dk_w = chunked(dk, BT)
+    db_k = kc * (dk_w + chunked(dk_row, BT) - chunked(dk_col, BT))
+    return dv, dbeta, dk + dk_row + dk_col, db_k
+
+
 # -- launchers and autograd -----------------------------------------------------------------------
 
 
-def chunk_delta_fwd(q, k, v, beta, gc, h0, BT: int):
+def chunk_delta_fwd(q, k, v, beta, gc, h0, BT: int, wy: str = "torch"):
     """q (scaled), k [B, T, HV, K] at the value heads. Returns o, the final state and what backward
     keeps: Aqk, P [B, T, HV, BT], Tinv [B, NT, HV, BT, BT]."""
-    gamma, _ = gate_factors(gc, BT)
     Aqk = chunk_fwd_A(q, k, gc, BT)
     P = chunk_fwd_A(k, k, gc, BT)  # its diagonal k_t . k_t is not used
-    Tinv, w, u = wy_fwd(k, v, beta, gamma, P, BT)
+    if wy == "triton":
+        Tinv, w, u = wy_fwd_triton(k, v, beta, gc, P, BT)
+    else:
+        gamma, _ = gate_factors(gc, BT)
+        Tinv, w, u = wy_fwd(k, v, beta, gamma, P, BT)
     h, vn, ht = chunk_delta_fwd_h(k, w, u, gc, h0, BT)
     o = chunk_fwd_o(q, vn, gc, h, Aqk, BT)
     return o, ht, Aqk, P, Tinv
 
 
-def chunk_delta_bwd(q, k, v, beta, gc, Aqk, P, Tinv, h0, do, dht, BT: int):
+def chunk_delta_bwd(q, k, v, beta, gc, Aqk, P, Tinv, h0, do, dht, BT: int, wy: str = "torch"):
     """Returns (dq, dk, dv, dbeta, dg [B, T, HV, G] or None, dh0), float32, at the value heads."""
     T = q.shape[1]
-    gamma, L = gate_factors(gc, BT)
-    kc, vc, bc = chunked(k, BT), chunked(v, BT), chunked(beta.unsqueeze(-1), BT)
-    kg = kc if gamma is None else kc * gamma
-    w = unchunked(Tinv @ (bc * kg), T).to(k.dtype).contiguous()
-    u = unchunked(Tinv @ (bc * vc), T).to(v.dtype).contiguous()
+    triton_wy = wy == "triton"
+    if triton_wy:
+        _, w, u = wy_fwd_triton(k, v, beta, gc, P, BT, Tinv=Tinv)
+    else:
+        gamma, L = gate_factors(gc, BT)
+        kc, vc, bc = chunked(k, BT), chunked(v, BT), chunked(beta.unsqueeze(-1), BT)
+        kg = kc if gamma is None else kc * gamma
+        w = unchunked(Tinv @ (bc * kg), T).to(k.dtype).contiguous()
+        u = unchunked(Tinv @ (bc * vc), T).to(v.dtype).contiguous()
     h, vn, _ = chunk_delta_fwd_h(k, w, u, gc, h0, BT)  # recomputed, as gated_chunk.py does
 
     dAqk = chunk_bwd_dA(vn, do, BT)
     dh, dvn, dh0 = chunk_delta_bwd_dhu(q, k, w, gc, Aqk, do, dht, BT)
     dq, dk, dg = chunk_bwd_dqk(q, k, vn, gc, h, do, dh, dAqk, BT)
-    dv, dbeta, dk_wy, db_wy = wy_bwd(k, v, beta, gamma, L, P, Tinv, h, dvn, gc, BT)
-    dk = dk + dk_wy
+    if triton_wy:
+        dv, dbeta, dk_wy, db_wy = wy_bwd_triton(k, v, beta, gc, P, Tinv, h, dvn, BT)
+        dk = dk + dk_wy
+        if gc is not None and gc.shape[-2] == 1:  # db_wy already summed over keys and later tokens
+            return dq, dk, dv, dbeta, dg.sum(-1, keepdim=True) + db_wy, dh0
+    else:
+        dv, dbeta, dk_wy, db_wy = wy_bwd(k, v, beta, gamma, L, P, Tinv, h, dvn, gc, BT)
+        dk = dk + dk_wy
     if gc is not None:
         # the WY part's db is summed over the later tokens of its chunk, as the recurrence's dg already is
         dg = dg + unchunked(db_wy.flip(-2).cumsum(-2).flip(-2), T)
@@ -402,7 +660,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         qe = (q.repeat_interleave(HV // H, dim=2) * scale).to(q.dtype)
         ke = k.repeat_interleave(HV // H, dim=2) if HV != H else k
         gc = None if g is None else chunk_local_cumsum(g, BT)
-        o, ht, Aqk, P, Tinv = chunk_delta_fwd(qe, ke, v, beta, gc, initial_state, BT)
+        ctx.wy = wy_form()  # the backward runs the form the forward ran
+        o, ht, Aqk, P, Tinv = chunk_delta_fwd(qe, ke, v, beta, gc, initial_state, BT, ctx.wy)
         ctx.save_for_backward(qe, ke, v, beta, gc, Aqk, P, Tinv, initial_state)
         ctx.BT, ctx.scale, ctx.H = BT, scale, H
         ctx.g_dtype = None if g is None else g.dtype
@@ -414,7 +673,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         qe, ke, v, beta, gc, Aqk, P, Tinv, h0 = ctx.saved_tensors
         do = torch.zeros_like(v, dtype=qe.dtype) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_bwd(qe, ke, v, beta, gc, Aqk, P, Tinv, h0, do, dht, ctx.BT)
+        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_bwd(
+            qe, ke, v, beta, gc, Aqk, P, Tinv, h0, do, dht, ctx.BT, ctx.wy
+        )
         B, T, HV, K = dq.shape
         dq = dq.view(B, T, ctx.H, HV // ctx.H, K).sum(3) * ctx.scale  # back to the key heads
         dk = dk.view(B, T, ctx.H, HV // ctx.H, K).sum(3)

@@ -340,6 +340,42 @@ KERNEL_OPS = {
 }
 
 
+def kernel_impls(op: str) -> dict:
+    """impl name -> fn over ``kernel_inputs(op, ...)`` (or a string saying why it is absent): edgeattn's
+    "triton", fla's "fla", the PyTorch chunk form "torch"; for the delta rules also "triton-wy"."""
+    import kernels as kb  # benchmarks/kernels.py
+
+    gate, _ = KERNEL_OPS[op]
+    if op in ("gla", "simple_gla"):
+        raw = kb.implementations(gate)
+        return {"triton": raw["triton"], "fla": raw["fla"], "torch": raw["torch"]}
+    raw = kb.delta_impls(gate)
+    named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
+    named["triton-wy"] = wy_in_triton(raw["delta-triton"])
+    return named
+
+
+def kernel_inputs(op: str, B: int, T: int, H: int, K: int, dtype, device: str) -> tuple:
+    """benchmarks/kernels.py's inputs of ``op`` (K = V), its bfloat16 tensors in ``dtype``."""
+    import kernels as kb
+    import torch
+
+    gate, _ = KERNEL_OPS[op]
+    if op in ("gla", "simple_gla"):
+        xs = kb.make_inputs(B, T, H, K, K, gate, device=device)
+    else:
+        xs = kb.delta_inputs(B, T, H, H, K, K, gate, device=device)
+    return tuple(x.to(dtype) if x.dtype == torch.bfloat16 else x for x in xs)
+
+
+def check_out_dir(out: str, prog: str) -> str | None:
+    """The error line when ``--out`` names something other than a folder (None when it is one or absent)."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        return f"{prog}: --out {out}: exists and is not a folder"
+    return None
+
+
 def section_kernels(s: Section) -> None:
     import kernels as kb  # benchmarks/kernels.py: inputs, implementations, FLOP and byte models
 
@@ -360,24 +396,10 @@ def section_kernels(s: Section) -> None:
     s.rec.write("kernels_shape", B=B, H=H, K=K, V=V, lengths=lengths, dtype=z["dtype"], peak_tflops=peak_tf,
                 peak_gbs=peak_gb)  # fmt: skip
 
-    def impls_of(op):
-        gate, _ = KERNEL_OPS[op]
-        if op in ("gla", "simple_gla"):
-            raw = kb.implementations(gate)
-            named = {"triton": raw["triton"], "fla": raw["fla"], "torch": raw["torch"]}
-        else:
-            raw = kb.delta_impls(gate)
-            named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
-            named["triton-wy"] = wy_in_triton(raw["delta-triton"])
-        return named
+    impls_of = kernel_impls
 
     def inputs_of(op, T):
-        gate, _ = KERNEL_OPS[op]
-        if op in ("gla", "simple_gla"):
-            xs = kb.make_inputs(B, T, H, K, V, gate, device=s.device)
-        else:
-            xs = kb.delta_inputs(B, T, H, H, K, V, gate, device=s.device)
-        return tuple(x.to(dtype) if x.dtype == torch.bfloat16 else x for x in xs)
+        return kernel_inputs(op, B, T, H, K, dtype, s.device)
 
     def models(op, T):
         gate, _ = KERNEL_OPS[op]
@@ -1066,6 +1088,10 @@ def main(argv=None) -> int:
         print(
             f"gpu_check: --sections: unknown {bad}; expected some of {', '.join(SECTIONS)}", file=sys.stderr
         )
+        return 2
+    bad_out = check_out_dir(args.out, "gpu_check")
+    if bad_out:
+        print(bad_out, file=sys.stderr)
         return 2
     libs = {x.strip() for x in args.train_libs.split(",") if x.strip()}
     if not libs or libs - {"fla", "edgeattn"}:

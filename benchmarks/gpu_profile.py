@@ -49,6 +49,8 @@ from edgeattn.bench.args import ArgumentParser
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+import gpu_check  # noqa: E402  (benchmarks/gpu_check.py: the ops, their inputs, the records)
+from gpu_check import Recorder, rel_rms, say  # noqa: E402
 
 OPS = ("gla", "simple_gla", "gated_delta", "kda")
 # The H200 sweep (RESULTS.md, 2026-11-28) timed 12 settings; 4-4-1 won and now ships for 16-bit inputs. These
@@ -60,21 +62,6 @@ SIZES = {
     # float32: fla's kernels in Triton's interpreter return garbage in bfloat16 (gpu_check.py)
     "tiny": dict(B=1, H=1, K=16, T=80, dtype="float32", top=8),
 }
-
-
-def say(*parts) -> None:
-    print(*parts, flush=True)
-
-
-class Records:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, kind: str, **fields) -> dict:
-        rec = {"kind": kind, **fields}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
-        return rec
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int]]:
@@ -129,27 +116,11 @@ class Bench:
         self.dtype = getattr(torch, self.z["dtype"])
 
     def impls(self, op):
-        from gpu_check import KERNEL_OPS
-
-        gate, _ = KERNEL_OPS[op]
-        if op in ("gla", "simple_gla"):
-            raw = self.kb.implementations(gate)
-            return {"triton": raw["triton"], "fla": raw["fla"]}
-        raw = self.kb.delta_impls(gate)
-        return {"triton": raw["delta-triton"], "fla": raw["delta-fla"]}
+        return gpu_check.kernel_impls(op)
 
     def inputs(self, op):
-        from gpu_check import KERNEL_OPS
-
-        gate, _ = KERNEL_OPS[op]
         z = self.z
-        if op in ("gla", "simple_gla"):
-            xs = self.kb.make_inputs(z["B"], z["T"], z["H"], z["K"], z["K"], gate, device=self.device)
-        else:
-            xs = self.kb.delta_inputs(
-                z["B"], z["T"], z["H"], z["H"], z["K"], z["K"], gate, device=self.device
-            )
-        return tuple(x.to(self.dtype) if x.dtype == self.torch.bfloat16 else x for x in xs)
+        return gpu_check.kernel_inputs(op, z["B"], z["T"], z["H"], z["K"], self.dtype, self.device)
 
     def fwd_bwd(self, fn, inputs, do=None):
         """(output, gradients, do): one forward + backward with a fixed output gradient."""
@@ -167,22 +138,15 @@ class Bench:
             self.torch.cuda.synchronize()
 
 
-def rel_rms(got, ref) -> float:
-    got, ref = got.detach().float(), ref.detach().float()
-    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 # ---- children: compile one setting (or fla's op) so that the timing process finds it in the cache ------
 
 
 def child_compile(args) -> int:
     b = Bench(args.tiny)
     if args.child_fla:
-        from gpu_check import cap_autotune, lift_fla_hopper_guard
-
-        lift_fla_hopper_guard()
+        gpu_check.lift_fla_hopper_guard()
         if b.cuda:
-            cap_autotune(args.fla_autotune_configs)
+            gpu_check.cap_autotune(args.fla_autotune_configs)
         for op in args.child_fla.split(","):
             fn = b.impls(op)["fla"]
             if callable(fn):
@@ -232,7 +196,7 @@ def compile_all(args, ops, configs, fla_ops, deadline) -> list[dict]:
 # ---- the timing process --------------------------------------------------------------------------------
 
 
-def sweep(b: Bench, rec: Records, ops, configs, deadline) -> None:
+def sweep(b: Bench, rec: Recorder, ops, configs, deadline) -> None:
     """Each setting's time, and its output and gradients against the shipped setting's."""
     default = shipped()
     for op in ops:
@@ -260,21 +224,18 @@ def sweep(b: Bench, rec: Records, ops, configs, deadline) -> None:
                 set_config(default)
 
 
-def wy_forms(b: Bench, rec: Records, ops, deadline) -> None:
-    """The delta rule's WY part in PyTorch (shipped) and in Triton (EDGEATTN_DELTA_WY=triton): each op's
-    forward + backward time, and the Triton form's output and gradients against PyTorch's."""
-    from edgeattn.kernels import delta_chunk
-
-    shipped_form = delta_chunk.WY
+def wy_forms(b: Bench, rec: Recorder, ops, deadline) -> None:
+    """The delta rule's WY part in PyTorch (shipped, impl "triton") and in Triton (impl "triton-wy",
+    EDGEATTN_DELTA_WY=triton): each op's forward + backward time, and the Triton form's output and gradients
+    against PyTorch's."""
     for op in [o for o in ops if o in ("gated_delta", "kda")]:
-        fn = b.impls(op)["triton"]
+        impls = b.impls(op)
         xs = b.inputs(op)
         ref = None
-        for form in ("torch", "triton"):
+        for form, fn in (("torch", impls["triton"]), ("triton", impls["triton-wy"])):
             if time.time() > deadline:
                 rec.write("skipped", item=f"wy {op} {form}", reason="time budget")
                 continue
-            delta_chunk.WY = form
             try:
                 o, g, do = b.fwd_bwd(fn, xs, None if ref is None else ref[2])
                 if ref is None:
@@ -286,8 +247,6 @@ def wy_forms(b: Bench, rec: Records, ops, deadline) -> None:
             except Exception as e:  # noqa: BLE001
                 rec.write("error", item=f"wy {op} {form}", error=f"{type(e).__name__}: {e}"[:300])
                 say(f"[wy] {op:<12}{form:<7}ERROR {type(e).__name__}: {e}"[:300])
-            finally:
-                delta_chunk.WY = shipped_form
 
 
 def device_time(evt) -> float:
@@ -299,8 +258,7 @@ def device_time(evt) -> float:
     return 0.0
 
 
-def breakdown(b: Bench, rec: Records, op: str, impl: str, fn, xs, top: int) -> None:
-    torch = b.torch
+def breakdown(b: Bench, rec: Recorder, op: str, impl: str, fn, xs, top: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     b.fwd_bwd(fn, xs)  # warm: compiled, autotuned
@@ -329,7 +287,6 @@ def breakdown(b: Bench, rec: Records, op: str, impl: str, fn, xs, top: int) -> N
     rec.write("breakdown_total", op=op, impl=impl, ms=total, kernels=len(rows))
     say(f"[breakdown] {op:<12}{impl:<7}{total:9.3f} ms in {len(rows)} kernels; top: "
         + "; ".join(f"{n[:48]} {m:.3f}" for n, _, m in rows[:4]))  # fmt: skip
-    del torch
 
 
 def markdown(records: list[dict]) -> str:
@@ -374,7 +331,10 @@ def markdown(records: list[dict]) -> str:
     errs = [r for r in records if r["kind"] in ("error", "skipped", "compile") and (r.get("rc") not in (0,))]
     if errs:
         out += ["**errors and skips**", ""]
-        out += [f"- {json.dumps({k: v for k, v in r.items() if k != 'kind'})[:300]}" for r in errs]
+        out += [
+            f"- {json.dumps({k: v for k, v in r.items() if k not in ('kind', 'section')})[:300]}"
+            for r in errs
+        ]
         out.append("")
     return "\n".join(out)
 
@@ -439,6 +399,10 @@ def main(argv=None) -> int:
     if not (args.budget > 0 and math.isfinite(args.budget)):
         print("gpu_profile: --budget must be a positive number of seconds", file=sys.stderr)
         return 2
+    bad_out = gpu_check.check_out_dir(args.out, "gpu_profile")
+    if bad_out:
+        print(bad_out, file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -464,10 +428,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("profile.jsonl", "profile.md"):
         (out / name).unlink(missing_ok=True)
-    rec = Records(out / "profile.jsonl")
-    from gpu_check import environment
-
-    rec.write("env", **environment(args.tiny))
+    rec = Recorder(out / "profile.jsonl", "profile")
+    rec.write("env", **gpu_check.environment(args.tiny))
     ship = shipped()["16bit"]
     if ship not in configs:
         configs = [ship, *configs]
@@ -483,13 +445,11 @@ def main(argv=None) -> int:
 
     b = Bench(args.tiny)
     if fla_ops:
-        from gpu_check import cap_autotune, lift_fla_hopper_guard
-
-        note = lift_fla_hopper_guard()
+        note = gpu_check.lift_fla_hopper_guard()
         if note:
             rec.write("note", text=note)
         if b.cuda:
-            cap_autotune(args.fla_autotune_configs)
+            gpu_check.cap_autotune(args.fla_autotune_configs)
     top = b.z["top"]
     # ours at the default setting first (the why), then the settings, then fla's (compiled by now)
     for op in ops:
@@ -512,7 +472,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             rec.write("error", item=f"breakdown {op} fla", error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc(limit=4, file=sys.stdout)
-    records = [json.loads(line) for line in (out / "profile.jsonl").read_text().splitlines() if line.strip()]
+    records = gpu_check.read_records(out / "profile.jsonl")
     md = markdown(records)
     (out / "profile.md").write_text(md)
     say("\n" + md)

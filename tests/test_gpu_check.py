@@ -175,3 +175,12 @@ def test_the_cap_comes_after_the_autotuners_own_pruning(monkeypatch):
     got = tuned.prune_configs({})
     assert [(c.num_warps, c.num_stages) for c in got] == [(1, 2), (1, 3)]  # capping first would leave none
     assert [c.num_warps for c in gpu_check.pick_configs(configs, 2)] == [4, 4]
+
+
+def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path):
+    f = tmp_path / "results"
+    f.write_text("keep")
+    res = run(f, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and "exists and is not a folder" in res.stderr, res.stderr
+    assert f.read_text() == "keep"

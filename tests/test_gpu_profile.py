@@ -110,3 +110,12 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path):
+    f = tmp_path / "results"
+    f.write_text("keep")
+    res = run(f, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and "exists and is not a folder" in res.stderr, res.stderr
+    assert f.read_text() == "keep"

@@ -293,7 +293,7 @@ def markdown(records: list[dict]) -> str:
     out = ["# Where the kernels' time goes (benchmarks/gpu_profile.py)", ""]
     env = next((r for r in records if r["kind"] == "env"), None)
     if env:
-        out += ["; ".join(f"{k} {v}" for k, v in env.items() if k != "kind"), ""]
+        out += ["; ".join(f"{k} {v}" for k, v in env.items() if k not in ("kind", "section")), ""]
     sw = [r for r in records if r["kind"] == "sweep"]
     if sw:
         out += ["**Launch settings** (WIDE-NARROW-STAGES warps/warps/stages; forward + backward ms; "

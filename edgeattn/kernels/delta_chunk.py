@@ -379,6 +379,28 @@ def wy_form() -> str:
 
 
 @triton.jit
+def chunk_keys(
+    k, gc, bos, i_h, o_t, m_t, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr
+):
+    """One chunk's keys of one head as float32 [BT, BK], their decays exp(b) ([BT, 1] for a whole-head gate,
+    [BT, BK] per key, [1, 1] ones without a gate), and the keys' offsets and masks."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
+    if GATE == 1:
+        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+        b_gam = tl.exp(b_g + b_g_lo)[:, None]
+    elif GATE == 2:
+        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
+        b_gam = tl.exp(b_g + b_g_lo)
+    else:
+        b_gam = tl.full([1, 1], 1.0, tl.float32)
+    return b_k, b_gam, o_k, m_k, o_tk, m_tk
+
+
+@triton.jit
 def wy_fwd_kernel(
     k,
     v,
@@ -422,18 +444,8 @@ def wy_fwd_kernel(
     else:
         b_X = tl.load(p_T)
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
-    if GATE == 1:
-        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
-        b_k *= tl.exp(b_g + b_g_lo)[:, None]
-    elif GATE == 2:
-        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
-        b_k *= tl.exp(b_g + b_g_lo)
-    b_w = dot(b_X, b_beta[:, None] * b_k, PREC)
+    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE)
+    b_w = dot(b_X, b_beta[:, None] * b_k * b_gam, PREC)
     tl.store(w + o_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -487,21 +499,8 @@ def wy_bwd_kernel(
     o_tA = ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :]
     b_P = tl.where(strict, tl.load(P + o_tA, mask=m_t[:, None], other=0), 0)
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
-    if GATE == 1:
-        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
-        b_gam = tl.exp(b_g + b_g_lo)[:, None]
-        b_kg = b_k * b_gam
-    elif GATE == 2:
-        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
-        b_gam = tl.exp(b_g + b_g_lo)
-        b_kg = b_k * b_gam
-    else:
-        b_kg = b_k
+    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE)
+    b_kg = b_k * b_gam
 
     p_h = h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -523,10 +522,7 @@ def wy_bwd_kernel(
     b_Ttdw = dot(b_Tt, b_dw, PREC)
     b_dT += dot(b_dw, tl.trans(b_beta[:, None] * b_kg), PREC)
     b_db += tl.sum(b_kg * b_Ttdw, axis=1)
-    if GATE == 0:
-        b_dkw = b_beta[:, None] * b_Ttdw
-    else:
-        b_dkw = b_beta[:, None] * b_gam * b_Ttdw
+    b_dkw = b_beta[:, None] * b_gam * b_Ttdw
     b_dM = -dot(dot(b_Tt, b_dT, PREC), b_Tt, PREC)
     b_dM = tl.where(strict, b_dM, 0)
     b_db += tl.sum(b_dM * b_P, axis=1)
@@ -537,6 +533,7 @@ def wy_bwd_kernel(
         tl.store(dk + o_tk, b_dkw, mask=m_tk)
     else:
         if GATE == 1:
+            b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
             b_d = (b_g[:, None] - b_g[None, :]) + (b_g_lo[:, None] - b_g_lo[None, :])
             b_dP *= tl.exp(tl.where(strict, b_d, float("-inf")))
         b_row = dot(b_dP, b_k, PREC)

@@ -14,8 +14,11 @@ down):
              chunk_gated_delta_rule and chunk_kda, and causal SDPA; ms (median of CUDA events), TFLOP/s and
              GB/s (benchmarks/kernels.py's FLOP and byte models), the ratio fla ms / ours (> 1: faster than
              fla), and ours against fla on the same inputs (relative RMS of the output and every gradient).
-             The delta rules twice: "triton" (the WY part in PyTorch, shipped) and "triton-wy" (in Triton,
-             EDGEATTN_DELTA_WY=triton). Then, as time allows, the PyTorch chunk forms the kernels replace.
+             Ours in each of its forms (``FORMS``): "triton" (shipped: the delta rule's WY part in PyTorch,
+             the cumulative gates as exact float32 pairs), "triton-f32g" (the gates as float32 sums, fla's
+             form, EDGEATTN_GATE_SUM=float32) and for the delta rules "triton-wy" (the WY part in Triton,
+             EDGEATTN_DELTA_WY=triton) and "triton-wy-f32g". Then, as time allows, the PyTorch chunk forms
+             the kernels replace.
     train    training throughput, bfloat16 autocast, T=2048, batch 8, fused AdamW, gradient clipping:
              edgeattn `gla` and `gated_deltanet` models against fla's GLAForCausalLM and
              GatedDeltaNetForCausalLM of the same shape (117M parameters each: d 768, 12 layers, 6 heads of
@@ -23,6 +26,7 @@ down):
              imported with edgeattn.convert (the same shape by construction). Each library trains as it
              trains: edgeattn's loop (logits, then float32 cross-entropy), fla's model with labels (its
              fused cross-entropy). Tokens/s over the timed steps after warm-up, peak CUDA memory.
+             ``--train-libs`` adds edgeattn's other forms: edgeattn-f32g, edgeattn-wy, edgeattn-wy-f32g.
     decode   the 92.5M GLA (d 768, 12 layers, 12 heads, vocabulary 256, random weights) exported and run by
              the torch backend on CUDA (open_session(backend="torch", device="cuda")): ms/token after a
              prefill of 128 and 16384 tokens, allocated and peak memory at each; then the same model step
@@ -338,21 +342,31 @@ KERNEL_OPS = {
     "gated_delta": ("head", "chunk_gated_delta_rule"),
     "kda": ("key", "chunk_kda"),
 }
+DELTA_OPS = ("gated_delta", "kda")
 
 
 def kernel_impls(op: str) -> dict:
     """impl name -> fn over ``kernel_inputs(op, ...)`` (or a string saying why it is absent): edgeattn's
-    "triton", fla's "fla", the PyTorch chunk form "torch"; for the delta rules also "triton-wy"."""
+    "triton" and its other forms ("triton-f32g"; for the delta rules also "triton-wy", "triton-wy-f32g";
+    ``FORMS``), fla's "fla", the PyTorch chunk form "torch"."""
     import kernels as kb  # benchmarks/kernels.py
 
     gate, _ = KERNEL_OPS[op]
     if op in ("gla", "simple_gla"):
         raw = kb.implementations(gate)
-        return {"triton": raw["triton"], "fla": raw["fla"], "torch": raw["torch"]}
-    raw = kb.delta_impls(gate)
-    named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
-    named["triton-wy"] = wy_in_triton(raw["delta-triton"])
+        named = {"triton": raw["triton"], "fla": raw["fla"], "torch": raw["torch"]}
+    else:
+        raw = kb.delta_impls(gate)
+        named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
+    for suffix, forms in FORMS.items():
+        if suffix and ("wy" not in forms or op in DELTA_OPS):
+            named["triton" + suffix] = in_forms(named["triton"], **forms)
     return named
+
+
+def our_impls(op: str) -> tuple[str, ...]:
+    """The impl names of edgeattn's forms of ``op``, the shipped one first."""
+    return tuple("triton" + suffix for suffix, forms in FORMS.items() if "wy" not in forms or op in DELTA_OPS)
 
 
 def kernel_inputs(op: str, B: int, T: int, H: int, K: int, dtype, device: str) -> tuple:
@@ -453,7 +467,7 @@ def section_kernels(s: Section) -> None:
         inputs = inputs_of(op, T)
         if isinstance(impls["fla"], str):
             s.rec.write("error", item=f"{op} fla", error=impls["fla"])
-        ours = [x for x in ("triton", "triton-wy") if x in impls]
+        ours = [x for x in our_impls(op) if x in impls]
         for impl in ("fla", *ours):
             if callable(impls[impl]):
                 s.item(
@@ -491,18 +505,40 @@ def section_kernels(s: Section) -> None:
 # ---- section: training throughput ------------------------------------------------------------------------
 
 
-def wy_in_triton(fn):
-    """``fn`` (edgeattn's delta rule) with its WY part in Triton (EDGEATTN_DELTA_WY=triton: opt-in until
-    timed here); the backward runs the form its forward ran."""
+# The kernels' forms besides the shipped one, by name suffix: "-wy" the delta rule's WY part in Triton
+# (EDGEATTN_DELTA_WY=triton), "-f32g" the cumulative gates as float32 sums (EDGEATTN_GATE_SUM=float32, fla's
+# form), "-wy-f32g" both. Kernel impls are "triton" + suffix, training libs "edgeattn" + suffix.
+FORMS = {
+    "": {},
+    "-wy": {"wy": "triton"},
+    "-f32g": {"gate_sum": "float32"},
+    "-wy-f32g": {"wy": "triton", "gate_sum": "float32"},
+}
+TRAIN_LIBS = ("fla", *(f"edgeattn{suffix}" for suffix in FORMS))
+
+
+@contextlib.contextmanager
+def kernel_forms(wy: str | None = None, gate_sum: str | None = None):
+    """The delta rule's WY part (``wy``) and the cumulative gates' form (``gate_sum``) set while inside
+    (opt-in forms until timed here); a backward runs the forms its forward ran (the gate sums' form is
+    read off the saved sums)."""
+    from edgeattn.kernels import delta_chunk, utils
+
+    saved = delta_chunk.WY, utils.GATE_SUM
+    delta_chunk.WY = wy or delta_chunk.WY
+    utils.GATE_SUM = gate_sum or utils.GATE_SUM
+    try:
+        yield
+    finally:
+        delta_chunk.WY, utils.GATE_SUM = saved
+
+
+def in_forms(fn, **forms):
+    """``fn`` (edgeattn's kernel) called inside ``kernel_forms(**forms)``."""
 
     def run(*args):
-        from edgeattn.kernels import delta_chunk
-
-        before, delta_chunk.WY = delta_chunk.WY, "triton"
-        try:
+        with kernel_forms(**forms):
             return fn(*args)
-        finally:
-            delta_chunk.WY = before
 
     return run
 
@@ -626,16 +662,16 @@ def section_train(s: Section) -> None:
             del fla_model
             if s.cuda:
                 torch.cuda.empty_cache()
-            edge = None
-            if "edgeattn" in libs:
-                edge = s.item(f"{name} edgeattn import", lambda d=d: load_source(d).model, need=20)
-            if edge is not None:
-                s.item(
-                    f"{name} edgeattn train",
-                    lambda n=name, m=edge: measure(n, "edgeattn", m, edge_loss),
-                    need=20,
-                )
-            del edge
+            for lib in (x for x in TRAIN_LIBS if x in libs and x != "fla"):  # the shipped form first
+                edge = s.item(f"{name} {lib} import", lambda d=d: load_source(d).model, need=20)
+                if edge is None:
+                    continue
+                with kernel_forms(**FORMS[lib.removeprefix("edgeattn")]):
+                    s.item(f"{name} {lib} train", lambda n=name, m=edge, lib=lib: measure(n, lib, m, edge_loss),
+                           need=20)  # fmt: skip
+                del edge
+                if s.cuda:
+                    torch.cuda.empty_cache()
 
 
 # ---- section: decode on CUDA through the torch backend ---------------------------------------------------
@@ -994,7 +1030,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", default=None, help="kernels: some of " + ",".join(KERNEL_OPS))
     ap.add_argument("--models", default=None, help="train: gla and/or gated_deltanet")
     ap.add_argument("--train-batch", type=int, default=None, help="train: sequences per step (default 8)")
-    ap.add_argument("--train-libs", default="fla,edgeattn", help="train: fla and/or edgeattn (default both)")
+    ap.add_argument("--train-libs", default="fla,edgeattn",
+                    help=f"train: some of {', '.join(TRAIN_LIBS)} (FORMS; default fla,edgeattn)")  # fmt: skip
     ap.add_argument(
         "--fla-autotune-configs",
         type=int,
@@ -1094,10 +1131,9 @@ def main(argv=None) -> int:
         print(bad_out, file=sys.stderr)
         return 2
     libs = {x.strip() for x in args.train_libs.split(",") if x.strip()}
-    if not libs or libs - {"fla", "edgeattn"}:
-        print(
-            f"gpu_check: --train-libs: expected fla and/or edgeattn, got {args.train_libs!r}", file=sys.stderr
-        )
+    if not libs or libs - set(TRAIN_LIBS):
+        print(f"gpu_check: --train-libs: expected some of {', '.join(TRAIN_LIBS)}, got {args.train_libs!r}",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         budgets = parse_budgets(args.budgets)

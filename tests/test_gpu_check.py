@@ -34,7 +34,7 @@ def records(out: Path, kind: str) -> list[dict]:
     return [r for r in gpu_check.read_records(out / "results.jsonl") if r["kind"] == kind]
 
 
-def check_run(out: Path, ops: list[str], models: list[str]) -> None:
+def check_run(out: Path, ops: list[str], models: list[str], libs=("fla", "edgeattn")) -> None:
     statuses = {r["section"]: r["status"] for r in records(out, "section")}
     assert statuses == dict.fromkeys(gpu_check.SECTIONS, "ok"), statuses
     errors = [r for r in records(out, "error")]
@@ -46,7 +46,11 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
     assert all(t["outcome"] == "passed" for t in records(out, "test"))
 
     times = {(r["op"], r["impl"]) for r in records(out, "kernel_time")}
-    ours = {op: ("triton", "triton-wy") if op in ("gated_delta", "kda") else ("triton",) for op in ops}
+    ours = {op: gpu_check.our_impls(op) for op in ops}
+    assert ours.get("gated_delta", ("triton", "triton-wy", "triton-f32g", "triton-wy-f32g")) == (
+        "triton", "triton-wy", "triton-f32g", "triton-wy-f32g",
+    )  # fmt: skip
+    assert ours.get("simple_gla", ("triton", "triton-f32g")) == ("triton", "triton-f32g")
     want = {(op, impl) for op in ops for impl in ("fla", "torch", *ours[op])} | {("sdpa", "sdpa")}
     assert times == want
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 for r in records(out, "kernel_time"))
@@ -58,12 +62,13 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
         assert r["max_rel_rms"] < 1e-4, (op, r["rel_rms"])
 
     train = {(r["model"], r["lib"]): r for r in records(out, "train")}
-    assert sorted(train) == sorted((m, lib) for m in models for lib in ("fla", "edgeattn"))
+    assert sorted(train) == sorted((m, lib) for m in models for lib in libs)
     for m in models:  # the same shape by construction: fla's model imported (its output norm, one head wide
         # and shared by the heads, is tiled over them: a few parameters more)
         edge, fla = train[(m, "edgeattn")]["params"], train[(m, "fla")]["params"]
         assert fla <= edge <= fla * 1.01, (edge, fla)
-        assert train[(m, "edgeattn")]["tokens_per_s"] > 0 and train[(m, "edgeattn")]["vs_fla"] > 0
+        for lib in libs[1:]:
+            assert train[(m, lib)]["tokens_per_s"] > 0 and train[(m, lib)]["vs_fla"] > 0
 
     decode = records(out, "decode")
     assert [r["context"] for r in decode] == list(gpu_check.SIZES["tiny"]["decode"]["contexts"])
@@ -78,9 +83,11 @@ def check_run(out: Path, ops: list[str], models: list[str]) -> None:
 
 def test_tiny_run_of_every_section(tmp_path):
     out = tmp_path / "out"
-    res = run(out, "--ops", "simple_gla,gated_delta", "--models", "gla", "--tests-k", FAST_TEST)
+    libs = ("fla", "edgeattn", "edgeattn-f32g")
+    res = run(out, "--ops", "simple_gla,gated_delta", "--models", "gla", "--tests-k", FAST_TEST,
+              "--train-libs", ",".join(libs))  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    check_run(out, ["simple_gla", "gated_delta"], ["gla"])
+    check_run(out, ["simple_gla", "gated_delta"], ["gla"], libs)
     assert "| path | context |" in res.stdout  # the tables are printed last
 
 
@@ -116,7 +123,10 @@ def test_a_section_past_its_budget_is_killed_and_the_next_runs(tmp_path, monkeyp
         (["--sections", "tests,bogus"], "unknown ['bogus']"),
         (["--budgets", "tests=soon"], "'tests=soon' is not SECTION=SECONDS"),
         (["--budgets", "nope=3"], "unknown section 'nope'"),
-        (["--train-libs", "fla,torch"], "--train-libs: expected fla and/or edgeattn"),
+        (
+            ["--train-libs", "fla,torch"],
+            "--train-libs: expected some of fla, edgeattn, edgeattn-wy, edgeattn-f32g",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
@@ -184,3 +194,17 @@ def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path):
     assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().count("\n") == 0 and "exists and is not a folder" in res.stderr, res.stderr
     assert f.read_text() == "keep"
+
+
+def test_kernel_forms_are_set_inside_and_restored_after():
+    import torch
+
+    from edgeattn.kernels import delta_chunk, utils
+
+    g = torch.zeros(1, 4, 1, 2)
+    with gpu_check.kernel_forms(**gpu_check.FORMS["-wy-f32g"]):
+        assert delta_chunk.wy_form() == "triton"
+        assert utils.chunk_local_cumsum(g, 16).shape == (1, 4, 1, 2, 1)  # float32 sums
+    assert delta_chunk.wy_form() == "torch" and utils.chunk_local_cumsum(g, 16).shape == (1, 4, 1, 2, 2)
+    seen = gpu_check.in_forms(lambda: (delta_chunk.WY, utils.GATE_SUM), gate_sum="float32")()
+    assert seen == ("torch", "float32") and utils.GATE_SUM == "pair"

@@ -406,3 +406,52 @@ def test_chunk_local_cumsum_against_a_float64_cumsum_within_each_chunk(G):
     got = gc[..., 0].double() + gc[..., 1].double()
     assert torch.allclose(got, ref, rtol=1e-12, atol=1e-9), (got - ref).abs().max()
     assert torch.equal(gc[..., 0], ref.float())  # hi is the float64 sum rounded
+
+
+# -- float32 gate sums (EDGEATTN_GATE_SUM=float32, fla's form) -------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["head_token", "key"])
+def test_chunk_float32_gate_sums(monkeypatch, gate, dtype):
+    monkeypatch.setenv("EDGEATTN_GATE_SUM", "float32")
+    check_kernel(chunk_gated_recurrence_kernel, 70, 16, 16, gate, dtype=dtype, B=1)
+
+
+@pytest.mark.parametrize("gate", ["head_token", "key"])
+def test_chunk_float32_gate_sums_lose_precision_after_minus_1e4(monkeypatch, gate):
+    # The trade of the float32 form: after a -1e4 gate the sums are near -1e4 or below, where float32's
+    # spacing is 1e-3, so exp of their differences is off by a relative 1e-3 (measured: 2.1-2.5e-3 of the
+    # output in the interpreter, against 9e-8 with the pairs, which test_chunk_gates_down_to_minus_1e4
+    # holds to 1e-5). Within bfloat16 training's 1e-2.
+    monkeypatch.setenv("EDGEATTN_GATE_SUM", "float32")
+    check_kernel(chunk_gated_recurrence_kernel, 70, 16, 16, gate, B=1, strong=True, tol=1e-2)
+
+
+@pytest.mark.parametrize("G", [1, 80])
+def test_chunk_local_cumsum_float32_form_against_a_float64_cumsum(G):
+    from edgeattn.kernels.utils import chunk_local_cumsum
+
+    gen = torch.Generator().manual_seed(0)
+    T, BT = 100, 64
+    g = (-torch.rand(2, T, 3, G, generator=gen) * 5).float()
+    gc = chunk_local_cumsum(g.to(DEVICE), BT, form="float32").cpu()
+    assert gc.shape == (2, T, 3, G, 1) and gc.dtype == torch.float32
+    ref = torch.cat([c.double().cumsum(1) for c in g.split(BT, dim=1)], dim=1)
+    assert torch.allclose(gc[..., 0].double(), ref, rtol=1e-5, atol=1e-5), (
+        (gc[..., 0].double() - ref).abs().max()
+    )
+
+
+def test_gate_sum_form_from_the_environment(monkeypatch):
+    from edgeattn.kernels import utils
+
+    monkeypatch.setenv("EDGEATTN_GATE_SUM", " Float32")
+    assert utils.gate_sum_form() == "float32"
+    monkeypatch.setenv("EDGEATTN_GATE_SUM", "bf16")
+    with pytest.raises(ValueError, match="EDGEATTN_GATE_SUM must be one of pair, float32, got 'bf16'"):
+        utils.gate_sum_form()
+    monkeypatch.delenv("EDGEATTN_GATE_SUM")
+    assert utils.gate_sum_form() == utils.GATE_SUM == "pair"
+    with pytest.raises(ValueError, match="must be one of pair, float32, got 'f64'"):
+        utils.chunk_local_cumsum(torch.zeros(1, 4, 1, 1, device=DEVICE), 16, form="f64")

@@ -424,6 +424,20 @@ def test_wy_form_from_the_environment(monkeypatch):
     assert delta_chunk.wy_form() == delta_chunk.WY == "torch"
 
 
+@pytest.mark.parametrize("wy", ["torch", "triton"])
+@pytest.mark.parametrize("gate", ["head", "key"])
+def test_float32_gate_sums(monkeypatch, gate, wy):
+    """EDGEATTN_GATE_SUM=float32 (fla's form of the cumulative gates) through both WY parts."""
+    from edgeattn.kernels import delta_chunk
+
+    monkeypatch.setenv("EDGEATTN_GATE_SUM", "float32")
+    monkeypatch.setattr(delta_chunk, "WY", wy)
+    T, chunk = (65, 64) if gate != "key" else (20, 16)
+    check(1, T, 1, 2, 16, 16, gate, scale=K_SCALE.get(gate), chunk_size=chunk)
+    # after -1e4 gates float32 sums lose a relative 1e-3 (measured 3.5-7.1e-4 of the output; pairs: 1.6e-7)
+    check(1, 20, 1, 1, 16, 16, gate, strong=True, chunk_size=16, tol=1e-2)
+
+
 _COMPILE_WY = """
 import triton
 from triton.backends.compiler import GPUTarget

@@ -71,6 +71,7 @@ from edgeattn.kernels.utils import (
     gate_head,
     gate_row,
     gate_rows,
+    gate_stride,
     load_state,
     state_block,
 )
@@ -100,6 +101,7 @@ def chunk_delta_fwd_h_kernel(
     BV: tl.constexpr,
     GATE: tl.constexpr,
     USE_H0: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # h[n] (the state before chunk n) and v_new = u - w h[n] for every chunk, then the final state.
@@ -132,7 +134,7 @@ def chunk_delta_fwd_h_kernel(
         tl.store(vn + o_tv, b_v, mask=m_tv)
         b_k = tl.load(k + o_tk, mask=m_tk, other=0)
         b_h, b_k = decay_to_chunk_end(
-            b_h, b_k, gc, bos, i_h, o_t, o_k, m_k, r_last, T, H, K, GATE, b_v.dtype, PREC
+            b_h, b_k, gc, bos, i_h, o_t, o_k, m_k, r_last, T, H, K, GATE, GS, b_v.dtype, PREC
         )
         b_h += dot(tl.trans(b_k), b_v, PREC)
     tl.store(ht + i_bh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
@@ -159,6 +161,7 @@ def chunk_delta_bwd_dhu_kernel(
     BV: tl.constexpr,
     GATE: tl.constexpr,
     USE_DHT: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # From the last chunk back: dh[n] (the gradient of h[n + 1]), dv_new of chunk n, then
@@ -195,15 +198,15 @@ def chunk_delta_bwd_dhu_kernel(
         b_do = cast(tl.load(do + o_tv, mask=m_tv, other=0), b_k.dtype, PREC)
         b_A = tl.load(A + o_t[:, None] * (H * BT) + tl.arange(0, BT)[None, :], mask=m_t[:, None], other=0)
         if GATE == 1:
-            p_g = gc + 2 * (bos * H + i_h)
-            b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+            p_g = gc + GS * (bos * H + i_h)
+            b_g, b_g_lo = gate_head(p_g, o_t, T, H, GS)
+            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H, GS)
             b_q = cast(b_q * tl.exp(b_g + b_g_lo)[:, None], b_q.dtype, PREC)
             b_k = cast(b_k * tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None], b_k.dtype, PREC)
         elif GATE == 2:
-            p_g = gc + 2 * (bos * H + i_h) * K
-            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+            p_g = gc + GS * (bos * H + i_h) * K
+            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K, GS)
+            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K, GS)
             b_q = cast(b_q * tl.exp(b_g + b_g_lo), b_q.dtype, PREC)
             b_k = cast(b_k * tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo)), b_k.dtype, PREC)
         b_dv = dot(cast(tl.trans(b_A), b_do.dtype, PREC), b_do, PREC)
@@ -245,7 +248,8 @@ def chunk_delta_fwd_h(k, w, u, gc, h0, BT: int):
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_delta_fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, gc, h, vn, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_H0=h0 is not None, PREC=dot_precision(k.dtype), num_warps=launch(k.dtype)[0], num_stages=stages,
+        USE_H0=h0 is not None, GS=gate_stride(gc), PREC=dot_precision(k.dtype),
+        num_warps=launch(k.dtype)[0], num_stages=stages,
     )  # fmt: skip
     return h, vn, ht
 
@@ -262,7 +266,8 @@ def chunk_delta_bwd_dhu(q, k, w, gc, A, do, dht, BT: int):
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     chunk_delta_bwd_dhu_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, w, gc, A, do, dh, dv, dht, dh0, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=_gate_kind(gc),
-        USE_DHT=dht is not None, PREC=dot_precision(q.dtype), num_warps=launch(q.dtype)[0], num_stages=stages,
+        USE_DHT=dht is not None, GS=gate_stride(gc), PREC=dot_precision(q.dtype),
+        num_warps=launch(q.dtype)[0], num_stages=stages,
     )  # fmt: skip
     return dh, dv, dh0
 
@@ -292,7 +297,8 @@ def gate_factors(gc, BT: int):
     for a whole-head gate (None for a per-key one)) from the cumulative gates, or (None, None)."""
     if gc is None:
         return None, None
-    hi, lo = chunked(gc[..., 0], BT, pad_last=True), chunked(gc[..., 1], BT, pad_last=True)
+    hi = chunked(gc[..., 0], BT, pad_last=True)
+    lo = chunked(gc[..., 1], BT, pad_last=True) if gc.shape[-1] == 2 else torch.zeros_like(hi)
     gamma = torch.exp(hi + lo)
     if gc.shape[-2] != 1:
         return gamma, None
@@ -354,7 +360,7 @@ def intra_gk_bwd(k, gc, dP, BT: int):
     dk_row = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
-        k, k, gc, dP, dk_row, dk_col, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=dot_precision(k.dtype),
+        k, k, gc, dP, dk_row, dk_col, T, H=H, K=K, BT=BT, BC=BC, BK=BK, GS=gate_stride(gc), PREC=dot_precision(k.dtype),
         **narrow(k.dtype),
     )  # fmt: skip
     return dk_row, dk_col
@@ -380,7 +386,18 @@ def wy_form() -> str:
 
 @triton.jit
 def chunk_keys(
-    k, gc, bos, i_h, o_t, m_t, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr
+    k,
+    gc,
+    bos,
+    i_h,
+    o_t,
+    m_t,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    GATE: tl.constexpr,
+    GS: tl.constexpr,
 ):
     """One chunk's keys of one head as float32 [BT, BK], their decays exp(b) ([BT, 1] for a whole-head gate,
     [BT, BK] per key, [1, 1] ones without a gate), and the keys' offsets and masks."""
@@ -390,10 +407,10 @@ def chunk_keys(
     o_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_k = tl.load(k + o_tk, mask=m_tk, other=0).to(tl.float32)
     if GATE == 1:
-        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+        b_g, b_g_lo = gate_head(gc + GS * (bos * H + i_h), o_t, T, H, GS)
         b_gam = tl.exp(b_g + b_g_lo)[:, None]
     elif GATE == 2:
-        b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
+        b_g, b_g_lo = gate_rows(gc + GS * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K, GS)
         b_gam = tl.exp(b_g + b_g_lo)
     else:
         b_gam = tl.full([1, 1], 1.0, tl.float32)
@@ -419,6 +436,7 @@ def wy_fwd_kernel(
     BV: tl.constexpr,
     GATE: tl.constexpr,
     SOLVE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # One chunk of one head: Tinv = (I + diag(beta) P_strict)^-1 by forward substitution (SOLVE; else read
@@ -444,7 +462,7 @@ def wy_fwd_kernel(
     else:
         b_X = tl.load(p_T)
 
-    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE)
+    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE, GS)
     b_w = dot(b_X, b_beta[:, None] * b_k * b_gam, PREC)
     tl.store(w + o_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
@@ -479,6 +497,7 @@ def wy_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # The backward of v_new = u - w h[n] through w, u, Tinv and P, one chunk of one head (wy_bwd's
@@ -499,7 +518,7 @@ def wy_bwd_kernel(
     o_tA = ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :]
     b_P = tl.where(strict, tl.load(P + o_tA, mask=m_t[:, None], other=0), 0)
 
-    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE)
+    b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE, GS)
     b_kg = b_k * b_gam
 
     p_h = h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
@@ -533,7 +552,7 @@ def wy_bwd_kernel(
         tl.store(dk + o_tk, b_dkw, mask=m_tk)
     else:
         if GATE == 1:
-            b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+            b_g, b_g_lo = gate_head(gc + GS * (bos * H + i_h), o_t, T, H, GS)
             b_d = (b_g[:, None] - b_g[None, :]) + (b_g_lo[:, None] - b_g_lo[None, :])
             b_dP *= tl.exp(tl.where(strict, b_d, float("-inf")))
         b_row = dot(b_dP, b_k, PREC)
@@ -564,7 +583,7 @@ def wy_fwd_triton(k, v, beta, gc, P, BT: int, Tinv=None):
     u = torch.empty_like(v)
     wy_fwd_kernel[(NT, B * H)](
         k, v, beta, gc, P, Tinv, w, u, T, H=H, K=K, V=V, BT=BT, BK=block_size(K), BV=block_size(V, 64),
-        GATE=_gate_kind(gc), SOLVE=solve, PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+        GATE=_gate_kind(gc), SOLVE=solve, GS=gate_stride(gc), PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
     )  # fmt: skip
     return Tinv, w, u
 
@@ -584,7 +603,7 @@ def wy_bwd_triton(k, v, beta, gc, P, Tinv, h, dvn, BT: int):
     db = torch.empty(B, T, H, dtype=torch.float32, device=k.device) if gate == 1 else None
     wy_bwd_kernel[(NT, B * H)](
         k, v, beta, gc, P, Tinv, h, dvn, dv, dbeta, dk, dP, db, T, H=H, K=K, V=V, BT=BT, BK=block_size(K),
-        BV=block_size(V, 32), GATE=gate, PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+        BV=block_size(V, 32), GATE=gate, GS=gate_stride(gc), PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
     )  # fmt: skip
     if gate == 1:
         return dv, dbeta, dk, db.unsqueeze(-1)

@@ -45,6 +45,7 @@ from edgeattn.kernels.utils import (
     gate_head,
     gate_row,
     gate_rows,
+    gate_stride,
     load_state,
     state_block,
 )
@@ -90,6 +91,7 @@ def chunk_fwd_A_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # A[t, i] = q_t . k_i * exp(b_t - b_i) for i <= t; no gate (GATE = 0) or a whole-head gate (1).
@@ -113,7 +115,7 @@ def chunk_fwd_A_kernel(
         b_A += dot(b_q, tl.trans(b_k), PREC)
     m_A = o_i[:, None] >= o_i[None, :]
     if GATE == 1:
-        b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+        b_g, b_g_lo = gate_head(gc + GS * (bos * H + i_h), o_t, T, H, GS)
         b_d = (b_g[:, None] - b_g[None, :]) + (b_g_lo[:, None] - b_g_lo[None, :])
         b_A *= tl.exp(tl.where(m_A, b_d, float("-inf")))
     else:
@@ -133,6 +135,7 @@ def chunk_fwd_A_gk_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # Per-key gate, one program per sub-chunk row block i of A: A[t, j] = sum_k q_tk k_jk exp(b_tk - b_jk).
@@ -143,7 +146,7 @@ def chunk_fwd_A_gk_kernel(
     bos = i_b.to(tl.int64) * T
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
-    gc += 2 * (bos * H + i_h) * K
+    gc += GS * (bos * H + i_h) * K
     A += (bos * H + i_h) * BT
 
     o_c = tl.arange(0, BC)
@@ -166,9 +169,9 @@ def chunk_fwd_A_gk_kernel(
             b_k = tl.load(
                 k + o_j[:, None] * (H * K) + o_k[None, :], mask=(o_j < T)[:, None] & m_k[None, :], other=0
             )
-            b_gr, b_gr_lo = gate_row(gc, r_ref, o_k, m_k, T, H * K)
-            b_gq, b_gq_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K)
-            b_gk, b_gk_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K)
+            b_gr, b_gr_lo = gate_row(gc, r_ref, o_k, m_k, T, H * K, GS)
+            b_gq, b_gq_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K, GS)
+            b_gk, b_gk_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K, GS)
             b_qg = b_q * tl.exp((b_gq - b_gr[None, :]) + (b_gq_lo - b_gr_lo[None, :]))
             b_kg = b_k * tl.exp((b_gr[None, :] - b_gk) + (b_gr_lo[None, :] - b_gk_lo))
             b_A += dot(cast(b_qg, b_q.dtype, PREC), tl.trans(cast(b_kg, b_k.dtype, PREC)), PREC)
@@ -181,11 +184,11 @@ def chunk_fwd_A_gk_kernel(
         m_k = o_k < K
         b_q = tl.load(q + o_i[:, None] * (H * K) + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0)
         b_q = b_q.to(tl.float32)
-        b_gq, b_gq_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K)
+        b_gq, b_gq_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K, GS)
         for jj in range(0, tl.minimum(BC, T - r_ref)):  # a padded column only meets padded rows
             r = r_ref + jj
             b_kj = tl.load(k + r * (H * K) + o_k, mask=m_k, other=0).to(tl.float32)
-            b_gj, b_gj_lo = gate_row(gc, r, o_k, m_k, T, H * K)
+            b_gj, b_gj_lo = gate_row(gc, r, o_k, m_k, T, H * K, GS)
             b_d = (b_gq - b_gj[None, :]) + (b_gq_lo - b_gj_lo[None, :])
             b_e = tl.exp(tl.where((o_c >= jj)[:, None], b_d, float("-inf")))
             b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
@@ -212,6 +215,7 @@ def chunk_fwd_h_kernel(
     BV: tl.constexpr,
     GATE: tl.constexpr,
     USE_H0: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # h[n] (the state before chunk n) for every chunk, then the final state.
@@ -234,7 +238,7 @@ def chunk_fwd_h_kernel(
         b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
         b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
         b_h, b_k = decay_to_chunk_end(
-            b_h, b_k, gc, bos, i_h, o_t, o_k, m_k, r_last, T, H, K, GATE, b_v.dtype, PREC
+            b_h, b_k, gc, bos, i_h, o_t, o_k, m_k, r_last, T, H, K, GATE, GS, b_v.dtype, PREC
         )
         b_h += dot(tl.trans(b_k), b_v, PREC)
     tl.store(ht + i_bh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
@@ -256,6 +260,7 @@ def chunk_fwd_o_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # o = (q * exp(b)) h[n] + A v
@@ -279,10 +284,10 @@ def chunk_fwd_o_kernel(
         m_k = o_k < K
         b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
         if GATE == 1:
-            b_g, b_g_lo = gate_head(gc + 2 * (bos * H + i_h), o_t, T, H)
+            b_g, b_g_lo = gate_head(gc + GS * (bos * H + i_h), o_t, T, H, GS)
             b_q = cast(b_q * tl.exp(b_g + b_g_lo)[:, None], b_q.dtype, PREC)
         elif GATE == 2:
-            b_g, b_g_lo = gate_rows(gc + 2 * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K)
+            b_g, b_g_lo = gate_rows(gc + GS * (bos * H + i_h) * K, o_t, o_k, m_k, T, H * K, GS)
             b_q = cast(b_q * tl.exp(b_g + b_g_lo), b_q.dtype, PREC)
         b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_o += dot(b_q, cast(b_h, b_q.dtype, PREC), PREC)
@@ -311,6 +316,7 @@ def chunk_bwd_dh_kernel(
     BV: tl.constexpr,
     GATE: tl.constexpr,
     USE_DHT: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # dh[n]: the gradient of the state after chunk n (of h[n + 1]), from the last chunk back; then
@@ -335,15 +341,15 @@ def chunk_bwd_dh_kernel(
         b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
         b_do = tl.load(do + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
         if GATE == 1:
-            p_g = gc + 2 * (bos * H + i_h)
-            b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+            p_g = gc + GS * (bos * H + i_h)
+            b_g, b_g_lo = gate_head(p_g, o_t, T, H, GS)
+            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H, GS)
             b_dh *= tl.exp(b_gn + b_gn_lo)
             b_q = cast(b_q * tl.exp(b_g + b_g_lo)[:, None], b_q.dtype, PREC)
         elif GATE == 2:
-            p_g = gc + 2 * (bos * H + i_h) * K
-            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+            p_g = gc + GS * (bos * H + i_h) * K
+            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K, GS)
+            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K, GS)
             b_dh *= tl.exp(b_gn + b_gn_lo)[:, None]
             b_q = cast(b_q * tl.exp(b_g + b_g_lo), b_q.dtype, PREC)
         b_dh += dot(tl.trans(b_q), cast(b_do, b_q.dtype, PREC), PREC)
@@ -401,6 +407,7 @@ def chunk_bwd_dv_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # dv = A^T do + (k * exp(b_L - b)) dh[n]
@@ -430,14 +437,14 @@ def chunk_bwd_dv_kernel(
         m_k = o_k < K
         b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
         if GATE == 1:
-            p_g = gc + 2 * (bos * H + i_h)
-            b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+            p_g = gc + GS * (bos * H + i_h)
+            b_g, b_g_lo = gate_head(p_g, o_t, T, H, GS)
+            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H, GS)
             b_k = cast(b_k * tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None], b_k.dtype, PREC)
         elif GATE == 2:
-            p_g = gc + 2 * (bos * H + i_h) * K
-            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+            p_g = gc + GS * (bos * H + i_h) * K
+            b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K, GS)
+            b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K, GS)
             b_k = cast(b_k * tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo)), b_k.dtype, PREC)
         b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_dv += dot(b_k, cast(b_dh, b_k.dtype, PREC), PREC)
@@ -458,6 +465,7 @@ def chunk_bwd_dqk_intra_gk_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # Per-key gate, the intra-chunk part of dq and dk for the rows of sub-chunk block i:
@@ -469,7 +477,7 @@ def chunk_bwd_dqk_intra_gk_kernel(
     bos = i_b.to(tl.int64) * T
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
-    gc += 2 * (bos * H + i_h) * K
+    gc += GS * (bos * H + i_h) * K
     dq += (bos * H + i_h) * K
     dk += (bos * H + i_h) * K
     dA += (bos * H + i_h) * BT
@@ -482,30 +490,30 @@ def chunk_bwd_dqk_intra_gk_kernel(
     r_first = i_t * BT + i_i * BC
     if r_first >= T:  # a block of padding: nothing to write
         return
-    b_gi, b_gi_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K)
+    b_gi, b_gi_lo = gate_rows(gc, o_i, o_k, m_k, T, H * K, GS)
 
     # dq from the blocks j < i, through the first row of block i
-    b_gr, b_gr_lo = gate_row(gc, r_first, o_k, m_k, T, H * K)
+    b_gr, b_gr_lo = gate_row(gc, r_first, o_k, m_k, T, H * K, GS)
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     for j in range(0, i_i):
         o_j = i_t * BT + j * BC + o_c
         b_k = tl.load(
             k + o_j[:, None] * (H * K) + o_k[None, :], mask=(o_j < T)[:, None] & m_k[None, :], other=0
         )
-        b_gk, b_gk_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K)
+        b_gk, b_gk_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K, GS)
         b_kg = cast(b_k * tl.exp((b_gr[None, :] - b_gk) + (b_gr_lo[None, :] - b_gk_lo)), b_k.dtype, PREC)
         b_dA = tl.load(dA + o_i[:, None] * (H * BT) + j * BC + o_c[None, :], mask=m_i[:, None], other=0)
         b_dq += dot(cast(b_dA, b_k.dtype, PREC), b_kg, PREC)
     b_dq *= tl.exp((b_gi - b_gr[None, :]) + (b_gi_lo - b_gr_lo[None, :]))
 
     # dk from the blocks j > i, through the last row of block i
-    b_gr, b_gr_lo = gate_row(gc, r_first + BC - 1, o_k, m_k, T, H * K)
+    b_gr, b_gr_lo = gate_row(gc, r_first + BC - 1, o_k, m_k, T, H * K, GS)
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
     for j in range(i_i + 1, tl.minimum(NC, tl.cdiv(T - i_t * BT, BC))):
         o_j = i_t * BT + j * BC + o_c
         m_j = o_j < T
         b_q = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0)
-        b_gq, b_gq_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K)
+        b_gq, b_gq_lo = gate_rows(gc, o_j, o_k, m_k, T, H * K, GS)
         b_qg = cast(b_q * tl.exp((b_gq - b_gr[None, :]) + (b_gq_lo - b_gr_lo[None, :])), b_q.dtype, PREC)
         b_dA = tl.load(dA + o_j[:, None] * (H * BT) + i_i * BC + o_c[None, :], mask=m_j[:, None], other=0)
         b_dk += dot(cast(tl.trans(b_dA), b_q.dtype, PREC), b_qg, PREC)
@@ -516,7 +524,7 @@ def chunk_bwd_dqk_intra_gk_kernel(
         r = r_first + jj
         b_qj = tl.load(q + r * (H * K) + o_k, mask=m_k, other=0).to(tl.float32)
         b_kj = tl.load(k + r * (H * K) + o_k, mask=m_k, other=0).to(tl.float32)
-        b_gj, b_gj_lo = gate_row(gc, r, o_k, m_k, T, H * K)
+        b_gj, b_gj_lo = gate_row(gc, r, o_k, m_k, T, H * K, GS)
         b_dAc = tl.load(dA + o_i * (H * BT) + i_i * BC + jj, mask=m_i, other=0)  # dA[t, jj]
         b_dAr = tl.load(dA + r * (H * BT) + i_i * BC + o_c)  # dA[jj, t]
         b_d = (b_gi - b_gj[None, :]) + (b_gi_lo - b_gj_lo[None, :])  # b_t - b_jj
@@ -551,6 +559,7 @@ def chunk_bwd_dqk_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # dq = exp(b) * (do h[n]^T) + intra,   dk = exp(b_L - b) * (v dh[n]^T) + intra.
@@ -603,9 +612,9 @@ def chunk_bwd_dqk_kernel(
     b_q = tl.load(q + o_tk, mask=m_tk, other=0)
     b_k = tl.load(k + o_tk, mask=m_tk, other=0)
     if GATE == 2:
-        p_g = gc + 2 * (bos * H + i_h) * K
-        b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-        b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+        p_g = gc + GS * (bos * H + i_h) * K
+        b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K, GS)
+        b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K, GS)
         b_dq = b_dq * tl.exp(b_g + b_g_lo) + tl.load(dq + o_tk, mask=m_tk, other=0)
         b_dk *= tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo))
         # sum_v h[n + 1] * dh[n], from h[n] and the chunk's own part of dk
@@ -614,9 +623,9 @@ def chunk_bwd_dqk_kernel(
     else:
         b_dA = tl.load(dA + o_t[:, None] * (H * BT) + o_i[None, :], mask=m_t[:, None], other=0)
         if GATE == 1:
-            p_g = gc + 2 * (bos * H + i_h)
-            b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+            p_g = gc + GS * (bos * H + i_h)
+            b_g, b_g_lo = gate_head(p_g, o_t, T, H, GS)
+            b_gn, b_gn_lo = gate_head(p_g, r_last, T, H, GS)
             b_dq *= tl.exp(b_g + b_g_lo)[:, None]
             b_dk *= tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None]
             b_hdh = b_hdh * tl.exp(b_gn + b_gn_lo) + tl.sum(b_k * b_dk, axis=0)
@@ -651,7 +660,7 @@ def chunk_fwd_h(k, v, gc, h0, BT: int):
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_fwd_h_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         k, v, gc, h, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=_gate_kind(gc), USE_H0=h0 is not None, PREC=dot_precision(k.dtype), **wide(k.dtype),
+        GATE=_gate_kind(gc), USE_H0=h0 is not None, GS=gate_stride(gc), PREC=dot_precision(k.dtype), **wide(k.dtype),
     )  # fmt: skip
     return h, ht
 
@@ -665,11 +674,11 @@ def chunk_fwd_A(q, k, gc, BT: int):
     A = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
     if gate == 2:
         chunk_fwd_A_gk_kernel[(NT * (BT // BC), B * H)](
-            q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **narrow(q.dtype)
+            q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, GS=gate_stride(gc), PREC=prec, **narrow(q.dtype)
         )
     else:
         chunk_fwd_A_kernel[(NT, B * H)](
-            q, k, gc, A, T, H=H, K=K, BT=BT, BK=BK, GATE=gate, PREC=prec, **wide(q.dtype)
+            q, k, gc, A, T, H=H, K=K, BT=BT, BK=BK, GATE=gate, GS=gate_stride(gc), PREC=prec, **wide(q.dtype)
         )
     return A
 
@@ -683,7 +692,7 @@ def chunk_fwd_o(q, v, gc, h, A, BT: int):
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     chunk_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
         q, v, gc, h, A, o, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=_gate_kind(gc), PREC=dot_precision(q.dtype), **wide(q.dtype),
+        GATE=_gate_kind(gc), GS=gate_stride(gc), PREC=dot_precision(q.dtype), **wide(q.dtype),
     )  # fmt: skip
     return o
 
@@ -719,12 +728,26 @@ def chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT: int):
     dg = None if gate == 0 else torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     if gate == 2:
         chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
-            q, k, gc, dA, dq, dk, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **narrow(q.dtype)
+            q,
+            k,
+            gc,
+            dA,
+            dq,
+            dk,
+            T,
+            H=H,
+            K=K,
+            BT=BT,
+            BC=BC,
+            BK=BK,
+            GS=gate_stride(gc),
+            PREC=prec,
+            **narrow(q.dtype),
         )
     chunk_bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, T, H=H, K=K, V=V, BT=BT, BK=BK,
         BV=block_size(V, 32),  # [BT, BK] dq, dk and [BT, BT] dA are live across the V loop
-        GATE=gate, PREC=prec, **wide(q.dtype),
+        GATE=gate, GS=gate_stride(gc), PREC=prec, **wide(q.dtype),
     )  # fmt: skip
     return dq, dk, dg
 
@@ -742,14 +765,14 @@ def chunk_bwd(q, k, v, gc, A, h0, do, dht, BT: int):
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     chunk_bwd_dh_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         q, do, gc, dh, dht, dh0, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=gate, USE_DHT=dht is not None, PREC=prec, **wide(q.dtype),
+        GATE=gate, USE_DHT=dht is not None, GS=gate_stride(gc), PREC=prec, **wide(q.dtype),
     )  # fmt: skip
 
     dA = chunk_bwd_dA(v, do, BT)
     dv = torch.empty_like(v)
     chunk_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
         k, gc, A, do, dh, dv, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=gate, PREC=prec, **wide(q.dtype),
+        GATE=gate, GS=gate_stride(gc), PREC=prec, **wide(q.dtype),
     )  # fmt: skip
     dq, dk, dg = chunk_bwd_dqk(q, k, v, gc, h, do, dh, dA, BT)
     if gate == 1:

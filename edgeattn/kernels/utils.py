@@ -5,6 +5,8 @@ i reaches token t of the same chunk with weight ``exp(b_t - b_i) <= 1``. After a
 are large and float32 would lose their small differences (its spacing at 1e4 is 1e-3), so the sums
 are taken in float64 and kept as two float32 halves, ``b = hi + lo`` (``gc [B, T, H, G, 2]``), and
 differences are taken as ``(hi_t - hi_i) + (lo_t - lo_i)``: exact where ``exp`` of them is not 0.
+``EDGEATTN_GATE_SUM=float32`` keeps float32 sums instead (``gc [B, T, H, G, 1]``, fla's form; ``GS`` = 1
+in the kernels, whose ``lo`` is then 0).
 
 Backward (``gate_grad``): with ``B_t = sum_{j<=t} g_j`` the output depends on ``B`` only through
 ``q_t exp(B_t)``, ``k_t exp(-B_t)`` and the factor ``exp(B_T)`` of the final state, so
@@ -74,7 +76,9 @@ def load_state(
 
 
 @triton.jit
-def chunk_local_cumsum_kernel(g, gc, T, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr):
+def chunk_local_cumsum_kernel(
+    g, gc, T, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr
+):
     i_t, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos = i_b.to(tl.int64) * T
@@ -83,32 +87,51 @@ def chunk_local_cumsum_kernel(g, gc, T, H: tl.constexpr, G: tl.constexpr, BT: tl
     o_g = i_g * BG + tl.arange(0, BG)
     m_g = (o_t < T)[:, None] & (o_g < G)[None, :]
     o_tg = (bos + o_t)[:, None] * (H * G) + i_h * G + o_g[None, :]
-    b_b = tl.cumsum(tl.load(g + o_tg, mask=m_g, other=0).to(tl.float64), axis=0)
-    b_hi = b_b.to(tl.float32)
-    tl.store(gc + 2 * o_tg, b_hi, mask=m_g)
-    tl.store(gc + 2 * o_tg + 1, (b_b - b_hi.to(tl.float64)).to(tl.float32), mask=m_g)
+    if GS == 2:  # float64 sums kept as float32 (hi, lo)
+        b_b = tl.cumsum(tl.load(g + o_tg, mask=m_g, other=0).to(tl.float64), axis=0)
+        b_hi = b_b.to(tl.float32)
+        tl.store(gc + 2 * o_tg, b_hi, mask=m_g)
+        tl.store(gc + 2 * o_tg + 1, (b_b - b_hi.to(tl.float64)).to(tl.float32), mask=m_g)
+    else:  # float32 sums
+        tl.store(gc + o_tg, tl.cumsum(tl.load(g + o_tg, mask=m_g, other=0).to(tl.float32), axis=0), mask=m_g)
 
 
 @triton.jit
-def gate_rows(gc, o_t, o_k, m_k, T, HK: tl.constexpr):
+def gate_rows(gc, o_t, o_k, m_k, T, HK: tl.constexpr, GS: tl.constexpr):
     """Per-key cumulative gates (hi, lo), each [len(o_t), BK], at tokens o_t of ``gc`` (already offset
-    to its batch and head; row stride HK = H * K). Padded tokens read the last valid one: no decay."""
-    p = gc + 2 * (tl.minimum(o_t, T - 1)[:, None] * HK + o_k[None, :])
-    return tl.load(p, mask=m_k[None, :], other=0), tl.load(p + 1, mask=m_k[None, :], other=0)
+    to its batch and head; row stride HK = H * K; GS: 2 for (hi, lo) pairs, 1 for float32 sums, whose lo
+    is 0). Padded tokens read the last valid one: no decay."""
+    p = gc + GS * (tl.minimum(o_t, T - 1)[:, None] * HK + o_k[None, :])
+    hi = tl.load(p, mask=m_k[None, :], other=0)
+    if GS == 2:
+        lo = tl.load(p + 1, mask=m_k[None, :], other=0)
+    else:
+        lo = tl.zeros_like(hi)
+    return hi, lo
 
 
 @triton.jit
-def gate_row(gc, t, o_k, m_k, T, HK: tl.constexpr):
+def gate_row(gc, t, o_k, m_k, T, HK: tl.constexpr, GS: tl.constexpr):
     """Per-key cumulative gates (hi, lo), each [BK], at token t (clamped to the last valid one)."""
-    p = gc + 2 * (tl.minimum(t, T - 1) * HK + o_k)
-    return tl.load(p, mask=m_k, other=0), tl.load(p + 1, mask=m_k, other=0)
+    p = gc + GS * (tl.minimum(t, T - 1) * HK + o_k)
+    hi = tl.load(p, mask=m_k, other=0)
+    if GS == 2:
+        lo = tl.load(p + 1, mask=m_k, other=0)
+    else:
+        lo = tl.zeros_like(hi)
+    return hi, lo
 
 
 @triton.jit
-def gate_head(gc, t, T, H: tl.constexpr):
+def gate_head(gc, t, T, H: tl.constexpr, GS: tl.constexpr):
     """Whole-head cumulative gates (hi, lo) at token(s) t (a scalar or a vector, clamped)."""
-    p = gc + 2 * tl.minimum(t, T - 1) * H
-    return tl.load(p), tl.load(p + 1)
+    p = gc + GS * tl.minimum(t, T - 1) * H
+    hi = tl.load(p)
+    if GS == 2:
+        lo = tl.load(p + 1)
+    else:
+        lo = hi * 0
+    return hi, lo
 
 
 @triton.jit
@@ -126,21 +149,22 @@ def decay_to_chunk_end(
     H: tl.constexpr,
     K: tl.constexpr,
     GATE: tl.constexpr,
+    GS: tl.constexpr,
     dtype: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Carry a state block over a chunk: h *= exp(b_last), k *= exp(b_last - b) (cast to dtype), for a
     whole-head (GATE 1) or per-key (GATE 2) gate; no gate (GATE 0) only casts k."""
     if GATE == 1:
-        p_g = gc + 2 * (bos * H + i_h)
-        b_g, b_g_lo = gate_head(p_g, o_t, T, H)
-        b_gn, b_gn_lo = gate_head(p_g, r_last, T, H)
+        p_g = gc + GS * (bos * H + i_h)
+        b_g, b_g_lo = gate_head(p_g, o_t, T, H, GS)
+        b_gn, b_gn_lo = gate_head(p_g, r_last, T, H, GS)
         b_h *= tl.exp(b_gn + b_gn_lo)
         b_k = cast(b_k * tl.exp((b_gn - b_g) + (b_gn_lo - b_g_lo))[:, None], dtype, PREC)
     elif GATE == 2:
-        p_g = gc + 2 * (bos * H + i_h) * K
-        b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K)
-        b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K)
+        p_g = gc + GS * (bos * H + i_h) * K
+        b_g, b_g_lo = gate_rows(p_g, o_t, o_k, m_k, T, H * K, GS)
+        b_gn, b_gn_lo = gate_row(p_g, r_last, o_k, m_k, T, H * K, GS)
         b_h *= tl.exp(b_gn + b_gn_lo)[:, None]
         b_k = cast(b_k * tl.exp((b_gn[None, :] - b_g) + (b_gn_lo[None, :] - b_g_lo)), dtype, PREC)
     else:
@@ -252,16 +276,44 @@ def dot_precision(dtype) -> str:
     return "tf32"
 
 
-def chunk_local_cumsum(g, BT: int):
-    """g: [B, T, H, G] log-gates (any float dtype) -> their sums within chunks of BT tokens, as float32
-    halves [B, T, H, G, 2] (hi, lo) of float64 sums."""
+# How the chunk kernels keep the cumulative gates: "pair" (float64 sums as float32 (hi, lo), exact
+# differences down to gates of -1e4 a step) or "float32" (fla's form: float32 sums, half the bytes, read
+# contiguously; a difference of two sums near 1e4 is off by up to 1e-3, a relative 1e-3 on its exp). On an
+# H200 (RESULTS.md, 2026-11-28) the per-key gate cost our kernels 5-7x and fla's 1.4-2.4x, the kernels
+# bound by the memory pipeline short of DRAM: the pairs are 4x a bfloat16 key's bytes, read at a stride
+# of 2. "pair" stays the default until benchmarks/gpu_check.py has timed both (its "f32-gates" rows).
+GATE_SUMS = ("pair", "float32")
+GATE_SUM = "pair"
+
+
+def gate_sum_form() -> str:
+    """EDGEATTN_GATE_SUM (pair or float32), else the module's GATE_SUM: how the cumulative gates are kept."""
+    value = os.environ.get("EDGEATTN_GATE_SUM", "").strip().lower() or GATE_SUM
+    if value not in GATE_SUMS:
+        raise ValueError(f"EDGEATTN_GATE_SUM must be one of {', '.join(GATE_SUMS)}, got {value!r}")
+    return value
+
+
+def gate_stride(gc) -> int:
+    """The kernels' GS for cumulative gates ``gc``: 2 for (hi, lo) pairs, 1 for float32 sums (or none)."""
+    return 1 if gc is None else gc.shape[-1]
+
+
+def chunk_local_cumsum(g, BT: int, form: str | None = None):
+    """g: [B, T, H, G] log-gates (any float dtype) -> their sums within chunks of BT tokens: float32
+    halves [B, T, H, G, 2] (hi, lo) of float64 sums, or [B, T, H, G, 1] float32 sums where ``form``
+    (default ``gate_sum_form()``) is "float32"."""
     B, T, H, G = g.shape
-    gc = torch.empty(B, T, H, G, 2, dtype=torch.float32, device=g.device)
+    form = form or gate_sum_form()
+    if form not in GATE_SUMS:
+        raise ValueError(f"the gate sums' form must be one of {', '.join(GATE_SUMS)}, got {form!r}")
+    GS = 2 if form == "pair" else 1
+    gc = torch.empty(B, T, H, G, GS, dtype=torch.float32, device=g.device)
     # keys in blocks of 32: a [64, 128] float64 scan in one program held 255 registers a thread and 64 KB of
     # shared memory on an H200 (ncu: 12.5% occupancy, 1.33 ms for B=8, T=2048, H=16, K=128; fla's 0.07 ms)
     BG = block_size(G, 32)
     chunk_local_cumsum_kernel[(triton.cdiv(T, BT), triton.cdiv(G, BG), B * H)](
-        g, gc, T, H=H, G=G, BT=BT, BG=BG
+        g, gc, T, H=H, G=G, BT=BT, BG=BG, GS=GS
     )
     return gc
 

@@ -28,9 +28,10 @@ down):
              fused cross-entropy). Tokens/s over the timed steps after warm-up, peak CUDA memory.
              ``--train-libs`` adds edgeattn's other forms: edgeattn-f32g, edgeattn-wy, edgeattn-wy-f32g.
     decode   the 92.5M GLA (d 768, 12 layers, 12 heads, vocabulary 256, random weights) exported and run by
-             the torch backend on CUDA (open_session(backend="torch", device="cuda")): ms/token after a
-             prefill of 128 and 16384 tokens, allocated and peak memory at each; then the same model step
-             captured as a CUDA graph (its logits checked against the eager step's).
+             the torch backend on CUDA: ms/token after a prefill of 128 and 16384 tokens, allocated and peak
+             memory at each, stepping eagerly (``cuda_graph=False``) and as the session's CUDA graph (the
+             default on CUDA, open_session(backend="torch", device="cuda")); the graph checked against eager
+             over ``check_steps`` greedy tokens from the same prompt (every token, the largest logit diff).
 
 Output, all in the folder ``--out`` (``$OUT`` on the device machine): results.jsonl (one JSON object per
 line, every figure and every error), results.md (the tables), gpu_check.log (everything printed) and
@@ -112,7 +113,7 @@ SIZES = {
         tests_k=None,  # every test, slow ones too
         kernels=dict(B=8, H=16, K=128, lengths=(2048, 8192), dtype="bfloat16"),
         train=dict(d=768, layers=12, heads=6, head_dim=128, vocab=32000, batch=8, T=2048, warmup=3, steps=10),
-        decode=dict(d=768, layers=12, heads=12, contexts=(128, 16384), warmup=8, steps=64),
+        decode=dict(d=768, layers=12, heads=12, contexts=(128, 16384), warmup=8, steps=64, check_steps=64),
     ),
     "tiny": dict(
         tests_k="test_chunk_gates_float32 and none",
@@ -134,7 +135,7 @@ SIZES = {
             steps=1,
             fla=dict(fuse_cross_entropy=False),
         ),
-        decode=dict(d=32, layers=2, heads=2, contexts=(16, 80), warmup=1, steps=3),
+        decode=dict(d=32, layers=2, heads=2, contexts=(16, 80), warmup=1, steps=3, check_steps=4),
     ),
 }
 
@@ -677,30 +678,6 @@ def section_train(s: Section) -> None:
 # ---- section: decode on CUDA through the torch backend ---------------------------------------------------
 
 
-def graph_step(torch, model, state: list[dict], device: str):
-    """The model's one-token step captured as a CUDA graph over static buffers: (graph, ids, state, logits);
-    a replay reads ``ids`` and ``state`` and writes the next state back into ``state``."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    static = [{k: v.clone() for k, v in layer.items()} for layer in state]
-    model.check_input_ids = lambda ids: None  # its min/max read is a host sync, which a capture refuses
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(2):
-                model(ids, static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
-            logits, new = model(ids, static)
-            for d, n in zip(static, new):
-                for k in d:
-                    d[k].copy_(n[k])
-    finally:
-        del model.check_input_ids  # the eager steps keep their check (and its cost)
-    return graph, ids, static, logits
-
-
 def decode_config(z: dict):
     from edgeattn.models import EdgeConfig
 
@@ -764,64 +741,67 @@ def section_decode(s: Section) -> None:
             out.append((time.perf_counter() - t0) * 1e3)
         return out
 
-    sess = s.item("open", lambda: open_session(art, backend="torch", device=s.device))
+    # eager steps, and the session's own CUDA graph steps (the default on CUDA; TorchSession)
+    sess = s.item("open", lambda: open_session(art, backend="torch", device=s.device, cuda_graph=False))
     if sess is None:
         return
+    gsess = None
+    if s.cuda:
+        gsess = s.item("open (CUDA graph)", lambda: open_session(art, backend="torch", device=s.device))
 
-    def graph_rows(ctx):
-        """The session's model step as a CUDA graph from the session's state: checked, then timed."""
-        model, state = sess.model, sess._state
-        ref_state = [{k: v.clone() for k, v in layer.items()} for layer in state]
-        with torch.no_grad():
-            ref_logits, _ = model(torch.ones(1, 1, dtype=torch.long, device=s.device), ref_state)
-        graph, gids, gstate, glogits = graph_step(torch, model, state, s.device)
-        for d, src in zip(gstate, ref_state):
-            for k in d:
-                d[k].copy_(src[k])
-        gids.fill_(1)
-        graph.replay()
-        diff = (glogits.float() - ref_logits.float()).abs().max().item()
-
-        def replay():
-            graph.replay()
-            return glogits.float().cpu()  # the logits reach the host, as the session's do
-
-        step_times(replay, z["warmup"])
-        torch.cuda.reset_peak_memory_stats()
-        times = step_times(replay, z["steps"])
-        row = dict(path="CUDA graph of the step", context=ctx, ms_per_token=float(np.median(times)),
-                   ms_min=min(times), steps=len(times), max_abs_diff_vs_eager=diff,
-                   allocated_mib=torch.cuda.memory_allocated() / MiB,
-                   peak_mib=torch.cuda.max_memory_allocated() / MiB)  # fmt: skip
-        s.rec.write("decode", **row)
-        say(
-            f"[decode] graph  ctx={ctx:<6}{row['ms_per_token']:8.3f} ms/token  (max |diff| vs eager {diff:.1e})"
-        )
-
-    def eager_rows(ctx):
-        sess.reset()
-        ids = rng.integers(0, cfg.vocab_size, size=(1, ctx)).astype(np.int64)
+    def prefill_to(session, ids):
+        session.reset()
         t0 = time.perf_counter()
-        sess.prefill(ids)
+        session.prefill(ids)
         s.sync()
-        prefill_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def rows(session, path, ctx, ids):
+        prefill_s = prefill_to(session, ids)
         tok = np.array([[1]], dtype=np.int64)
-        step_times(lambda: sess.step(tok), z["warmup"])
+        step_times(lambda: session.step(tok), z["warmup"])
         if s.cuda:
             torch.cuda.reset_peak_memory_stats()
-        times = step_times(lambda: sess.step(tok), z["steps"])
-        row = dict(path="torch backend (eager)", context=ctx, ms_per_token=float(np.median(times)),
-                   ms_min=min(times), prefill_s=prefill_s, steps=len(times))  # fmt: skip
+        times = step_times(lambda: session.step(tok), z["steps"])
+        row = dict(path=path, context=ctx, ms_per_token=float(np.median(times)), ms_min=min(times),
+                   prefill_s=prefill_s, steps=len(times))  # fmt: skip
         if s.cuda:
             row["allocated_mib"] = torch.cuda.memory_allocated() / MiB
             row["peak_mib"] = torch.cuda.max_memory_allocated() / MiB
         s.rec.write("decode", **row)
-        say(f"[decode] eager  ctx={ctx:<6}{row['ms_per_token']:8.3f} ms/token"
+        say(f"[decode] {path:<34} ctx={ctx:<6}{row['ms_per_token']:8.3f} ms/token"
             + (f"  allocated {row['allocated_mib']:.1f} MiB, peak {row['peak_mib']:.1f}" if s.cuda else ""))  # fmt: skip
 
+    def check_graph(ctx, ids):
+        """Greedy decoding from the same prompt, the graph session against the eager one: every step's
+        logits and token."""
+        n = z["check_steps"]
+        logs = {}
+        for name, session in (("eager", sess), ("graph", gsess)):
+            prefill_to(session, ids)
+            tok, out = np.array([[1]], dtype=np.int64), []
+            for _ in range(n):
+                logits = session.step(tok)
+                out.append(logits)
+                tok = np.array([[int(logits[0].argmax())]], dtype=np.int64)
+            logs[name] = np.stack(out)
+        diff = float(np.abs(logs["graph"] - logs["eager"]).max())
+        same = int((logs["graph"].argmax(-1) == logs["eager"].argmax(-1)).all(-1).sum())
+        captured = not isinstance(gsess._graph, str) and gsess._graph is not None
+        s.rec.write("decode_check", context=ctx, steps=n, max_abs_diff=diff, same_tokens=same, captured=captured,
+                    capture_error=gsess._graph if isinstance(gsess._graph, str) else None)  # fmt: skip
+        say(
+            f"[decode] graph vs eager ctx={ctx}: {same}/{n} tokens the same, max |logits diff| {diff:.1e}"
+            + ("" if captured else f" (not captured: {gsess._graph})")
+        )
+
     for ctx in z["contexts"]:
-        if s.item(f"decode ctx={ctx}", lambda ctx=ctx: eager_rows(ctx) or True, need=10) and s.cuda:
-            s.item(f"CUDA graph ctx={ctx}", lambda ctx=ctx: graph_rows(ctx), need=5)
+        ids = rng.integers(0, cfg.vocab_size, size=(1, ctx)).astype(np.int64)
+        if s.item(f"decode ctx={ctx}", lambda ctx=ctx, ids=ids: rows(sess, "torch backend (eager)", ctx, ids) or True,
+                  need=10) and gsess is not None:  # fmt: skip
+            s.item(f"CUDA graph check ctx={ctx}", lambda ctx=ctx, ids=ids: check_graph(ctx, ids), need=5)
+            s.item(f"CUDA graph ctx={ctx}",
+                   lambda ctx=ctx, ids=ids: rows(gsess, "torch backend (CUDA graph, default)", ctx, ids), need=5)  # fmt: skip
     if not s.cuda:
         s.rec.write("skipped", item="CUDA graph", reason="no CUDA device")
 
@@ -988,6 +968,10 @@ def markdown(records: list[dict]) -> str:
         for r in rows:
             lines.append(f"| {r['path']} | {r['context']} | {r['ms_per_token']:.3f} | {fmt(r.get('allocated_mib'), '.1f')} "
                          f"| {fmt(r.get('peak_mib'), '.1f')} |")  # fmt: skip
+        for r in by("decode_check"):
+            lines.append(f"- CUDA graph against eager at {r['context']} tokens: {r['same_tokens']}/{r['steps']} greedy "
+                         f"tokens the same, max |logits diff| {r['max_abs_diff']:.1e}"
+                         + ("" if r["captured"] else f"; NOT captured: {r['capture_error']}"))  # fmt: skip
     other = [r for r in records if r.get("kind") in ("error", "skipped", "note")]
     if other:
         lines += ["", "**errors, skips and notes**", ""]

@@ -1,7 +1,9 @@
 """Registers, shared memory and tensor-core instructions of the gated chunk kernels compiled for sm_90a
 on a machine without a GPU: Triton compiles to PTX here and the ptxas it ships reports the registers
 (``ptxas -v``). bfloat16, K = V = 128, BT = 64, the launch configs of gated_chunk.py. A static hint about
-occupancy for the kernels' speed against fla (RESULTS.md, GPU check); not a measurement on a GPU.
+occupancy for the kernels' speed against fla (RESULTS.md, GPU check); not a measurement on a GPU. Each
+kernel that reads the cumulative gates twice: as float32 pairs (gate sums "pair", GS 2, shipped) and as
+float32 sums ("float32", GS 1, EDGEATTN_GATE_SUM=float32).
 
     python benchmarks/kernel_registers.py
 """
@@ -49,11 +51,15 @@ cases = [
 
 def main() -> None:
     rows = []
-    print(
-        f"| kernel | warps | registers | spill bytes | shared KB | wgmma | mma.sync |  (triton {triton.__version__})"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for fn, c, warps in cases:
+    print(f"| kernel | gate sums | warps | registers | spill bytes | shared KB | wgmma | mma.sync |"
+          f"  (triton {triton.__version__})")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    runs = [
+        (fn, {**c, "GS": gs} if gs else c, warps, form)
+        for fn, c, warps in cases
+        for gs, form in (((2, "pair"), (1, "float32")) if "gc" in fn.arg_names else ((None, "-"),))
+    ]
+    for fn, c, warps, form in runs:
         src = ASTSource(fn, sig(fn, c), constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
         out = triton.compile(
             src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2)
@@ -68,11 +74,11 @@ def main() -> None:
         text = r.stderr + r.stdout
         regs = re.search(r"Used (\d+) registers", text)
         spill = re.search(r"(\d+) bytes spill stores", text)
-        row = dict(kernel=fn.__name__, warps=warps, registers=int(regs.group(1)) if regs else None,
+        row = dict(kernel=fn.__name__, gate_sums=form, warps=warps, registers=int(regs.group(1)) if regs else None,
                    spill_bytes=int(spill.group(1)) if spill else None, shared_kb=out.metadata.shared / 1024,
                    wgmma=ptx.count("wgmma.mma_async"), mma_sync=len(re.findall(r"\bmma\.sync", ptx)))  # fmt: skip
         rows.append(row)
-        print(f"| {row['kernel']} | {warps} | {row['registers']} | {row['spill_bytes']} | {row['shared_kb']:.1f} | "
+        print(f"| {row['kernel']} | {form} | {warps} | {row['registers']} | {row['spill_bytes']} | {row['shared_kb']:.1f} | "
               f"{row['wgmma']} | {row['mma_sync']} |", flush=True)  # fmt: skip
     print(
         json.dumps(

@@ -224,19 +224,28 @@ def test_bad_inputs_raise_value_error():
         chunk_delta_rule_triton(big, big, v, beta, scale=1.0)
 
 
-_COMPILE = """
+# the compile checks' (GATE, GS): every gate with its gates as pairs (GS 2, shipped); bfloat16 (training) also
+# as float32 sums (GS 1)
+_GATES_GS = (
+    'GATES_GS = {"bf16": ((0, 1), (1, 2), (2, 2), (1, 1), (2, 1)), "fp32": ((0, 1), (1, 2), (2, 2))}\n'
+)
+
+_COMPILE = (
+    """
 import os, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from edgeattn.kernels import delta_chunk as dc
-for arch in (80, 90):
+"""
+    + _GATES_GS
+    + """for arch in (80, 90):
     for dt, torch_dt in (("bf16", dc.torch.bfloat16), ("fp32", dc.torch.float32)):
         for K in (64, 128):
             BK, BV, stages = dc._blocks(K, K, torch_dt)
             for fn, flag in ((dc.chunk_delta_fwd_h_kernel, "USE_H0"), (dc.chunk_delta_bwd_dhu_kernel, "USE_DHT")):
-                for gate in (0, 1, 2):
+                for gate, gs in GATES_GS[dt]:
                     prec = "tf32" if dt == "bf16" else "tf32x3"
-                    c = dict(H=4, K=K, V=K, BT=64, BK=BK, BV=BV, GATE=gate, PREC=prec, **{flag: True})
+                    c = dict(H=4, K=K, V=K, BT=64, BK=BK, BV=BV, GATE=gate, GS=gs, PREC=prec, **{flag: True})
                     if gate == 0:
                         c["gc"] = None
                     low = {"k", "w", "u", "vn", "q", "do"}
@@ -244,8 +253,9 @@ for arch in (80, 90):
                            for n in fn.arg_names}
                     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
                     out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=dc.launch(torch_dt)[0], num_stages=stages))
-                    print(arch, dt, K, fn.__name__, gate, out.metadata.shared)
+                    print(arch, dt, K, fn.__name__, gate, gs, out.metadata.shared)
 """
+)
 
 
 @pytest.mark.slow
@@ -259,7 +269,7 @@ def test_new_kernels_compile_for_sm80_and_sm90_within_99_kb_of_shared_memory():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines()]
-    assert len(rows) == 2 * 2 * 2 * 2 * 3
+    assert len(rows) == 2 * 2 * 2 * (5 + 3)  # arch, K, kernel, (GATE, GS) of bf16 and fp32
     too_big = [row for row in rows if int(row[-1]) > 99 * 1024]
     assert not too_big, too_big
 
@@ -438,18 +448,21 @@ def test_float32_gate_sums(monkeypatch, gate, wy):
     check(1, 20, 1, 1, 16, 16, gate, strong=True, chunk_size=16, tol=1e-2)
 
 
-_COMPILE_WY = """
+_COMPILE_WY = (
+    """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from edgeattn.kernels import delta_chunk as dc
-for arch in (80, 90):
+"""
+    + _GATES_GS
+    + """for arch in (80, 90):
     for dt, torch_dt in (("bf16", dc.torch.bfloat16), ("fp32", dc.torch.float32)):
         for K in (64, 128):
             for fn in (dc.wy_fwd_kernel, dc.wy_bwd_kernel):
-                for gate in (0, 1, 2):
+                for gate, gs in GATES_GS[dt]:
                     fwd = fn is dc.wy_fwd_kernel
-                    c = dict(H=4, K=K, V=K, BT=64, BK=K, BV=64 if fwd else 32, GATE=gate,
+                    c = dict(H=4, K=K, V=K, BT=64, BK=K, BV=64 if fwd else 32, GATE=gate, GS=gs,
                              PREC="ieee" if arch >= 90 else "tf32x3")
                     if fwd:
                         c["SOLVE"] = True
@@ -460,8 +473,9 @@ for arch in (80, 90):
                            for n in fn.arg_names}
                     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
                     out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dc.wy_launch(torch_dt))
-                    print(arch, dt, K, fn.__name__, gate, out.metadata.shared)
+                    print(arch, dt, K, fn.__name__, gate, gs, out.metadata.shared)
 """
+)
 
 
 @pytest.mark.slow
@@ -478,6 +492,6 @@ def test_wy_kernels_compile_for_sm80_and_sm90_within_99_kb_of_shared_memory():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines()]
-    assert len(rows) == 2 * 2 * 2 * 2 * 3
+    assert len(rows) == 2 * 2 * 2 * (5 + 3)  # arch, K, kernel, (GATE, GS) of bf16 and fp32
     too_big = [row for row in rows if int(row[-1]) > (99 if row[1] == "bf16" else 164) * 1024]
     assert not too_big, too_big

@@ -173,7 +173,10 @@ class EdgeLM(nn.Module):
             raise ValueError(f"input_ids must have shape [B, T], got {shape}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
-        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and input_ids.numel():
+        capturing = (
+            input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        )  # a CUDA graph: no host read
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing() or capturing) and input_ids.numel():
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(

@@ -22,9 +22,14 @@ def open_session(
     *,
     threads: int | None = None,
     device: str | None = None,
+    cuda_graph: bool | None = None,
 ) -> Session:
+    """A session on the artifact in ``artifact_dir``. ``cuda_graph`` (torch backend): steps as a CUDA graph,
+    the default on CUDA for a fixed-size state (``TorchSession``); False keeps them eager."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if cuda_graph is not None and backend != "torch":
+        raise ValueError(f"cuda_graph is an option of the torch backend, not of {backend!r}")
     manifest = Manifest.load(artifact_dir)
     if backend == "onnxruntime":
         from edgeattn.runtimes.onnxruntime import OnnxRuntimeSession
@@ -33,7 +38,7 @@ def open_session(
     if backend == "torch":
         from edgeattn.runtimes.torch import TorchSession
 
-        return TorchSession(manifest, threads=threads, device=device)
+        return TorchSession(manifest, threads=threads, device=device, cuda_graph=cuda_graph)
     from edgeattn.runtimes.tensorrt import TensorRTSession
 
     return TensorRTSession(manifest, device=device)

@@ -10,10 +10,11 @@ says why they are slower, in one call of a few minutes:
                first, in parallel processes (one per setting, sharing Triton's on-disk cache), then timed
                here one after another; each setting's output and gradients are compared with the shipped
                setting's (a miscompile or a race shows as a difference, not only as a time).
-    wy         gated_delta and kda with the delta rule's WY part in PyTorch (shipped) and in Triton
-               (EDGEATTN_DELTA_WY=triton, edgeattn.kernels.delta_chunk): times, and the Triton form against
-               PyTorch's on the same inputs.
-    breakdown  forward + backward of each op, ours and fla's, under torch.profiler: every GPU kernel's time
+    forms      every form of ours (gpu_check.FORMS): the shipped one, float32 gate sums
+               (EDGEATTN_GATE_SUM=float32) and for gated_delta and kda the WY part in Triton
+               (EDGEATTN_DELTA_WY=triton) and both: times, and each against the shipped form on the same inputs.
+    breakdown  forward + backward of each op, ours (gla and kda also with float32 gate sums) and fla's, under
+               torch.profiler: every GPU kernel's time
                per call of the op (Triton kernels by name, PyTorch's as cuBLAS / elementwise kernels), so
                that ours and fla's can be compared stage by stage. fla's ops are compiled (autotuned, capped
                as in gpu_check.py) in parallel processes too, while ours compile.
@@ -153,14 +154,17 @@ def child_compile(args) -> int:
                 b.fwd_bwd(fn, b.inputs(op))
         b.sync()
         return 0
-    set_config(parse_configs(args.child_config)[0])
+    cfg = parse_configs(args.child_config)[0]
+    set_config(cfg)
     failed = []
     for op in args.ops.split(","):
-        try:
-            b.fwd_bwd(b.impls(op)["triton"], b.inputs(op))
-            b.sync()
-        except Exception as e:  # noqa: BLE001 -- out of shared memory, say: the timing process records it
-            failed.append(f"{op}: {type(e).__name__}")
+        # at the shipped setting every form of ours (forms() times them), elsewhere the shipped form
+        for impl in gpu_check.our_impls(op) if cfg == shipped()["16bit"] else ("triton",):
+            try:
+                b.fwd_bwd(b.impls(op)[impl], b.inputs(op))
+                b.sync()
+            except Exception as e:  # noqa: BLE001 -- out of shared memory, say: the timing process records it
+                failed.append(f"{op} {impl}: {type(e).__name__}")
     if failed:
         say(f"[compile {args.child_config}] failed: {'; '.join(failed)}")
     return 0
@@ -224,29 +228,30 @@ def sweep(b: Bench, rec: Recorder, ops, configs, deadline) -> None:
                 set_config(default)
 
 
-def wy_forms(b: Bench, rec: Recorder, ops, deadline) -> None:
-    """The delta rule's WY part in PyTorch (shipped, impl "triton") and in Triton (impl "triton-wy",
-    EDGEATTN_DELTA_WY=triton): each op's forward + backward time, and the Triton form's output and gradients
-    against PyTorch's."""
-    for op in [o for o in ops if o in ("gated_delta", "kda")]:
+def forms(b: Bench, rec: Recorder, ops, deadline) -> None:
+    """Every form of ours (gpu_check.FORMS: "triton" shipped; "triton-f32g" the cumulative gates as float32
+    sums, EDGEATTN_GATE_SUM=float32; for the delta rules "triton-wy", the WY part in Triton,
+    EDGEATTN_DELTA_WY=triton, and "triton-wy-f32g"): each op's forward + backward time, and each form's
+    output and gradients against the shipped form's on the same inputs."""
+    for op in ops:
         impls = b.impls(op)
         xs = b.inputs(op)
         ref = None
-        for form, fn in (("torch", impls["triton"]), ("triton", impls["triton-wy"])):
+        for impl in gpu_check.our_impls(op):
             if time.time() > deadline:
-                rec.write("skipped", item=f"wy {op} {form}", reason="time budget")
+                rec.write("skipped", item=f"form {op} {impl}", reason="time budget")
                 continue
             try:
-                o, g, do = b.fwd_bwd(fn, xs, None if ref is None else ref[2])
+                o, g, do = b.fwd_bwd(impls[impl], xs, None if ref is None else ref[2])
                 if ref is None:
                     ref = (o, g, do)
                 diff = max([rel_rms(o, ref[0])] + [rel_rms(a, r) for a, r in zip(g, ref[1]) if r is not None])
-                ms = b.kb.time_fwd_bwd_any(fn, xs)
-                rec.write("wy", op=op, form=form, ms=ms, max_rel_rms_vs_torch=diff)
-                say(f"[wy] {op:<12}{form:<7}{ms:9.3f} ms  vs torch {diff:.1e}")
+                ms = b.kb.time_fwd_bwd_any(impls[impl], xs)
+                rec.write("form", op=op, impl=impl, ms=ms, max_rel_rms_vs_shipped=diff)
+                say(f"[forms] {op:<12}{impl:<15}{ms:9.3f} ms  vs shipped {diff:.1e}")
             except Exception as e:  # noqa: BLE001
-                rec.write("error", item=f"wy {op} {form}", error=f"{type(e).__name__}: {e}"[:300])
-                say(f"[wy] {op:<12}{form:<7}ERROR {type(e).__name__}: {e}"[:300])
+                rec.write("error", item=f"form {op} {impl}", error=f"{type(e).__name__}: {e}"[:300])
+                say(f"[forms] {op:<12}{impl:<15}ERROR {type(e).__name__}: {e}"[:300])
 
 
 def device_time(evt) -> float:
@@ -309,15 +314,18 @@ def markdown(records: list[dict]) -> str:
                 cells.append("-" if r is None else f"{r['ms']:.3f} ({r['max_rel_rms_vs_shipped']:.0e})")
             out.append(f"| {c} | " + " | ".join(cells) + " |")
         out.append("")
-    wy = [r for r in records if r["kind"] == "wy"]
-    if wy:
-        out += ["**The WY part**, PyTorch (shipped) or Triton (EDGEATTN_DELTA_WY=triton): forward + backward ms, "
-                "max rel. RMS against PyTorch's", "", "| op | form | ms | vs torch |", "|---|---|---|---|"]  # fmt: skip
-        out += [f"| {r['op']} | {r['form']} | {r['ms']:.3f} | {r['max_rel_rms_vs_torch']:.0e} |" for r in wy]
+    fm = [r for r in records if r["kind"] == "form"]
+    if fm:
+        out += ["**Our forms** (triton shipped; -wy: the WY part in Triton; -f32g: float32 gate sums): forward + "
+                "backward ms, max rel. RMS against the shipped form", "",
+                "| op | impl | ms | vs shipped |", "|---|---|---|---|"]  # fmt: skip
+        out += [
+            f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {r['max_rel_rms_vs_shipped']:.0e} |" for r in fm
+        ]
         out.append("")
     tot = {(r["op"], r["impl"]): r for r in records if r["kind"] == "breakdown_total"}
     for op in dict.fromkeys(r["op"] for r in records if r["kind"] == "kernel"):
-        for impl in ("triton", "fla"):
+        for impl in ("triton", "triton-f32g", "fla"):
             ks = [r for r in records if r["kind"] == "kernel" and r["op"] == op and r["impl"] == impl]
             if not ks:
                 continue
@@ -342,7 +350,7 @@ def markdown(records: list[dict]) -> str:
 def run_ncu(args) -> int:
     b = Bench(args.tiny)
     op = args.ncu
-    fn = b.impls(op)["triton"]
+    fn = b.impls(op)[args.ncu_impl]
     xs = b.inputs(op)
     b.fwd_bwd(fn, xs)  # compile outside the profiled range
     b.sync()
@@ -374,6 +382,9 @@ def build_parser():
         default=None,
         help="one warm forward + backward of this op between cudaProfilerStart/Stop (for ncu)",
     )
+    ap.add_argument(
+        "--ncu-impl", default="triton", help="--ncu: which of our forms (triton, triton-f32g, ...)"
+    )
     ap.add_argument("--child-config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-fla", default=None, help=argparse.SUPPRESS)
     return ap
@@ -390,6 +401,10 @@ def main(argv=None) -> int:
         print(
             f"gpu_profile: --ncu: unknown op {args.ncu!r}; expected one of {', '.join(OPS)}", file=sys.stderr
         )
+        return 2
+    if args.ncu is not None and args.ncu_impl not in gpu_check.our_impls(args.ncu):
+        print(f"gpu_profile: --ncu-impl: {args.ncu_impl!r} is not a form of {args.ncu}; expected one of "
+              f"{', '.join(gpu_check.our_impls(args.ncu))}", file=sys.stderr)  # fmt: skip
         return 2
     try:
         configs = parse_configs(args.configs)
@@ -452,13 +467,16 @@ def main(argv=None) -> int:
             gpu_check.cap_autotune(args.fla_autotune_configs)
     top = b.z["top"]
     # ours at the default setting first (the why), then the settings, then fla's (compiled by now)
-    for op in ops:
+    # the per-key gate ops also with float32 gate sums: where the pairs' cost goes
+    for op, impl in [(op, "triton") for op in ops] + [
+        (op, "triton-f32g") for op in ops if op in ("gla", "kda")
+    ]:
         try:
-            breakdown(b, rec, op, "triton", b.impls(op)["triton"], b.inputs(op), top)
+            breakdown(b, rec, op, impl, b.impls(op)[impl], b.inputs(op), top)
         except Exception as e:  # noqa: BLE001
-            rec.write("error", item=f"breakdown {op} triton", error=f"{type(e).__name__}: {e}"[:300])
+            rec.write("error", item=f"breakdown {op} {impl}", error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc(limit=4, file=sys.stdout)
-    wy_forms(b, rec, ops, t_start + 0.7 * args.budget)
+    forms(b, rec, ops, t_start + 0.7 * args.budget)
     sweep(b, rec, ops, configs, t_start + 0.8 * args.budget)
     for op in fla_ops:
         if time.time() > deadline:

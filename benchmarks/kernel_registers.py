@@ -1,6 +1,7 @@
 """Registers, shared memory and tensor-core instructions of the gated chunk kernels compiled for sm_90a
 on a machine without a GPU: Triton compiles to PTX here and the ptxas it ships reports the registers
-(``ptxas -v``). bfloat16, K = V = 128, BT = 64, the launch configs of gated_chunk.py. A static hint about
+(``ptxas -v``). bfloat16, K = V = 128, BT = 64, the launch settings of gated_chunk.py (``LAUNCH``: its
+"wide" and "narrow" kernels' warps and stages for 16-bit inputs). A static hint about
 occupancy for the kernels' speed against fla (RESULTS.md, GPU check); not a measurement on a GPU. Each
 kernel that reads the cumulative gates twice: as float32 pairs (gate sums "pair", GS 2, shipped) and as
 float32 sums ("float32", GS 1, EDGEATTN_GATE_SUM=float32).
@@ -37,33 +38,41 @@ def sig(fn, c, dt="bf16"):
 
 
 cases = [
-    (gc.chunk_fwd_A_gk_kernel, dict(H=16, K=K, BT=BT, BC=BC, BK=BK, PREC="tf32"), 4),
-    (gc.chunk_fwd_A_kernel, dict(H=16, K=K, BT=BT, BK=BK, GATE=1, PREC="tf32"), 8),
-    (gc.chunk_fwd_h_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, USE_H0=True, PREC="tf32"), 8),
-    (gc.chunk_fwd_o_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, PREC="tf32"), 8),
-    (gc.chunk_bwd_dh_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, USE_DHT=True, PREC="tf32"), 8),
-    (gc.chunk_bwd_dA_kernel, dict(H=16, V=V, BT=BT, BV=BV, PREC="tf32"), 8),
-    (gc.chunk_bwd_dv_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, PREC="tf32"), 8),
-    (gc.chunk_bwd_dqk_intra_gk_kernel, dict(H=16, K=K, BT=BT, BC=BC, BK=BK, PREC="tf32"), 4),
-    (gc.chunk_bwd_dqk_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=32, GATE=2, PREC="tf32"), 8),
+    (gc.chunk_fwd_A_gk_kernel, dict(H=16, K=K, BT=BT, BC=BC, BK=BK, PREC="tf32"), "narrow"),
+    (gc.chunk_fwd_A_kernel, dict(H=16, K=K, BT=BT, BK=BK, GATE=1, PREC="tf32"), "wide"),
+    (
+        gc.chunk_fwd_h_kernel,
+        dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, USE_H0=True, PREC="tf32"),
+        "wide",
+    ),
+    (gc.chunk_fwd_o_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, PREC="tf32"), "wide"),
+    (
+        gc.chunk_bwd_dh_kernel,
+        dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, USE_DHT=True, PREC="tf32"),
+        "wide",
+    ),
+    (gc.chunk_bwd_dA_kernel, dict(H=16, V=V, BT=BT, BV=BV, PREC="tf32"), "wide"),
+    (gc.chunk_bwd_dv_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, GATE=2, PREC="tf32"), "wide"),
+    (gc.chunk_bwd_dqk_intra_gk_kernel, dict(H=16, K=K, BT=BT, BC=BC, BK=BK, PREC="tf32"), "narrow"),
+    (gc.chunk_bwd_dqk_kernel, dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=32, GATE=2, PREC="tf32"), "wide"),
 ]
 
 
 def main() -> None:
     rows = []
-    print(f"| kernel | gate sums | warps | registers | spill bytes | shared KB | wgmma | mma.sync |"
+    print(f"| kernel | gate sums | warps | stages | registers | spill bytes | shared KB | wgmma | mma.sync |"
           f"  (triton {triton.__version__})")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     runs = [
-        (fn, {**c, "GS": gs} if gs else c, warps, form)
-        for fn, c, warps in cases
+        (fn, {**c, "GS": gs} if gs else c, kind, form)
+        for fn, c, kind in cases
         for gs, form in (((2, "pair"), (1, "float32")) if "gc" in fn.arg_names else ((None, "-"),))
     ]
-    for fn, c, warps, form in runs:
+    for fn, c, kind, form in runs:
+        launch = (gc.wide if kind == "wide" else gc.narrow)(gc.torch.bfloat16)
+        warps = launch["num_warps"]
         src = ASTSource(fn, sig(fn, c), constexprs={(fn.arg_names.index(n),): v for n, v in c.items()})
-        out = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2)
-        )
+        out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
         ptx = out.asm["ptx"]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "k.ptx")
@@ -74,11 +83,13 @@ def main() -> None:
         text = r.stderr + r.stdout
         regs = re.search(r"Used (\d+) registers", text)
         spill = re.search(r"(\d+) bytes spill stores", text)
-        row = dict(kernel=fn.__name__, gate_sums=form, warps=warps, registers=int(regs.group(1)) if regs else None,
+        row = dict(kernel=fn.__name__, gate_sums=form, warps=warps, stages=launch["num_stages"],
+                   registers=int(regs.group(1)) if regs else None,
                    spill_bytes=int(spill.group(1)) if spill else None, shared_kb=out.metadata.shared / 1024,
                    wgmma=ptx.count("wgmma.mma_async"), mma_sync=len(re.findall(r"\bmma\.sync", ptx)))  # fmt: skip
         rows.append(row)
-        print(f"| {row['kernel']} | {form} | {warps} | {row['registers']} | {row['spill_bytes']} | {row['shared_kb']:.1f} | "
+        print(f"| {row['kernel']} | {form} | {warps} | {row['stages']} | {row['registers']} | {row['spill_bytes']} "
+              f"| {row['shared_kb']:.1f} | "
               f"{row['wgmma']} | {row['mma_sync']} |", flush=True)  # fmt: skip
     print(
         json.dumps(

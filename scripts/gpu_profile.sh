@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Why the Triton kernels are slower than fla's on a GPU (issue 36), in one device call after
-# scripts/gpu_check.sh: benchmarks/gpu_profile.py (the launch-setting sweep and the per-kernel breakdown of
-# ours and fla's), Nsight Compute on one forward + backward of gla and gated_delta (our Triton kernels:
-# speed of light, occupancy, launch statistics: CSV), and with GPU_PROFILE_TRAIN=1 the train section's
-# edgeattn Gated DeltaNet row (which the first H200 run's 130 s train budget left out; now 170 s). Output in
-# $OUT (or the first argument), 8 files at most. About 4-5 minutes (6 with the train row):
+# scripts/gpu_check.sh: benchmarks/gpu_profile.py (the launch-setting sweep, our forms and the per-kernel
+# breakdown of ours and fla's), Nsight Compute on one forward + backward of gla, its gates as pairs and as
+# float32 sums (our Triton kernels: speed of light, occupancy, launch statistics: CSV), and with
+# GPU_PROFILE_TRAIN=1 the train section's edgeattn Gated DeltaNet row (which the first H200 run's 130 s train
+# budget left out; now 170 s). Output in $OUT (or the first argument), 8 files at most. About 4-5 minutes (6 with the train row):
 #
 #     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_profile.sh", carry=[".whl"], timeout_s=330)
 set -uo pipefail
@@ -17,12 +17,16 @@ timeout 170 "$PY" benchmarks/gpu_profile.py --out "$OUT_DIR" --budget ${PROFILE_
 echo "gpu_profile.sh: profile exit ${PIPESTATUS[0]}"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [[ -n "$NCU" ]]; then
-    for op in gla gated_delta; do
+    # the per-key GLA with its gates as exact pairs (shipped) and as float32 sums (gated_delta's was profiled
+    # on the H200 run of 2026-11-28; NCU_RUNS="gated_delta:triton ..." for others)
+    for run in ${NCU_RUNS:-gla:triton gla:triton-f32g}; do
+        op=${run%%:*}; impl=${run#*:}; name=ncu_${op}${impl#triton}
         # edgeattn's Triton kernels only (torch.profiler's breakdown has PyTorch's); from cudaProfilerStart
         timeout ${NCU_TIMEOUT:-60} "$NCU" --profile-from-start off -k "regex:^chunk_" --clock-control none \
             --section SpeedOfLight --section Occupancy --section LaunchStats --csv --page details \
-            --log-file "$OUT_DIR/ncu_$op.csv" "$PY" benchmarks/gpu_profile.py --ncu "$op" --out "$OUT_DIR"
-        echo "gpu_profile.sh: ncu $op exit $? ($(wc -l < "$OUT_DIR/ncu_$op.csv" 2>/dev/null || echo 0) lines)"
+            --log-file "$OUT_DIR/$name.csv" "$PY" benchmarks/gpu_profile.py --ncu "$op" --ncu-impl "$impl" \
+            --out "$OUT_DIR"
+        echo "gpu_profile.sh: ncu $op $impl exit $? ($(wc -l < "$OUT_DIR/$name.csv" 2>/dev/null || echo 0) lines)"
     done
 else
     echo "gpu_profile.sh: ncu not found" | tee "$OUT_DIR/ncu_gla.csv"

@@ -49,31 +49,33 @@ def test_tiny_sweep_and_breakdown_of_ours_and_fla(tmp_path):
         assert r["op"] == "gla" and r["ms"] > 0
         assert r["max_rel_rms_vs_shipped"] == 0.0  # the interpreter ignores warps and stages
     totals = {r["impl"]: r for r in kinds("breakdown_total")}
-    assert set(totals) == {"triton", "fla"} and all(t["ms"] > 0 for t in totals.values())
-    for impl in ("triton", "fla"):
+    assert set(totals) == {"triton", "triton-f32g", "fla"} and all(t["ms"] > 0 for t in totals.values())
+    for impl in ("triton", "triton-f32g", "fla"):
         rows = [r for r in kinds("kernel") if r["impl"] == impl]
         assert rows and abs(sum(r["share"] for r in rows) - 1) < 1e-6
     md = (out / "profile.md").read_text()
     assert "| setting | gla |" in md and "**gla, triton**" in md and "**gla, fla**" in md
+    assert "**gla, triton-f32g**" in md and "| gla | triton-f32g |" in md
 
 
-def test_tiny_wy_forms_of_the_delta_rule(tmp_path):
+def test_tiny_forms_of_the_delta_rule(tmp_path):
     out = tmp_path / "out"
     res = run(out, "--ops", "gated_delta", "--configs", "4-4-1", "--jobs", "2", "--no-fla")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "profile.jsonl").read_text().splitlines()]
     assert not [r for r in recs if r["kind"] in ("error", "skipped")]
-    wy = {r["form"]: r for r in recs if r["kind"] == "wy"}
-    assert set(wy) == {"torch", "triton"} and all(
-        r["op"] == "gated_delta" and r["ms"] > 0 for r in wy.values()
-    )
-    assert wy["torch"]["max_rel_rms_vs_torch"] == 0.0
-    assert 0 < wy["triton"]["max_rel_rms_vs_torch"] < 1e-5  # two implementations, one result
-    assert "| gated_delta | triton |" in (out / "profile.md").read_text()
+    forms = {r["impl"]: r for r in recs if r["kind"] == "form"}
+    assert set(forms) == {"triton", "triton-wy", "triton-f32g", "triton-wy-f32g"}
+    assert all(r["op"] == "gated_delta" and r["ms"] > 0 for r in forms.values())
+    assert forms["triton"]["max_rel_rms_vs_shipped"] == 0.0
+    # two implementations of the WY part, two forms of the gate sums: one result (float32 here)
+    for impl in ("triton-wy", "triton-f32g", "triton-wy-f32g"):
+        assert 0 < forms[impl]["max_rel_rms_vs_shipped"] < 1e-5, (impl, forms[impl])
+    assert "| gated_delta | triton-wy-f32g |" in (out / "profile.md").read_text()
 
 
 def test_the_ncu_child_runs_one_warm_forward_and_backward(tmp_path):
-    res = run(tmp_path / "out", "--ncu", "simple_gla", timeout=300)
+    res = run(tmp_path / "out", "--ncu", "simple_gla", "--ncu-impl", "triton-f32g", timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # a child under ncu writes nothing of its own
 
@@ -102,6 +104,7 @@ def test_a_setting_reaches_every_launch_and_is_restored():
         (["--configs", "8-4"], "'8-4' is not WIDE-NARROW-STAGES"),
         (["--configs", "6-4-2"], "warps must be powers of two"),
         (["--ncu", "nope"], "--ncu: unknown op 'nope'"),
+        (["--ncu", "gla", "--ncu-impl", "triton-wy"], "--ncu-impl: 'triton-wy' is not a form of gla"),
         (["--budget", "-1"], "--budget must be a positive"),
     ],
 )

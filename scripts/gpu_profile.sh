@@ -4,7 +4,8 @@
 # breakdown of ours and fla's), Nsight Compute on one forward + backward of gla, its gates as pairs and as
 # float32 sums (our Triton kernels: speed of light, occupancy, launch statistics: CSV), and with
 # GPU_PROFILE_TRAIN=1 the train section's edgeattn Gated DeltaNet row (which the first H200 run's 130 s train
-# budget left out; now 170 s). Output in $OUT (or the first argument), 8 files at most. About 4-5 minutes (6 with the train row):
+# budget left out; now 170 s). Output in $OUT (or the first argument), 8 files at most. About 4-5 minutes
+# (6 with the train row):
 #
 #     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_profile.sh", carry=[".whl"], timeout_s=330)
 set -uo pipefail

@@ -932,6 +932,12 @@ def markdown(records: list[dict]) -> str:
         lines.append("")
     lines += ["| section | status | seconds | budget s |", "|---|---|---|---|"]
     lines += [f"| {r['section']} | {r['status']} | {r['seconds']} | {r['budget_s']} |" for r in by("section")]
+    pre = by("precompile")
+    if pre:
+        done = sum(len(r["done"]) for r in pre)
+        lines += ["", f"**precompile** (our kernels, in {len(pre)} background processes before the kernels section): "
+                  f"{done} of {sum(len(r['jobs']) for r in pre)} op forms compiled in at most "
+                  f"{max(r['seconds'] for r in pre)} s"]  # fmt: skip
     for r in by("tests_summary"):
         lines += ["", f"**tests** (compiled unless TRITON_INTERPRET): {r['passed']} passed, {r['failed']} failed, "
                   f"{r['error']} errors, {r['skipped']} skipped in {r['seconds']} s"
@@ -1026,6 +1032,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--decode-artifact", default=None, help=argparse.SUPPRESS)  # the background export's
     ap.add_argument("--prepare-decode", default=None, help=argparse.SUPPRESS)  # run that export, to this path
+    ap.add_argument("--precompile", choices=("auto", "on", "off"), default="auto",
+                    help="kernels: compile our kernels in background processes from the start (auto: on a GPU)")  # fmt: skip
+    ap.add_argument("--child-precompile", default=None, help=argparse.SUPPRESS)  # OP:IMPL, one background job
     return ap
 
 
@@ -1096,6 +1105,79 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Our kernels' compile time counted inside the kernels section (fla's too): on the H200, 173 of its 200 s went by
+# with 4 ops. Compiled in background processes from the start instead (Triton's on-disk cache is shared),
+# while the tests section runs; at T = 256 (T is a runtime argument, specialised only on its
+# divisibility by 16, as 2048 and 8192 are) and B = 1, the section's H and K.
+PRECOMPILE_T = 256
+PRECOMPILE_WAIT = 90  # seconds the kernels section waits for them at most (not counted in its budget)
+PRECOMPILE_WORKERS = 4
+
+
+def precompile_jobs(args) -> list[str]:
+    """OP:IMPL of every form of ours the kernels section will time."""
+    ops = [x for x in args.ops.split(",") if x] if args.ops else list(KERNEL_OPS)
+    return [f"{op}:{impl}" for op in ops for impl in our_impls(op)]
+
+
+def child_precompile(args) -> int:
+    """One forward + backward of each OP:IMPL of ``args.child_precompile`` (comma-separated) at the kernels
+    section's H and K, one after another."""
+    import torch
+
+    z = SIZES["tiny" if args.tiny else "gpu"]["kernels"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    H, K = args.heads or z["H"], args.head_dim or z["K"]
+    T = z["lengths"][0] if args.tiny else PRECOMPILE_T
+    for spec in args.child_precompile.split(","):
+        op, impl = spec.split(":")
+        t0 = time.time()
+        xs = kernel_inputs(op, 1, T, H, K, getattr(torch, z["dtype"]), device)
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        o = kernel_impls(op)[impl](*xs)
+        o.backward(torch.ones_like(o))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        say(f"precompiled {spec} in {time.time() - t0:.1f} s")
+    return 0
+
+
+def start_precompile(args, work: Path) -> list[tuple[str, subprocess.Popen, float]]:
+    """The background compile jobs, started now: PRECOMPILE_WORKERS processes (while the tests section's
+    own workers run), the op-form pairs dealt out among them."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    specs = precompile_jobs(args)
+    jobs = []
+    for i in range(min(PRECOMPILE_WORKERS, len(specs))):
+        mine = ",".join(specs[i::PRECOMPILE_WORKERS])
+        cmd = [sys.executable, __file__, "--child-precompile", mine, *(["--tiny"] if args.tiny else [])]
+        cmd += [f"--{k}={v}" for k, v in (("heads", args.heads), ("head-dim", args.head_dim)) if v]
+        with open(work / f"precompile_{i}.log", "w") as plog:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=plog, stderr=subprocess.STDOUT)
+        jobs.append((mine, proc, time.time()))
+    return jobs
+
+
+def finish_precompile(jobs, work: Path, rec, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the background compiles (the kernels section compiles what is left itself),
+    record each worker's outcome, and stop the rest."""
+    deadline = time.time() + wait_s
+    for i, (specs, proc, t0) in enumerate(jobs):
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+        text = (work / f"precompile_{i}.log").read_text()
+        done = [ln.split()[1] for ln in text.splitlines() if ln.startswith("precompiled ")]
+        tail = text.strip().splitlines()[-1:] if rc else []
+        rec.write("precompile", jobs=specs.split(","), done=done, rc=rc, seconds=round(time.time() - t0, 1),
+                  tail=[t[-300:] for t in tail])  # fmt: skip
+        say(f"gpu_check: precompile {specs}: {len(done)} done, " + ("stopped" if rc is None else f"rc {rc}")
+            + (f" ({tail[0][-200:]})" if tail else ""))  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -1103,6 +1185,8 @@ def main(argv=None) -> int:
         return prepare_decode(Path(args.prepare_decode), args.tiny)
     if args.section is not None:
         return child(args)
+    if args.child_precompile is not None:
+        return child_precompile(args)
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     bad = [x for x in sections if x not in SECTIONS]
     if bad or not sections:
@@ -1141,8 +1225,10 @@ def main(argv=None) -> int:
     env = environment(args.tiny)
     Recorder(out / "results.jsonl", "env").write("env", **env)
     say("gpu_check: " + json.dumps(env))
-    statuses, prep = [], None
+    statuses, prep, pre = [], None, []
     try:
+        if "kernels" in sections and (args.precompile == "on" or (args.precompile == "auto" and cuda)):
+            pre = start_precompile(args, work)
         if "decode" in sections:  # the export runs on the CPU while the GPU sections run
             cmd = [sys.executable, __file__, "--prepare-decode", str(art), *(["--tiny"] if args.tiny else [])]
             penv = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _pythonpath()}
@@ -1150,6 +1236,9 @@ def main(argv=None) -> int:
                 prep = subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=plog, stderr=subprocess.STDOUT)
         with open(out / "gpu_check.log", "w") as log:
             for name in sections:
+                if name == "kernels" and pre:
+                    finish_precompile(pre, work, Recorder(out / "results.jsonl", "kernels"), PRECOMPILE_WAIT)
+                    pre = []
                 say(f"== {name} (budget {budgets[name]:.0f} s) ==")
                 st = run_section(name, args, budgets[name], log)
                 Recorder(out / "results.jsonl", name).write(**{k: v for k, v in st.items() if k != "section"})
@@ -1159,6 +1248,10 @@ def main(argv=None) -> int:
                 log.write("---- the decode section's background export ----\n")
                 log.write((work / "decode_export.log").read_text()[-20000:])
     finally:
+        for _, proc, _ in pre:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if prep is not None and prep.poll() is None:
             prep.kill()
             prep.wait()

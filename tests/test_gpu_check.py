@@ -208,3 +208,14 @@ def test_kernel_forms_are_set_inside_and_restored_after():
     assert delta_chunk.wy_form() == "torch" and utils.chunk_local_cumsum(g, 16).shape == (1, 4, 1, 2, 2)
     seen = gpu_check.in_forms(lambda: (delta_chunk.WY, utils.GATE_SUM), gate_sum="float32")()
     assert seen == ("torch", "float32") and utils.GATE_SUM == "pair"
+
+
+def test_our_kernels_compile_in_the_background_before_the_kernels_section(tmp_path):
+    out = tmp_path / "out"
+    res = run(out, "--sections", "kernels", "--ops", "simple_gla", "--lengths", "16", "--precompile", "on")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    pre = records(out, "precompile")
+    assert sorted(j for r in pre for j in r["jobs"]) == ["simple_gla:triton", "simple_gla:triton-f32g"]
+    assert all(r["rc"] == 0 and sorted(r["done"]) == sorted(r["jobs"]) for r in pre), pre
+    assert {r["impl"] for r in records(out, "kernel_time")} >= {"triton", "triton-f32g"}
+    assert "**precompile**" in (out / "results.md").read_text()

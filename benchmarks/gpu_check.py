@@ -64,8 +64,17 @@ minutes with the imports and the wheels' install) keep the run inside 590 s. Fro
 autotuning capped (``--fla-autotune-configs``), so the kernels section gets the most. On an H200
 (2026-11-28) every section finished inside its budget: 421 s in all, the train section (then 130 s) with
 10 s to spare and without its Gated DeltaNet edgeattn row (about 40 s, from a second call: ``--sections
-train --models gated_deltanet --train-libs edgeattn``), hence 170 s now. The Triton cache came to over 48 MB there, so it was not packed; a second call
-recompiles. Then scripts/gpu_profile.sh (benchmarks/gpu_profile.py) says where the time goes.
+train --models gated_deltanet --train-libs edgeattn``), hence 170 s now. The Triton cache came to over 48 MB
+there, so it was not packed; a second call recompiles. Then scripts/gpu_profile.sh (benchmarks/gpu_profile.py)
+says where the time goes.
+
+With our other forms (``FORMS``) the kernels section times up to four forms an op, compiled in background
+processes while the tests run (``--precompile``); the run that times them all fits two calls:
+
+    run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh $OUT --sections tests,kernels "
+                "--budgets kernels=280", carry=[".whl"], timeout_s=480)
+    run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh $OUT --sections train,decode "
+                "--train-libs fla,edgeattn,edgeattn-wy-f32g --budgets train=250", carry=[".whl"], timeout_s=400)
 
     python benchmarks/gpu_check.py --out DIR [--sections tests,kernels,train,decode] [--budgets train=60]
     python benchmarks/gpu_check.py --out DIR --tiny      # this CPU: tiny shapes, Triton's interpreter

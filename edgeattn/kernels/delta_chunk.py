@@ -360,7 +360,8 @@ def intra_gk_bwd(k, gc, dP, BT: int):
     dk_row = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     chunk_bwd_dqk_intra_gk_kernel[(triton.cdiv(K, BK), NT * (BT // BC), B * H)](
-        k, k, gc, dP, dk_row, dk_col, T, H=H, K=K, BT=BT, BC=BC, BK=BK, GS=gate_stride(gc), PREC=dot_precision(k.dtype),
+        k, k, gc, dP, dk_row, dk_col, T, H=H, K=K, BT=BT, BC=BC, BK=BK, GS=gate_stride(gc),
+        PREC=dot_precision(k.dtype),
         **narrow(k.dtype),
     )  # fmt: skip
     return dk_row, dk_col
@@ -583,7 +584,8 @@ def wy_fwd_triton(k, v, beta, gc, P, BT: int, Tinv=None):
     u = torch.empty_like(v)
     wy_fwd_kernel[(NT, B * H)](
         k, v, beta, gc, P, Tinv, w, u, T, H=H, K=K, V=V, BT=BT, BK=block_size(K), BV=block_size(V, 64),
-        GATE=_gate_kind(gc), SOLVE=solve, GS=gate_stride(gc), PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+        GATE=_gate_kind(gc), SOLVE=solve, GS=gate_stride(gc), PREC=dot_precision(torch.float32),
+        **wy_launch(k.dtype),
     )  # fmt: skip
     return Tinv, w, u
 
@@ -603,7 +605,8 @@ def wy_bwd_triton(k, v, beta, gc, P, Tinv, h, dvn, BT: int):
     db = torch.empty(B, T, H, dtype=torch.float32, device=k.device) if gate == 1 else None
     wy_bwd_kernel[(NT, B * H)](
         k, v, beta, gc, P, Tinv, h, dvn, dv, dbeta, dk, dP, db, T, H=H, K=K, V=V, BT=BT, BK=block_size(K),
-        BV=block_size(V, 32), GATE=gate, GS=gate_stride(gc), PREC=dot_precision(torch.float32), **wy_launch(k.dtype),
+        BV=block_size(V, 32), GATE=gate, GS=gate_stride(gc), PREC=dot_precision(torch.float32),
+        **wy_launch(k.dtype),
     )  # fmt: skip
     if gate == 1:
         return dv, dbeta, dk, db.unsqueeze(-1)

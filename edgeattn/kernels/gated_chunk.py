@@ -660,7 +660,8 @@ def chunk_fwd_h(k, v, gc, h0, BT: int):
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     chunk_fwd_h_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         k, v, gc, h, h0, ht, T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        GATE=_gate_kind(gc), USE_H0=h0 is not None, GS=gate_stride(gc), PREC=dot_precision(k.dtype), **wide(k.dtype),
+        GATE=_gate_kind(gc), USE_H0=h0 is not None, GS=gate_stride(gc), PREC=dot_precision(k.dtype),
+        **wide(k.dtype),
     )  # fmt: skip
     return h, ht
 

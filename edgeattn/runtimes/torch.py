@@ -79,8 +79,8 @@ class TorchSession(Session):
             raise ValueError(f"cuda_graph needs a CUDA device, this session runs on {self.device!r}")
         if cuda_graph and not fixed:
             raise ValueError(
-                f"{manifest.root}: its state grows (a softmax layer's KV cache): a CUDA graph needs a fixed-size "
-                "state (export for the onnxruntime target, whose KV buffers are preallocated)"
+                f"{manifest.root}: its state grows (a softmax layer's KV cache): a CUDA graph needs a "
+                "fixed-size state (export for the onnxruntime target, whose KV buffers are preallocated)"
             )
         self.cuda_graph = cuda and fixed and (cuda_graph is None or bool(cuda_graph))
         self._graph = None  # the captured step: StepGraph, or the reason its capture failed (a str)
@@ -136,7 +136,8 @@ class TorchSession(Session):
 
 class StepGraph:
     """A model's one-token step captured as a CUDA graph: ``graph.replay()`` reads ``ids`` [B, 1] and
-    ``state`` (static tensors, the model's state layout), writes ``logits`` and the next state into ``state``."""
+    ``state`` (static tensors, the model's state layout) and writes ``logits`` and the next state (into
+    ``state``)."""
 
     def __init__(self, graph, ids, state, logits):
         self.graph, self.ids, self.state, self.logits = graph, ids, state, logits

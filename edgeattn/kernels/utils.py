@@ -281,7 +281,7 @@ def dot_precision(dtype) -> str:
 # contiguously; a difference of two sums near 1e4 is off by up to 1e-3, a relative 1e-3 on its exp). On an
 # H200 (RESULTS.md, 2026-11-28) the per-key gate cost our kernels 5-7x and fla's 1.4-2.4x, the kernels
 # bound by the memory pipeline short of DRAM: the pairs are 4x a bfloat16 key's bytes, read at a stride
-# of 2. "pair" stays the default until benchmarks/gpu_check.py has timed both (its "f32-gates" rows).
+# of 2. "pair" stays the default until benchmarks/gpu_check.py has timed both (its "triton-f32g" rows).
 GATE_SUMS = ("pair", "float32")
 GATE_SUM = "pair"
 

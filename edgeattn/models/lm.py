@@ -173,9 +173,8 @@ class EdgeLM(nn.Module):
             raise ValueError(f"input_ids must have shape [B, T], got {shape}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
-        capturing = (
-            input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        )  # a CUDA graph: no host read
+        # while a CUDA graph is captured (the torch backend's steps) the ids cannot be read on the host
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (torch.compiler.is_compiling() or torch.jit.is_tracing() or capturing) and input_ids.numel():
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.cfg.vocab_size:

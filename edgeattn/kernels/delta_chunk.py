@@ -47,8 +47,6 @@ h * HV/H ... (h + 1) * HV/H - 1), beta [B, T, HV], g None, [B, T, HV] or [B, T, 
 
 from __future__ import annotations
 
-import os
-
 from edgeattn._deps import require
 from edgeattn.kernels.gated_chunk import (
     BC,
@@ -68,6 +66,7 @@ from edgeattn.kernels.utils import (
     decay_to_chunk_end,
     dot,
     dot_precision,
+    env_choice,
     gate_head,
     gate_row,
     gate_rows,
@@ -379,10 +378,7 @@ WY = "torch"
 
 def wy_form() -> str:
     """EDGEATTN_DELTA_WY (torch or triton), else the module's WY: where the WY part runs."""
-    value = os.environ.get("EDGEATTN_DELTA_WY", "").strip().lower() or WY
-    if value not in WY_FORMS:
-        raise ValueError(f"EDGEATTN_DELTA_WY must be one of {', '.join(WY_FORMS)}, got {value!r}")
-    return value
+    return env_choice("EDGEATTN_DELTA_WY", WY_FORMS, WY)
 
 
 @triton.jit

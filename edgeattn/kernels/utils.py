@@ -286,12 +286,18 @@ GATE_SUMS = ("pair", "float32")
 GATE_SUM = "pair"
 
 
+def env_choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The environment variable ``name`` (case and spaces ignored) when set, else ``default``; ValueError
+    unless it is one of ``allowed``."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 def gate_sum_form() -> str:
     """EDGEATTN_GATE_SUM (pair or float32), else the module's GATE_SUM: how the cumulative gates are kept."""
-    value = os.environ.get("EDGEATTN_GATE_SUM", "").strip().lower() or GATE_SUM
-    if value not in GATE_SUMS:
-        raise ValueError(f"EDGEATTN_GATE_SUM must be one of {', '.join(GATE_SUMS)}, got {value!r}")
-    return value
+    return env_choice("EDGEATTN_GATE_SUM", GATE_SUMS, GATE_SUM)
 
 
 def gate_stride(gc) -> int:

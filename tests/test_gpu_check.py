@@ -76,7 +76,14 @@ def check_run(out: Path, ops: list[str], models: list[str], libs=("fla", "edgeat
     assert records(out, "decode_model")[0]["status"] == "ok"
 
     md = (out / "results.md").read_text()
-    for head in ("| section | status |", "| op | impl | T |", "| model | lib |", "| path | context |"):
+    heads = (
+        "| section | status |",
+        "| op | impl | T |",
+        "| op | T | fastest |",
+        "| model | lib |",
+        "| path | context |",
+    )
+    for head in heads:
         assert head in md
     assert "[tests] start" in (out / "gpu_check.log").read_text()
 
@@ -219,3 +226,15 @@ def test_our_kernels_compile_in_the_background_before_the_kernels_section(tmp_pa
     assert all(r["rc"] == 0 and sorted(r["done"]) == sorted(r["jobs"]) for r in pre), pre
     assert {r["impl"] for r in records(out, "kernel_time")} >= {"triton", "triton-f32g"}
     assert "**precompile**" in (out / "results.md").read_text()
+
+
+def test_the_fastest_form_of_ours_per_op_and_length():
+    row = dict(kind="kernel_time", op="gla", T=2048, tflops=1.0, gbs=1.0)
+    recs = [
+        {**row, "impl": "fla", "ms": 1.5},
+        {**row, "impl": "triton", "ms": 2.0, "vs_fla": 0.75},
+        {**row, "impl": "triton-f32g", "ms": 1.0, "vs_fla": 1.5},
+        {**row, "impl": "torch", "ms": 0.5},  # not one of ours
+    ]
+    md = gpu_check.markdown(recs)
+    assert "| gla | 2048 | triton-f32g | 1.000 | 1.50 | 2.00 |" in md

@@ -12,12 +12,13 @@ says why they are slower, in one call of a few minutes:
                setting's (a miscompile or a race shows as a difference, not only as a time).
     forms      every form of ours (gpu_check.FORMS): the shipped one, float32 gate sums
                (EDGEATTN_GATE_SUM=float32) and for gated_delta and kda the WY part in Triton
-               (EDGEATTN_DELTA_WY=triton) and both: times, and each against the shipped form on the same inputs.
+               (EDGEATTN_DELTA_WY=triton) and both: times, and each against the shipped form on the same
+               inputs.
     breakdown  forward + backward of each op, ours (gla and kda also with float32 gate sums) and fla's, under
-               torch.profiler: every GPU kernel's time
-               per call of the op (Triton kernels by name, PyTorch's as cuBLAS / elementwise kernels), so
-               that ours and fla's can be compared stage by stage. fla's ops are compiled (autotuned, capped
-               as in gpu_check.py) in parallel processes too, while ours compile.
+               torch.profiler: every GPU kernel's time per call of the op (Triton kernels by name, PyTorch's
+               as cuBLAS / elementwise kernels), so that ours and fla's can be compared stage by stage.
+               fla's ops are compiled (autotuned, capped as in gpu_check.py) in parallel processes too, while
+               ours compile.
     --ncu OP   (a child run under Nsight Compute by scripts/gpu_profile.sh) one warm forward + backward of
                OP between cudaProfilerStart and cudaProfilerStop, so that ``ncu --profile-from-start off``
                profiles those kernels alone (the backward's too, launched from autograd's own thread).

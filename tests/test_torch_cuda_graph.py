@@ -48,15 +48,26 @@ def captures(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("graph")
+
+
+@pytest.fixture(scope="module")
+def gla(root):
+    """Two GLA layers: a fixed-size state, what the torch backend captures by default on CUDA."""
+    return export_tiny(root, "gla", dynamic_batch=False)
+
+
+@pytest.fixture(scope="module")
+def hybrid(root):
     """GLA and a softmax layer with a preallocated KV buffer (its state: key, value, position)."""
-    return export_tiny(tmp_path_factory.mktemp("graph"), "gla,softmax", dynamic_batch=False)
+    return export_tiny(root, "gla,softmax", dynamic_batch=False)
 
 
-def test_graph_steps_equal_eager_steps_through_prefill_rollback_and_reset(hybrid, captures):
-    graphed = open_session(hybrid, backend="torch")
+def test_graph_steps_equal_eager_steps_through_prefill_rollback_and_reset(gla, captures):
+    graphed = open_session(gla, backend="torch")
     graphed.cuda_graph = True  # what a CUDA device sets; the capture is the stand-in
-    eager = open_session(hybrid, backend="torch")
+    eager = open_session(gla, backend="torch")
     assert not eager.cuda_graph  # the default off CUDA
     rng = np.random.default_rng(0)
     vocab = graphed.manifest.vocab_size
@@ -83,7 +94,7 @@ def test_graph_steps_equal_eager_steps_through_prefill_rollback_and_reset(hybrid
     assert not np.allclose(outs["eager"][5], outs["eager"][8])
 
 
-def test_a_failed_capture_leaves_the_session_eager_with_one_warning(hybrid, monkeypatch):
+def test_a_failed_capture_leaves_the_session_eager_with_one_warning(gla, monkeypatch):
     calls = []
 
     def fail(*a):
@@ -91,15 +102,23 @@ def test_a_failed_capture_leaves_the_session_eager_with_one_warning(hybrid, monk
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(torch_runtime, "capture_step", fail)
-    s = open_session(hybrid, backend="torch")
+    s = open_session(gla, backend="torch")
     s.cuda_graph = True
-    ref = open_session(hybrid, backend="torch")
+    ref = open_session(gla, backend="torch")
     with pytest.warns(RuntimeWarning, match="steps eagerly: capturing its step as a CUDA graph failed"):
         a = s.step([[5]])
     b = [s.step([[6]]), s.step([[7]])]
     assert calls == [1]  # not tried again
     for x, y in zip([a, *b], [ref.step([[5]]), ref.step([[6]]), ref.step([[7]])]):
         np.testing.assert_array_equal(x, y)
+
+
+def test_only_fixed_state_models_without_kv_buffers_are_captured(gla, hybrid):
+    from edgeattn.artifact.manifest import Manifest
+
+    assert torch_runtime.graph_obstacle(Manifest.load(gla)) is None
+    why = torch_runtime.graph_obstacle(Manifest.load(hybrid))
+    assert why and "KV buffers are written at a position read on the host" in why
 
 
 def test_cuda_graph_option_errors(hybrid):

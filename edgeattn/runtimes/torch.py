@@ -1,11 +1,12 @@
 """PyTorch backend: the checkpoint stored in the artifact. The reference for `check`.
 
-On CUDA a one-token step runs as a CUDA graph (``TorchSession.cuda_graph``, on by default there when the
-state has a fixed shape; a growing KV cache steps eagerly): the model's step captured once, at the first
-step, over static state buffers that each replay reads and writes in place. On an H200 the 92.5M GLA's
-step took 1.14 ms as a graph against 8.9 ms eagerly (RESULTS.md, issue 36). Prefill calls run eagerly; a
-state they leave (or ``set_state``/``reset``) is copied into the static buffers at the next step. A
-capture that fails leaves the session eager, with one warning.
+On CUDA a one-token step runs as a CUDA graph (``TorchSession.cuda_graph``), by default for models whose
+every layer keeps a fixed-size state (softmax layers step eagerly: a growing cache changes shape, a
+preallocated buffer is written at a position read on the host; ``graph_obstacle``): the model's step
+captured once, at the first step, over static state buffers that each replay reads and writes in place.
+On an H200 the 92.5M GLA's step took 1.14 ms as a graph against 8.9 ms eagerly (RESULTS.md, issue 36).
+Prefill calls run eagerly; a state they leave (or ``set_state``/``reset``) is copied into the static
+buffers at the next step. A capture that fails leaves the session eager, with one warning.
 """
 
 from __future__ import annotations
@@ -71,18 +72,14 @@ class TorchSession(Session):
             self.model.set_kv_buffers(manifest.max_length, layers=shared)
         check_model(manifest, self.model)
         self.specs = [(e.input, e.layer, e.name) for e in manifest.state]
-        # steps as a CUDA graph: the default on CUDA (None) where the state keeps its shape (not a growing
-        # KV cache), never on other devices
-        fixed = all(isinstance(d, int) for e in manifest.state for d in e.shape[1:])
+        # steps as a CUDA graph: the default on CUDA (None) where the step can be captured, never elsewhere
         cuda = self.device.startswith("cuda")
+        why_not = graph_obstacle(manifest)
         if cuda_graph and not cuda:
             raise ValueError(f"cuda_graph needs a CUDA device, this session runs on {self.device!r}")
-        if cuda_graph and not fixed:
-            raise ValueError(
-                f"{manifest.root}: its state grows (a softmax layer's KV cache): a CUDA graph needs a "
-                "fixed-size state (export for the onnxruntime target, whose KV buffers are preallocated)"
-            )
-        self.cuda_graph = cuda and fixed and (cuda_graph is None or bool(cuda_graph))
+        if cuda_graph and why_not:
+            raise ValueError(f"{manifest.root}: {why_not}")
+        self.cuda_graph = cuda and not why_not and (cuda_graph is None or bool(cuda_graph))
         self._graph = None  # the captured step: StepGraph, or the reason its capture failed (a str)
         self._reset_state()
 
@@ -132,6 +129,19 @@ class TorchSession(Session):
 
     def _reset_state(self) -> None:
         self._state = self.model.init_state(self.manifest.batch_size, self.device)
+
+
+def graph_obstacle(manifest: Manifest) -> str | None:
+    """Why this artifact's step cannot run as a CUDA graph, or None: a growing state (a softmax layer's
+    KV cache) changes shape every step; a preallocated KV buffer is written at a position read on the host."""
+    if not all(isinstance(d, int) for e in manifest.state for d in e.shape[1:]):
+        return "its state grows (a softmax layer's KV cache): a CUDA graph needs a fixed-size state"
+    if any(e.shared for e in manifest.state):
+        return (
+            "its softmax layers' KV buffers are written at a position read on the host: a CUDA graph "
+            "cannot hold that step"
+        )
+    return None
 
 
 class StepGraph:

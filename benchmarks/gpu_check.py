@@ -392,11 +392,25 @@ def kernel_inputs(op: str, B: int, T: int, H: int, K: int, dtype, device: str) -
     return tuple(x.to(dtype) if x.dtype == torch.bfloat16 else x for x in xs)
 
 
-def check_out_dir(out: str, prog: str) -> str | None:
+def fwd_bwd(fn, inputs, do=None):
+    """One forward + backward of ``fn`` on fresh leaves of ``inputs`` with a fixed output gradient ``do``
+    (default: seeded normal noise): (output, gradients of every input, do)."""
+    import torch
+
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o = fn(*leaves)
+    if do is None:
+        gen = torch.Generator(device=o.device).manual_seed(7)
+        do = torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype)
+    o.backward(do)
+    return o.detach(), [x.grad for x in leaves], do
+
+
+def check_out_dir(out: str) -> str | None:
     """The error line when ``--out`` names something other than a folder (None when it is one or absent)."""
     p = Path(out)
     if p.exists() and not p.is_dir():
-        return f"{prog}: --out {out}: exists and is not a folder"
+        return f"--out {out}: exists and is not a folder"
     return None
 
 
@@ -431,14 +445,6 @@ def section_kernels(s: Section) -> None:
             return kb.flops_linear(B, T, H, K, V), kb.bytes_moved(B, T, H, K, V, gate)
         return kb.flops_delta(B, T, H, H, K, V), kb.bytes_delta(B, T, H, H, K, V, gate)
 
-    def fwd_bwd(fn, inputs):
-        """One forward + backward with a fixed output gradient: (output, gradients of every input)."""
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        o = fn(*leaves)
-        gen = torch.Generator(device=s.device).manual_seed(7)
-        o.backward(torch.randn(o.shape, generator=gen, device=s.device).to(o.dtype))
-        return o.detach(), [x.grad for x in leaves]
-
     times: dict[tuple, float] = {}
 
     def timed_row(op, impl, fn, inputs, T):
@@ -463,8 +469,8 @@ def section_kernels(s: Section) -> None:
 
     def compare(op, T, inputs, impls, impl="triton"):
         """Ours against fla on the timed inputs: the output and every gradient (one fixed output gradient)."""
-        o_ref, g_ref = fwd_bwd(impls["fla"], inputs)
-        o, g = fwd_bwd(impls[impl], inputs)
+        o_ref, g_ref, _ = fwd_bwd(impls["fla"], inputs)
+        o, g, _ = fwd_bwd(impls[impl], inputs)
         errs = {"o": rel_rms(o, o_ref)}
         names = ["dq", "dk", "dv", "dg"] if op in ("gla", "simple_gla") else ["dq", "dk", "dv", "dbeta", "dg"]
         errs.update({n: rel_rms(a, b) for n, a, b in zip(names, g, g_ref) if a is not None and b is not None})
@@ -1158,10 +1164,7 @@ def child_precompile(args) -> int:
     for spec in args.child_precompile.split(","):
         op, impl = spec.split(":")
         t0 = time.time()
-        xs = kernel_inputs(op, 1, T, H, K, getattr(torch, z["dtype"]), device)
-        xs = [x.detach().clone().requires_grad_() for x in xs]
-        o = kernel_impls(op)[impl](*xs)
-        o.backward(torch.ones_like(o))
+        fwd_bwd(kernel_impls(op)[impl], kernel_inputs(op, 1, T, H, K, getattr(torch, z["dtype"]), device))
         if device == "cuda":
             torch.cuda.synchronize()
         say(f"precompiled {spec} in {time.time() - t0:.1f} s")
@@ -1216,29 +1219,21 @@ def main(argv=None) -> int:
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     bad = [x for x in sections if x not in SECTIONS]
     if bad or not sections:
-        print(
-            f"gpu_check: --sections: unknown {bad}; expected some of {', '.join(SECTIONS)}", file=sys.stderr
-        )
-        return 2
-    bad_out = check_out_dir(args.out, "gpu_check")
-    if bad_out:
-        print(bad_out, file=sys.stderr)
-        return 2
+        ap.error(f"--sections: unknown {bad}; expected some of {', '.join(SECTIONS)}")
+    if bad_out := check_out_dir(args.out):
+        ap.error(bad_out)
     libs = {x.strip() for x in args.train_libs.split(",") if x.strip()}
     if not libs or libs - set(TRAIN_LIBS):
-        print(f"gpu_check: --train-libs: expected some of {', '.join(TRAIN_LIBS)}, got {args.train_libs!r}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        ap.error(f"--train-libs: expected some of {', '.join(TRAIN_LIBS)}, got {args.train_libs!r}")
     try:
         budgets = parse_budgets(args.budgets)
     except ValueError as e:
-        print(f"gpu_check: {e}", file=sys.stderr)
-        return 2
+        ap.error(str(e))
     cuda = _has_cuda()
     if not args.tiny and not cuda:
-        print("gpu_check: no CUDA device here; run it on a GPU, or with --tiny (tiny shapes, Triton's "
-              "interpreter) on a CPU", file=sys.stderr)  # fmt: skip
-        return 2
+        ap.error(
+            "no CUDA device here; run it on a GPU, or with --tiny (tiny shapes, Triton's interpreter) on a CPU"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("results.jsonl", "results.md", "gpu_check.log", "junit.xml"):

@@ -124,16 +124,7 @@ class Bench:
         z = self.z
         return gpu_check.kernel_inputs(op, z["B"], z["T"], z["H"], z["K"], self.dtype, self.device)
 
-    def fwd_bwd(self, fn, inputs, do=None):
-        """(output, gradients, do): one forward + backward with a fixed output gradient."""
-        torch = self.torch
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        o = fn(*leaves)
-        if do is None:
-            gen = torch.Generator(device=self.device).manual_seed(7)
-            do = torch.randn(o.shape, generator=gen, device=self.device).to(o.dtype)
-        o.backward(do)
-        return o.detach(), [x.grad for x in leaves], do
+    fwd_bwd = staticmethod(gpu_check.fwd_bwd)  # (output, gradients, do) with a fixed output gradient
 
     def sync(self):
         if self.cuda:
@@ -392,41 +383,30 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     ops = [x.strip() for x in args.ops.split(",") if x.strip()]
     bad = [x for x in ops if x not in OPS]
     if bad or not ops:
-        print(f"gpu_profile: --ops: unknown {bad}; expected some of {', '.join(OPS)}", file=sys.stderr)
-        return 2
+        ap.error(f"--ops: unknown {bad}; expected some of {', '.join(OPS)}")
     if args.ncu is not None and args.ncu not in OPS:
-        print(
-            f"gpu_profile: --ncu: unknown op {args.ncu!r}; expected one of {', '.join(OPS)}", file=sys.stderr
-        )
-        return 2
+        ap.error(f"--ncu: unknown op {args.ncu!r}; expected one of {', '.join(OPS)}")
     if args.ncu is not None and args.ncu_impl not in gpu_check.our_impls(args.ncu):
-        print(f"gpu_profile: --ncu-impl: {args.ncu_impl!r} is not a form of {args.ncu}; expected one of "
-              f"{', '.join(gpu_check.our_impls(args.ncu))}", file=sys.stderr)  # fmt: skip
-        return 2
+        ours = ", ".join(gpu_check.our_impls(args.ncu))
+        ap.error(f"--ncu-impl: {args.ncu_impl!r} is not a form of {args.ncu}; expected one of {ours}")
     try:
         configs = parse_configs(args.configs)
     except ValueError as e:
-        print(f"gpu_profile: {e}", file=sys.stderr)
-        return 2
+        ap.error(str(e))
     if not (args.budget > 0 and math.isfinite(args.budget)):
-        print("gpu_profile: --budget must be a positive number of seconds", file=sys.stderr)
-        return 2
-    bad_out = gpu_check.check_out_dir(args.out, "gpu_profile")
-    if bad_out:
-        print(bad_out, file=sys.stderr)
-        return 2
+        ap.error("--budget must be a positive number of seconds")
+    if bad_out := gpu_check.check_out_dir(args.out):
+        ap.error(bad_out)
     import torch
 
     if not torch.cuda.is_available():
         if not args.tiny:
-            print(
-                "gpu_profile: no CUDA device here; run it on a GPU, or with --tiny on a CPU", file=sys.stderr
-            )
-            return 2
+            ap.error("no CUDA device here; run it on a GPU, or with --tiny on a CPU")
         os.environ["TRITON_INTERPRET"] = "1"
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.path.insert(0, str(ROOT / "scripts"))

@@ -23,11 +23,22 @@ import gpu_check  # noqa: E402
 FAST_TEST = "test_chunk_gates_float32 and none"
 
 
-def run(out: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_script(script: Path, out: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``script`` (gpu_check.py or gpu_profile.py) with --tiny and --out ``out``, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # the script sets it for its sections when there is no GPU
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args]
+    env.pop("TRITON_INTERPRET", None)  # the scripts set it (for their children) when there is no GPU
+    cmd = [sys.executable, str(script), "--tiny", "--out", str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run(out: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return run_script(SCRIPT, out, *args, timeout=timeout)
+
+
+def assert_refused(res: subprocess.CompletedProcess, message: str) -> None:
+    """Exit 2 with one line on stderr holding ``message``, nothing on stdout."""
+    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
 
 
 def records(out: Path, kind: str) -> list[dict]:
@@ -137,9 +148,7 @@ def test_a_section_past_its_budget_is_killed_and_the_next_runs(tmp_path, monkeyp
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
-    res = run(tmp_path / "out", *args, timeout=120)
-    assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
+    assert_refused(run(tmp_path / "out", *args, timeout=120), message)
     assert not (tmp_path / "out").exists()
 
 
@@ -151,7 +160,7 @@ def test_without_a_gpu_the_full_sizes_are_refused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "o")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert res.returncode == 2 and "--tiny" in res.stderr and res.stderr.strip().count("\n") == 0
+    assert_refused(res, "--tiny")
 
 
 def test_fla_autotuning_is_capped_to_configs_with_num_warps_near_4():
@@ -194,12 +203,11 @@ def test_the_cap_comes_after_the_autotuners_own_pruning(monkeypatch):
     assert [c.num_warps for c in gpu_check.pick_configs(configs, 2)] == [4, 4]
 
 
-def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path):
+@pytest.mark.parametrize("script", ["gpu_check.py", "gpu_profile.py"])
+def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path, script):
     f = tmp_path / "results"
     f.write_text("keep")
-    res = run(f, timeout=120)
-    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().count("\n") == 0 and "exists and is not a folder" in res.stderr, res.stderr
+    assert_refused(run_script(ROOT / "benchmarks" / script, f, timeout=120), "exists and is not a folder")
     assert f.read_text() == "keep"
 
 

@@ -6,8 +6,6 @@ what a setting does on a GPU is measured there (benchmarks/RESULTS.md)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,12 +19,11 @@ SCRIPT = ROOT / "benchmarks" / "gpu_profile.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_profile  # noqa: E402
 
+from tests.test_gpu_check import assert_refused, run_script  # noqa: E402
 
-def run(out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # the script sets it when there is no GPU
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+def run(out: Path, *args: str, timeout: int = 600):
+    return run_script(SCRIPT, out, *args, timeout=timeout)
 
 
 def test_tiny_sweep_and_breakdown_of_ours_and_fla(tmp_path):
@@ -109,16 +106,5 @@ def test_a_setting_reaches_every_launch_and_is_restored():
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(tmp_path, args, message):
-    res = run(tmp_path / "out", *args, timeout=120)
-    assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr.strip().count("\n") == 0 and message in res.stderr, res.stderr
+    assert_refused(run(tmp_path / "out", *args, timeout=120), message)
     assert not (tmp_path / "out").exists()
-
-
-def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path):
-    f = tmp_path / "results"
-    f.write_text("keep")
-    res = run(f, timeout=120)
-    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().count("\n") == 0 and "exists and is not a folder" in res.stderr, res.stderr
-    assert f.read_text() == "keep"

@@ -22,6 +22,7 @@ if [[ -f .triton-cache.tgz ]]; then
 fi
 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" "$@"
 rc=$?
+[[ $rc == 2 ]] && exit 2  # refused its arguments (one line said why): nothing else runs
 mkdir -p "$OUT_DIR"
 # issue 34's `edgeattn linearize --device cuda` (a tiny transformers teacher; skipped on machines without CUDA)
 "$PY" -m pytest -q -rs tests/test_linearize.py -k cuda > "$OUT_DIR/linearize_cuda.txt" 2>&1

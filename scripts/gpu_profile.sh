@@ -12,10 +12,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-profile}}
 PY=${PYTHON:-python3}
+if [[ -e "$OUT_DIR" && ! -d "$OUT_DIR" ]]; then
+    echo "gpu_profile.sh: $OUT_DIR exists and is not a folder" >&2
+    exit 2
+fi
 mkdir -p "$OUT_DIR"
 source scripts/gpu_env.sh gpu_profile.sh
 timeout 170 "$PY" benchmarks/gpu_profile.py --out "$OUT_DIR" --budget ${PROFILE_BUDGET:-150} 2>&1 | tee "$OUT_DIR/profile.log"
-echo "gpu_profile.sh: profile exit ${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+echo "gpu_profile.sh: profile exit $rc"
+[[ $rc == 2 ]] && exit 2  # refused its arguments: no ncu runs
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [[ -n "$NCU" ]]; then
     # the per-key GLA with its gates as exact pairs (shipped) and as float32 sums (gated_delta's was profiled

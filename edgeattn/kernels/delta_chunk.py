@@ -415,6 +415,22 @@ def chunk_keys(
 
 
 @triton.jit
+def wy_chunk(beta, T, H: tl.constexpr, BT: tl.constexpr):
+    """The WY kernels' program (chunk i_t of batch and head i_bh): i_h, bos, i_n (the chunk's index in the
+    [B, NT, H] blocks of Tinv and h), the chunk's row offsets o_i and tokens o_t with their mask m_t, and its
+    betas [BT] float32."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    i_n = (i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t) * H + i_h
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0).to(tl.float32)
+    return i_h, bos, i_n, o_i, o_t, m_t, b_beta
+
+
+@triton.jit
 def wy_fwd_kernel(
     k,
     v,
@@ -438,15 +454,8 @@ def wy_fwd_kernel(
 ):
     # One chunk of one head: Tinv = (I + diag(beta) P_strict)^-1 by forward substitution (SOLVE; else read
     # back), then w = Tinv (beta * k * exp(b)) and u = Tinv (beta * v). Sums and dots in float32.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos = i_b.to(tl.int64) * T
-    NT = tl.cdiv(T, BT)
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    p_T = Tinv + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0).to(tl.float32)
+    i_h, bos, i_n, o_i, o_t, m_t, b_beta = wy_chunk(beta, T, H, BT)
+    p_T = Tinv + i_n * BT * BT + o_i[:, None] * BT + o_i[None, :]
     if SOLVE:
         b_P = tl.load(P + ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0)
         b_N = tl.where(o_i[:, None] > o_i[None, :], b_beta[:, None] * b_P, 0)
@@ -501,24 +510,16 @@ def wy_bwd_kernel(
     # algebra). No gate or a whole-head one: dk complete (w's part, P's rows and columns) and the gate's
     # db, summed over keys and over the later tokens of the chunk. A per-key gate: dk of w's part and dP;
     # P's part runs in the per-key intra-chunk kernel.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos = i_b.to(tl.int64) * T
-    NT = tl.cdiv(T, BT)
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
+    i_h, bos, i_n, o_i, o_t, m_t, b_beta = wy_chunk(beta, T, H, BT)
     strict = o_i[:, None] > o_i[None, :]
-    p_T = Tinv + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * BT * BT
-    b_Tt = tl.load(p_T + o_i[None, :] * BT + o_i[:, None])  # Tinv transposed
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0).to(tl.float32)
+    b_Tt = tl.load(Tinv + i_n * BT * BT + o_i[None, :] * BT + o_i[:, None])  # Tinv transposed
     o_tA = ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :]
     b_P = tl.where(strict, tl.load(P + o_tA, mask=m_t[:, None], other=0), 0)
 
     b_k, b_gam, o_k, m_k, o_tk, m_tk = chunk_keys(k, gc, bos, i_h, o_t, m_t, T, H, K, BK, GATE, GS)
     b_kg = b_k * b_gam
 
-    p_h = h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    p_h = h + i_n * K * V
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)  # dbeta

@@ -368,9 +368,8 @@ def kernel_impls(op: str) -> dict:
     else:
         raw = kb.delta_impls(gate)
         named = {"triton": raw["delta-triton"], "fla": raw["delta-fla"], "torch": raw["delta-torch"]}
-    for suffix, forms in FORMS.items():
-        if suffix and ("wy" not in forms or op in DELTA_OPS):
-            named["triton" + suffix] = in_forms(named["triton"], **forms)
+    for impl in our_impls(op)[1:]:  # the shipped "triton" first, then its other forms
+        named[impl] = in_forms(named["triton"], **FORMS[impl.removeprefix("triton")])
     return named
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeattn.bench import machine
+from edgeattn.bench import cpu_as, machine
 from edgeattn.export.check import default_text, run_logits
 from edgeattn.export.exporter import export_model
 from edgeattn.runtimes import open_session
@@ -265,3 +265,39 @@ def test_llama_cpp_is_built_for_the_instruction_sets_the_cpu_has():
     assert "-DGGML_AVX512=ON" in zen4 and "-DGGML_AVX512_VNNI=ON" in zen4 and "-DGGML_AVX512_BF16=OFF" in zen4
     here = machine.ggml_cmake_args()
     assert ("-DGGML_AVX512=ON" in here) == ("avx512f" in machine.cpu_flags())
+
+
+SAVED_LOGITS = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from edgeattn.export.check import run_logits
+from edgeattn.runtimes import open_session
+got = run_logits(open_session(sys.argv[3], backend="onnxruntime", threads=2), np.load(sys.argv[2]))
+np.savez(sys.argv[4], prefill=got["prefill"], step=got["step"])
+"""
+
+
+@needs_qemu
+@pytest.mark.skipif(cpu_as.unavailable() is not None, reason=str(cpu_as.unavailable()))
+def test_cpu_as_runs_the_kernels_of_qemus_avx2_cpu(tmp_path, int8_arts):
+    """edgeattn.bench.cpu_as (this CPU, AVX-512 and VNNI hidden from CPUID) against qemu's emulated AVX2
+    CPU: the signed int8 export, whose 16-bit sums saturate without VNNI, gives the same logits bit for bit,
+    and other ones than this CPU's own kernels where it has VNNI."""
+    ids = np.frombuffer(default_text(121), dtype=np.uint8).astype(np.int64)[None, :-1]
+    np.save(tmp_path / "ids.npy", ids)
+    args = ["-c", SAVED_LOGITS, str(REPO), str(tmp_path / "ids.npy"), str(int8_arts["s8"])]
+    runs = {
+        "qemu": ([QEMU, "-cpu", "max", sys.executable], os.environ),
+        "cpu_as": ([sys.executable], cpu_as.environ("avx2")),
+        "native": ([sys.executable], os.environ),
+    }
+    got = {}
+    for name, (cmd, env) in runs.items():
+        res = subprocess.run(cmd + args + [str(tmp_path / f"{name}.npz")], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, (name, res.stderr[-2000:])
+        got[name] = np.load(tmp_path / f"{name}.npz")
+    for graph in ("prefill", "step"):
+        assert np.array_equal(got["cpu_as"][graph], got["qemu"][graph]), graph
+        if "avx512_vnni" in machine.cpu_flags():
+            assert not np.array_equal(got["cpu_as"][graph], got["native"][graph]), graph

@@ -53,14 +53,7 @@ def ggml_cmake_args(flags: list[str] | None = None) -> str:
     """CMAKE_ARGS for building llama.cpp (llama-cpp-python) for this CPU: each instruction set on only where
     the CPU has it (a build for AVX-512 dies with "Illegal instruction" on an AVX2-only CPU), GGML_NATIVE off
     so the choice is this list's, and AMX off (its kernels crashed on the Intel Xeon here)."""
-    if flags is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                line = next((x for x in f if x.lower().startswith("flags")), "")
-        except OSError:
-            line = ""
-        flags = line.split(":", 1)[1].split() if ":" in line else []
-    have = set(flags)
+    have = set(cpu_flags(only=None) if flags is None else flags)
     args = ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in have else 'OFF'}" for opt, flag in GGML_X86]
     args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAVA_BUILD=OFF"]
     return " ".join(args)

@@ -64,6 +64,7 @@ DIR/paired.jsonl (``--paired --report`` prints it).
     python benchmarks/imported.py [--threads 2] [--precisions fp32,int4] [--repeats 1]
         [--contexts 128,4096,16384] [--workdir DIR]
     python benchmarks/imported.py --workdir DIR --report   # the table of the runs logged in DIR/runs.jsonl
+    python benchmarks/imported.py --workdir DIR --build-only   # build the models, measure nothing
     python benchmarks/imported.py --workdir DIR --models edgeattn-qwen35   # build/run only these, table of all
     python benchmarks/imported.py --paired [--rounds 8] [--block 4] [--gap 0.1] [--repeats 1] [--workdir DIR]
     python benchmarks/imported.py --paired --workdir DIR --report   # the pairs logged in DIR/paired.jsonl
@@ -703,6 +704,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the built models here (reused)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker (--paired: per answer)")
     ap.add_argument("--report", action="store_true", help="only the table of the runs in --workdir")
+    ap.add_argument(
+        "--build-only", action="store_true", help="build the models into --workdir, measure nothing"
+    )
     ap.add_argument("--models", default="", help="only these (e.g. edgeattn-qwen35,genai-qwen35-int4)")
     ap.add_argument("--no-optimize", action="store_true", help="edgeattn: export without the graph optimizer")
     ap.add_argument("--build-memory", type=float, default=9.0, help="GiB to wait for before each build")
@@ -797,6 +801,8 @@ def main() -> None:
     paired = {"contexts": contexts, "rounds": rounds, "block": block, "prefill": prefill}
     paired |= {"gap": 0.0 if args.quick else args.gap, "max_len": max(contexts) + steps + 8}
 
+    if args.build_only and (args.workdir is None or args.report):
+        ap.error("--build-only builds into --workdir (and measures nothing, so no --report)")
     tmp = tempfile.TemporaryDirectory(prefix="edgeattn-imported-") if args.workdir is None else None
     root = Path(tmp.name) if tmp else args.workdir
     root.mkdir(parents=True, exist_ok=True)
@@ -865,6 +871,12 @@ def main() -> None:
                 print(f"built {name} ({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
             shutil.rmtree(root / "ckpt", ignore_errors=True)
             shutil.rmtree(root / "cache", ignore_errors=True)
+        if args.build_only:
+            for n in wanted:
+                print(
+                    f"{n}: {models.get(n, {}).get('error') or models.get(n, {}).get('path')}", file=sys.stderr
+                )
+            return
         order = [n for n, _, _, _ in specs]
         if no_llama or args.paired or args.quick:
             order = [n for n in order if not n.startswith("llama-")]

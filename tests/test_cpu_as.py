@@ -64,7 +64,11 @@ def test_the_variable_alone_narrows_nothing():
     env = {**os.environ, "EDGEATTN_CPU_AS_ACTIVE": "avx2"}
     env.pop("LD_PRELOAD", None)
     res = subprocess.run(
-        [sys.executable, "-c", "import json; from edgeattn._cpu import cpu_record; print(json.dumps(cpu_record()))"],
+        [
+            sys.executable,
+            "-c",
+            "import json; from edgeattn._cpu import cpu_record; print(json.dumps(cpu_record()))",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -103,7 +107,9 @@ def test_bad_arguments_are_one_line():
         res = run_main("avx2", "--", "no-such-command-here")
         assert res.returncode == 127 and res.stderr.strip().count("\n") == 0, res.stderr
         assert "no-such-command-here" in res.stderr
-        res = run_main("avx2", "--", sys.executable, "-c", "import os; print(os.environ['EDGEATTN_CPU_AS_ACTIVE'])")
+        res = run_main(
+            "avx2", "--", sys.executable, "-c", "import os; print(os.environ['EDGEATTN_CPU_AS_ACTIVE'])"
+        )
         assert res.returncode == 0 and res.stdout.strip() == "avx2", res.stderr
 
 
@@ -115,4 +121,7 @@ def test_a_cpu_without_cpuid_faulting_is_refused_in_one_line(tmp_path):
         pytest.skip(why)
     assert why is not None and "cpuid_fault" in why
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma cpuid_fault\n")
-    assert cpu_as.unavailable(str(info)) in (None, *[w for w in [cpu_as.unavailable()] if w and "compiler" in w])
+    assert cpu_as.unavailable(str(info)) in (
+        None,
+        *[w for w in [cpu_as.unavailable()] if w and "compiler" in w],
+    )

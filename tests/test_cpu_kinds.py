@@ -294,7 +294,9 @@ def test_cpu_as_runs_the_kernels_of_qemus_avx2_cpu(tmp_path, int8_arts):
     }
     got = {}
     for name, (cmd, env) in runs.items():
-        res = subprocess.run(cmd + args + [str(tmp_path / f"{name}.npz")], env=env, capture_output=True, text=True)
+        res = subprocess.run(
+            cmd + args + [str(tmp_path / f"{name}.npz")], env=env, capture_output=True, text=True
+        )
         assert res.returncode == 0, (name, res.stderr[-2000:])
         got[name] = np.load(tmp_path / f"{name}.npz")
     for graph in ("prefill", "step"):

@@ -49,7 +49,9 @@ def unavailable(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     except OSError:
         flags = []
     if "cpuid_fault" not in flags:
-        return "cpu_as needs CPUID faulting, and this CPU or kernel has none (no cpuid_fault in /proc/cpuinfo)"
+        return (
+            "cpu_as needs CPUID faulting, and this CPU or kernel has none (no cpuid_fault in /proc/cpuinfo)"
+        )
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):
         return "cpu_as builds its library with a C compiler, and there is none (gcc, cc or $CC)"
     return None
@@ -88,7 +90,9 @@ def environ(kind: str, env: dict | None = None) -> dict:
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "libcpu_as" not in p]
     env["LD_PRELOAD"] = ":".join([lib, *preload])
     env["EDGEATTN_CPU_AS"] = kind
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.cpu.hwcaps")]
+    tunables = [
+        t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.cpu.hwcaps")
+    ]
     env["GLIBC_TUNABLES"] = ":".join([*tunables, GLIBC_HIDE])
     return env
 

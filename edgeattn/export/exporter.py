@@ -487,6 +487,7 @@ def _kv_calibration(module, entries: list[dict], plan, root: Path | None = None)
     them): ``set_kv_dtype``'s int8 scales."""
     import numpy as np
 
+    from edgeattn.artifact.tokenizer import TOKENIZER_JSON, checkpoint_tokenizer
     from edgeattn.export.check import default_text
     from edgeattn.export.precision import KV_CALIBRATION_TOKENS, kv_calibration
 
@@ -494,17 +495,16 @@ def _kv_calibration(module, entries: list[dict], plan, root: Path | None = None)
     text = np.frombuffer(default_text(n), np.uint8).astype(np.int64)[:n] % vocab
     drawn = np.random.default_rng(0).integers(0, vocab, n)
     calls = [text, drawn]
-    from edgeattn.artifact.tokenizer import TOKENIZER_JSON, checkpoint_tokenizer
-
     if root is not None and (Path(root) / TOKENIZER_JSON).is_file():
         tok = checkpoint_tokenizer(root, module.model.cfg)
-        calls.append(np.asarray(tok.encode(default_text(8 * n).decode("utf-8", "replace")), np.int64)[:n])
+        calls.append(tok.encode(default_text(8 * n).decode("utf-8", "replace")))
         if getattr(tok, "chat_template", None):
-            calls += [
-                np.asarray(tok.encode(tok.apply_chat_template(c)), np.int64)[:n] for c in CALIBRATION_CHATS
-            ]
+            try:
+                calls += [tok.encode(tok.apply_chat_template(c)) for c in CALIBRATION_CHATS]
+            except ValueError:  # a template that cannot render these chats: the other texts stand
+                pass
     parts = []
-    for ids in calls:
+    for ids in (np.asarray(c, np.int64)[:n] for c in calls if len(c)):
         state = [
             torch.zeros(
                 [0 if isinstance(d, str) else d for d in e["shape"]], dtype=getattr(torch, e["dtype"])

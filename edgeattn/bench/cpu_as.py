@@ -28,7 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgeattn._cpu import HIDDEN
+from edgeattn._cpu import HIDDEN, cpu_flags
+from edgeattn.bench.args import ArgumentParser
 
 SOURCE = Path(__file__).with_name("cpu_as.c")
 KINDS = tuple(HIDDEN)
@@ -43,12 +44,7 @@ def unavailable(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """Why this machine cannot run a command through cpu_as, or None."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return f"cpu_as needs x86-64 Linux (this is {sys.platform} on {platform.machine()})"
-    try:
-        with open(cpuinfo) as f:
-            flags = next((x for x in f if x.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    if "cpuid_fault" not in flags:
+    if "cpuid_fault" not in cpu_flags(cpuinfo, only=None):
         return (
             "cpu_as needs CPUID faulting, and this CPU or kernel has none (no cpuid_fault in /proc/cpuinfo)"
         )
@@ -99,24 +95,33 @@ def environ(kind: str, env: dict | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m edgeattn.bench.cpu_as {avx2,avx-vnni} -- COMMAND [ARGS...] | --check"
-    if argv == ["--check"]:
+    ap = ArgumentParser(
+        prog="python -m edgeattn.bench.cpu_as",
+        usage="python -m edgeattn.bench.cpu_as {avx2,avx-vnni} -- COMMAND [ARGS...] | --check",
+        description="Run COMMAND with AVX-512, VNNI and AMX hidden from CPUID (see the module's docstring).",
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="say whether this machine can (exit 0) or why not (2)"
+    )
+    ap.add_argument("kind", nargs="?", choices=KINDS)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, cmd = ap.parse_args(argv[:split]), argv[split + 1 :]
+    if args.check:
         why = unavailable()
         print(why or "cpu_as: this machine can hide AVX-512, VNNI and AMX from CPUID", file=sys.stderr)
         return 2 if why else 0
-    if len(argv) < 3 or argv[1] != "--":
-        print(usage, file=sys.stderr)
-        return 2
-    kind, cmd = argv[0], argv[2:]
+    if args.kind is None or not cmd:
+        ap.error(
+            "give a kind and a command after --: python -m edgeattn.bench.cpu_as avx2 -- COMMAND [ARGS...]"
+        )
     try:
-        env = environ(kind)
+        env = environ(args.kind)
     except CpuAsError as exc:
-        print(str(exc) if str(exc).startswith("cpu_as") else f"cpu_as: {exc}", file=sys.stderr)
-        return 2
+        ap.error(str(exc))
     try:
         os.execvpe(cmd[0], cmd, env)
     except OSError as exc:
-        print(f"cpu_as: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
+        print(f"error: cpu_as cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
     return 0  # not reached
 

@@ -435,6 +435,8 @@ def _measure(runner, cfg: dict) -> dict:
     size's. With each figure the disturbance: other processes' CPU in cores while it was timed
     (``disturbance``)."""
     out = {"rss_load": _rss(), "contexts": {}}
+    if hasattr(getattr(runner, "sess", None), "attention"):  # edgeattn: which GroupQueryAttention kernel ran
+        out["attention"] = runner.sess.attention
     for c in cfg["contexts"]:
         runner.context(c)
         runner.step(3)  # untimed: first touch after the load
@@ -512,7 +514,10 @@ def serve(cfg: dict) -> None:
     except Exception as e:
         answer({"error": f"load failed: {type(e).__name__}: {e}"})
         return
-    answer({"ready": True, "rss": _rss()})
+    ready = {"ready": True, "rss": _rss()}
+    if hasattr(getattr(runner, "sess", None), "attention"):  # edgeattn: which GroupQueryAttention kernel ran
+        ready["attention"] = runner.sess.attention
+    answer(ready)
     token = 0
     while line := sys.stdin.readline():
         try:
@@ -634,7 +639,10 @@ def measure_pair(
     res: dict = {base: {"contexts": {}}, peer: {"contexts": {}}, "ratios": {}}
     try:
         for w in workers:
-            res[w.name]["rss_load"] = w.answer()["rss"]
+            ready = w.answer()
+            res[w.name]["rss_load"] = ready["rss"]
+            if "attention" in ready:
+                res[w.name]["attention"] = ready["attention"]
         for c in contexts:
             for w in workers:  # one after the other: a context's prefill (genai) takes the cores
                 w.ask("context", c=c)

@@ -2,7 +2,8 @@
 # Create .venv with everything the project needs (train, dev and bench extras), on a machine with only
 # Python 3, and the browser side of `edgeattn web` and its tests: Debian's chromium (and node/npm) when
 # missing, and web/node_modules from web/package-lock.json (`npm ci`, nothing fetched at run time); on
-# x86-64 Debian's qemu-user, which the tests use to run artifacts on an emulated AVX2 CPU.
+# x86-64 Debian's qemu-user, which the tests use to run artifacts on an emulated AVX2 CPU; ONNX Runtime's C++ headers
+# (scripts/fetch_onnxruntime_headers.sh) for the C++ runtime and edgeattn/runtimes/attention.cc.
 # Idempotent: re-running with unchanged pyproject.toml and web/package-lock.json does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +62,12 @@ setup_qemu() {  # qemu-user: tests/test_cpu_kinds.py runs int8/int4 artifacts on
   apt_install qemu-user || echo "warning: qemu-user missing and not installable without root: the emulated-CPU tests will skip" >&2
 }
 
+setup_headers() {  # ONNX Runtime's C++ headers: the C++ runtime, and the CPU attention kernel the Python runtime builds
+  bash scripts/fetch_onnxruntime_headers.sh >/dev/null \
+    || echo "warning: no ONNX Runtime headers: sessions run ONNX Runtime's own GroupQueryAttention kernel" >&2
+}
+
 setup_python
 setup_browser
 setup_qemu
+setup_headers

@@ -207,3 +207,40 @@ def test_int8_kv_scales_hold_a_real_chat_without_clipping(smollm_gguf, smollm_ro
                 e.input,
                 float((np.abs(x) / (127 * scale)).max()),
             )
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm_hf):
+    _, tok = smollm_hf
+    return prompt_ids(tok, "chat", prompts()["chat"][0])
+
+
+def test_attention_kernel_agrees_with_onnxruntimes(smollm_artifact, chat_ids, monkeypatch):
+    """SmolLM2-135M (9 query heads over 3 KV heads of 64): prefill a real chat, then 40 greedy steps; the
+    session on edgeattn's CPU GroupQueryAttention kernel (edgeattn/runtimes/attention.py, the default where it
+    builds) gives the same tokens and logits as the same artifact on ONNX Runtime's kernel."""
+    from edgeattn.runtimes import attention, open_session
+
+    if attention.library()[0] is None:
+        pytest.skip(f"edgeattn's attention kernel: {attention.library()[1]}")
+
+    runs = {}
+    for kernel in ("edgeattn", "onnxruntime"):
+        monkeypatch.setenv(attention.ENV, kernel)
+        sess = open_session(smollm_artifact)
+        assert sess.attention["kernel"] == kernel, sess.attention
+        ids = np.array([chat_ids], np.int64)
+        logits = [sess.prefill(ids)[0]]
+        tokens = []
+        for _ in range(40):
+            tokens.append(int(logits[-1].argmax()))
+            logits.append(sess.step(np.array([[tokens[-1]]], np.int64))[0])
+        runs[kernel] = (tokens, np.stack(logits))
+    assert runs["edgeattn"][0] == runs["onnxruntime"][0]
+    a, b = runs["edgeattn"][1], runs["onnxruntime"][1]
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    monkeypatch.setenv(attention.ENV, "onnxruntime")
+    assert open_session(smollm_artifact).attention == {
+        "kernel": "onnxruntime",
+        "why": "EDGEATTN_ATTENTION=onnxruntime",
+    }

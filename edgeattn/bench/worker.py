@@ -239,6 +239,8 @@ def bench(cfg: dict) -> dict:
         "backend": cfg["backend"],
         "device": device,
         "threads": cfg.get("threads"),
+        # which GroupQueryAttention kernel ran (edgeattn/runtimes/attention.py), and why not edgeattn's
+        "attention": getattr(sess, "attention", None),
         "pid": os.getpid(),
         "load_s": load_s,
         "rss_after_load_bytes": rss_load,

@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.artifact.manifest import Manifest
+from edgeattn.runtimes.attention import for_session
 from edgeattn.runtimes.base import Session, _locked, kv_from_float, kv_to_float, kv_zeros
 
 
@@ -161,12 +162,6 @@ class OnnxRuntimeSession(Session):
                 f"com.microsoft.LinearAttention op, found {ort.__version__}; upgrade onnxruntime or "
                 "re-export with --target portable"
             )
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3  # errors only: fp16 graphs make the optimizer chatty
-        if threads:
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
         providers = pick_providers(device)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._weights = None  # the shared initializers; they must outlive the sessions
@@ -175,15 +170,35 @@ class OnnxRuntimeSession(Session):
         shared = manifest.weights is not None and manifest.precision in SHARED_PRECISIONS
         if share_weights and shared and self.device == "cpu" and not one:
             self._weights = shared_initializers(manifest)
-            so.add_session_config_entry("session.disable_prepacking", "1")
-            for name, value in self._weights.items():
-                so.add_initializer(name, value)
+
+        def options(library=None):
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.log_severity_level = 3  # errors only: fp16 graphs make the optimizer chatty
+            if threads:
+                so.intra_op_num_threads = threads
+                so.inter_op_num_threads = 1
+            if self._weights is not None:
+                so.add_session_config_entry("session.disable_prepacking", "1")
+                for name, value in self._weights.items():
+                    so.add_initializer(name, value)
+            if library is not None:
+                so.register_custom_ops_library(str(library))
+            return so
+
+        # edgeattn's GroupQueryAttention kernel over float32 KV buffers on CPU (edgeattn/runtimes/attention.py);
+        # ONNX Runtime's own where it does not apply, cannot be built, or the graph will not load with it
+        lib, why = for_session(manifest, self.device)
+        self.attention = {"kernel": "edgeattn"} if lib is not None else {"kernel": "onnxruntime", "why": why}
+        self.sessions = None
+        if lib is not None:
+            try:
+                self.sessions = self._load(paths, options(lib), providers)
+            except Exception as e:  # a form of the op the kernel does not take: ONNX Runtime's kernel
+                self.attention = {"kernel": "onnxruntime", "why": str(e).strip().splitlines()[0][:300]}
         try:
-            loaded = {}  # path -> session: a graph that serves as step and prefill is loaded once
-            for path in paths.values():
-                if path not in loaded:
-                    loaded[path] = ort.InferenceSession(str(path), so, providers=providers)
-            self.sessions = {g: loaded[path] for g, path in paths.items()}
+            if self.sessions is None:
+                self.sessions = self._load(paths, options(), providers)
         except Exception as e:  # ORT raises its own exception types for invalid graphs
             raise ValueError(f"onnxruntime cannot load {manifest.root}: {str(e).splitlines()[0]}") from e
         for g, sess in self.sessions.items():  # the manifest against the graphs, before anything runs
@@ -229,6 +244,14 @@ class OnnxRuntimeSession(Session):
             self._kv_np.append(kv)
         self._cur = 0
         self._bindings = {g: [self._bind(g, p) for p in (0, 1)] for g in ("step", "prefill")}
+
+    @staticmethod
+    def _load(paths: dict, so, providers) -> dict:
+        loaded = {}  # path -> session: a graph that serves as step and prefill is loaded once
+        for path in paths.values():
+            if path not in loaded:
+                loaded[path] = ort.InferenceSession(str(path), so, providers=providers)
+        return {g: loaded[path] for g, path in paths.items()}
 
     @_locked
     def prefill(self, ids, *, chunk: int | None = None) -> np.ndarray:

@@ -45,11 +45,17 @@ def raw_logits(art: Manifest, ids, so_factory) -> np.ndarray:
 
 
 def options(prepack: bool):
+    from edgeattn.runtimes import attention
+
+    lib = attention.library()[0]  # the GroupQueryAttention kernel the runtime's CPU sessions register
+
     def make():
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if not prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
+        if lib is not None:
+            so.register_custom_ops_library(str(lib))
         return so
 
     return make

@@ -82,7 +82,13 @@ def test_onnxruntime_target_uses_gqa_with_a_shared_buffer_and_equals_portable(ar
     ref = run_logits(open_session(artifacts["portable"]), ids)
     for g in ("prefill", "step"):
         np.testing.assert_allclose(got[g], ref[g], atol=1e-4 * max(1.0, np.abs(ref[g]).max()))
-    assert check_artifact(art, tokens=100).ok  # against the torch checkpoint's growing cache
+    report = check_artifact(art, tokens=100)  # against the torch checkpoint's growing cache
+    assert report.ok
+    from edgeattn.runtimes import attention
+
+    if attention.library()[0] is not None:  # (it builds where g++ and the headers are: test_attention_kernel.py)
+        assert sess.attention == report.attention == {"kernel": "edgeattn"}
+        assert any(n.startswith("GroupQueryAttention ran on edgeattn's CPU kernel") for n in report.notes)
 
 
 def test_state_files_continue_the_buffer_exactly(artifacts, tmp_path):

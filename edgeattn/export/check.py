@@ -40,6 +40,8 @@ class CheckReport:
     tolerance: float = 0.0
     # the CPU the artifact ran on (edgeattn._cpu.cpu_record: model, kind, flags)
     cpu: dict = field(default_factory=dict)
+    # which GroupQueryAttention kernel the session ran (edgeattn/runtimes/attention.py): {"kernel", "why"}
+    attention: dict | None = None
     notes: list[str] = field(default_factory=list)  # what the figures depend on besides the artifact
 
     @property
@@ -200,6 +202,14 @@ def check_artifact(
         "" if text is not None else ", not the training text"
     )
     report.cpu = cpu_record()
+    report.attention = getattr(art, "attention", None)
+    if report.attention and any(e.shared for e in m.state):  # a KV buffer: GroupQueryAttention
+        kernel = report.attention
+        report.notes.append(
+            "GroupQueryAttention ran on edgeattn's CPU kernel (EDGEATTN_ATTENTION=onnxruntime runs ONNX Runtime's)"
+            if kernel["kernel"] == "edgeattn"
+            else f"GroupQueryAttention ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
+        )
     if m.prefill_logits == "last" and not m.logits_count:
         report.notes.append(
             "prefill_logits last without a logits_count input (an older export): each prefill call returns its "

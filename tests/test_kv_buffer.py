@@ -86,7 +86,8 @@ def test_onnxruntime_target_uses_gqa_with_a_shared_buffer_and_equals_portable(ar
     assert report.ok
     from edgeattn.runtimes import attention
 
-    if attention.library()[0] is not None:  # (it builds where g++ and the headers are: test_attention_kernel.py)
+    # (it builds where g++ and the headers are: tests/test_attention_kernel.py)
+    if attention.library()[0] is not None:
         assert sess.attention == report.attention == {"kernel": "edgeattn"}
         assert any(n.startswith("GroupQueryAttention ran on edgeattn's CPU kernel") for n in report.notes)
 

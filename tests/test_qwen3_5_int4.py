@@ -164,7 +164,8 @@ def _assert_within_kv_bound(arts, kv_dtype, ids, model, precision):
     assert report.ok and report.tolerance == tol
     # edgeattn's attention kernel takes float32 buffers only: this one ran on ONNX Runtime's, and check says so
     assert report.attention == {"kernel": "onnxruntime", "why": f"a {kv_dtype} KV buffer (float32 only)"}
-    assert f"GroupQueryAttention ran on ONNX Runtime's kernel: a {kv_dtype} KV buffer" in " ".join(report.notes)
+    notes = " ".join(report.notes)
+    assert f"GroupQueryAttention ran on ONNX Runtime's kernel: a {kv_dtype} KV buffer" in notes
 
 
 def test_released_weight_pages_fault_back_unchanged(hf, ids):

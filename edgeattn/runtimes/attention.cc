@@ -68,6 +68,44 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
+// The dot products and the value sums in the widest vectors the compiler targets (-march=native: AVX-512 where
+// the CPU has it, else AVX2): W floats a vector.
+#ifdef __AVX512F__
+using vec = __m512;
+constexpr int64_t W = 16;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using vec = __m256;
+constexpr int64_t W = 8;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline float vsum(vec v) { return hsum(v); }
+#endif
+
+#ifdef __AVX512F__
+inline __m256 fold(vec v) {  // 16 floats -> 8 (pairwise sums)
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+inline __m256 fold(vec v) { return v; }
+#endif
+
+// the sums of 8 vectors, as one vector [sum v0, ..., sum v7]
+inline __m256 reduce8(const vec* v) {
+  const __m256 t0 = _mm256_hadd_ps(fold(v[0]), fold(v[1])), t1 = _mm256_hadd_ps(fold(v[2]), fold(v[3]));
+  const __m256 t2 = _mm256_hadd_ps(fold(v[4]), fold(v[5])), t3 = _mm256_hadd_ps(fold(v[6]), fold(v[7]));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // e^x for x <= 0 (Cephes' expf: 2^n e^r, |r| <= ln 2 / 2, a degree-6 polynomial; relative error ~1e-7)
 inline __m256 exp_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -118,19 +156,21 @@ inline std::pair<float, float> exp_row(float* pr, int64_t valid) {
 // accumulators in registers, each key and query chunk loaded once for the tile.
 template <int RR, int SS>
 inline void dot_tile(const float* qs, const float* kj, int64_t D, float* out, int64_t n) {
-  __m256 s[RR][SS];
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < SS; ++c) s[r][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 qv[RR];
-    for (int r = 0; r < RR; ++r) qv[r] = _mm256_loadu_ps(qs + r * D + d);
+  static_assert(RR * SS <= 8, "one reduce8 a tile");
+  vec s[8];
+  for (int i = 0; i < 8; ++i) s[i] = vzero();
+  for (int64_t d = 0; d < D; d += W) {
+    vec qv[RR];
+    for (int r = 0; r < RR; ++r) qv[r] = vload(qs + r * D + d);
     for (int c = 0; c < SS; ++c) {
-      const __m256 kv = _mm256_loadu_ps(kj + c * D + d);
-      for (int r = 0; r < RR; ++r) s[r][c] = _mm256_fmadd_ps(qv[r], kv, s[r][c]);
+      const vec kv = vload(kj + c * D + d);
+      for (int r = 0; r < RR; ++r) s[r * SS + c] = vfma(qv[r], kv, s[r * SS + c]);
     }
   }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, reduce8(s));  // one transposing reduction for the tile, not one per dot product
   for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < SS; ++c) out[r * n + c] = hsum(s[r][c]);
+    for (int c = 0; c < SS; ++c) out[r * n + c] = sums[r * SS + c];
 }
 
 // RR rows against slots [jb, je) of K (tiles of 4 slots)
@@ -141,23 +181,23 @@ inline void dot_rows(const float* qs, const float* K, int64_t jb, int64_t je, in
   for (; j < je; ++j) dot_tile<RR, 1>(qs, K + j * D, D, out + j, n);
 }
 
-// acc[c] += p[c * n + j] v_j over slots [jb, je) for C rows and 16 channels from c0
+// acc[c] += p[c * n + j] v_j over slots [jb, je) for C rows and 2 W channels from c0
 template <int C>
 inline void accumulate_rows(const float* V, const float* p, int64_t n, int64_t D, int64_t jb, int64_t je,
                             int64_t c0, float* acc) {
-  __m256 r[C][2];
+  vec r[C][2];
   for (int c = 0; c < C; ++c)
-    for (int h = 0; h < 2; ++h) r[c][h] = _mm256_loadu_ps(acc + c * D + c0 + 8 * h);
+    for (int h = 0; h < 2; ++h) r[c][h] = vload(acc + c * D + c0 + W * h);
   for (int64_t j = jb; j < je; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(V + j * D + c0), v1 = _mm256_loadu_ps(V + j * D + c0 + 8);
+    const vec v0 = vload(V + j * D + c0), v1 = vload(V + j * D + c0 + W);
     for (int c = 0; c < C; ++c) {
-      const __m256 w = _mm256_broadcast_ss(p + c * n + j);
-      r[c][0] = _mm256_fmadd_ps(w, v0, r[c][0]);
-      r[c][1] = _mm256_fmadd_ps(w, v1, r[c][1]);
+      const vec w = vbroadcast(p + c * n + j);
+      r[c][0] = vfma(w, v0, r[c][0]);
+      r[c][1] = vfma(w, v1, r[c][1]);
     }
   }
   for (int c = 0; c < C; ++c)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + c * D + c0 + 8 * h, r[c][h]);
+    for (int h = 0; h < 2; ++h) vstore(acc + c * D + c0 + W * h, r[c][h]);
 }
 
 // ``rows`` query rows (qs [rows][D], row r attending over slots below limit[r]) of one KV head over slots
@@ -168,15 +208,14 @@ void slice(const Args& a, const float* qs, const int64_t* limit, int64_t rows, c
   const int64_t D = a.D, n = j1 - j0;
   std::vector<float> p(static_cast<size_t>(rows * n));
   K += j0 * D, V += j0 * D;
-  const bool vec = D % 16 == 0;  // (dot tiles: 8 channels; value passes: 16)
-  if (vec) {  // q.K in tiles of 3 rows x 4 slots over blocks of 16 key rows (in L1 for all the rows)
+  const bool vectors = D % (2 * W) == 0;  // (dot tiles: W channels a step; value passes: 2 W)
+  if (vectors) {  // q.K in tiles of 2 rows x 4 slots over blocks of 16 key rows (in L1 for all the rows)
     constexpr int64_t KB = 16;
     for (int64_t jb = 0; jb < n; jb += KB) {
       const int64_t je = std::min(n, jb + KB);
       const char* next = reinterpret_cast<const char*>(K + je * D);  // the next block, while this one computes
       for (int64_t off = 0; off < (std::min(n, je + KB) - je) * D * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
       int64_t r = 0;
-      for (; rows - r >= 3 && rows - r != 4; r += 3) dot_rows<3>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
       for (; rows - r >= 2; r += 2) dot_rows<2>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
       for (; r < rows; ++r) dot_rows<1>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
     }
@@ -197,11 +236,11 @@ void slice(const Args& a, const float* qs, const int64_t* limit, int64_t rows, c
     l_out[r] = l;
   }
   std::fill(acc, acc + rows * D, 0.0f);
-  if (vec) {
-    constexpr int64_t JB = 32;  // slots a block: their value rows stay in L1 for the D / 16 passes
+  if (vectors) {
+    constexpr int64_t JB = 32;  // slots a block: their value rows stay in L1 for the D / 2W passes
     for (int64_t jb = 0; jb < n; jb += JB) {
       const int64_t je = std::min(n, jb + JB);
-      for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      for (int64_t c0 = 0; c0 < D; c0 += 2 * W) {
         for (int64_t j = je; j < std::min(n, je + JB); ++j)  // this column of the next block's value rows
           _mm_prefetch(reinterpret_cast<const char*>(V + j * D + c0), _MM_HINT_T0);
         int64_t r = 0;

@@ -112,9 +112,7 @@ def for_session(manifest, device: str) -> tuple[Path | None, str]:
         return None, "no KV buffer (no GroupQueryAttention)"
     if device != "cpu":
         return None, f"runs on {device}"
-    if any(str(e.dtype) != "float32" for e in kv):
-        return (
-            None,
-            f"a {next(str(e.dtype) for e in kv if str(e.dtype) != 'float32')} KV buffer (float32 only)",
-        )
+    other = sorted({str(e.dtype) for e in kv} - {"float32"})
+    if other:
+        return None, f"the KV buffer is {other[0]} (the kernel takes float32)"
     return library()

@@ -73,6 +73,7 @@ inline float hsum(__m256 v) {
 #ifdef __AVX512F__
 using vec = __m512;
 constexpr int64_t W = 16;
+constexpr int kRowTile = 4;  // q.K tiles of 4 rows x 4 slots: 16 accumulators of the 32 registers
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -82,6 +83,7 @@ inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #else
 using vec = __m256;
 constexpr int64_t W = 8;
+constexpr int kRowTile = 2;  // q.K tiles of 2 rows x 4 slots: 8 accumulators of the 16 registers
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -156,9 +158,9 @@ inline std::pair<float, float> exp_row(float* pr, int64_t valid) {
 // accumulators in registers, each key and query chunk loaded once for the tile.
 template <int RR, int SS>
 inline void dot_tile(const float* qs, const float* kj, int64_t D, float* out, int64_t n) {
-  static_assert(RR * SS <= 8, "one reduce8 a tile");
-  vec s[8];
-  for (int i = 0; i < 8; ++i) s[i] = vzero();
+  constexpr int NS = (RR * SS + 7) / 8 * 8;  // accumulators, in reductions of 8
+  vec s[NS];
+  for (int i = 0; i < NS; ++i) s[i] = vzero();
   for (int64_t d = 0; d < D; d += W) {
     vec qv[RR];
     for (int r = 0; r < RR; ++r) qv[r] = vload(qs + r * D + d);
@@ -167,8 +169,9 @@ inline void dot_tile(const float* qs, const float* kj, int64_t D, float* out, in
       for (int r = 0; r < RR; ++r) s[r * SS + c] = vfma(qv[r], kv, s[r * SS + c]);
     }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, reduce8(s));  // one transposing reduction for the tile, not one per dot product
+  alignas(32) float sums[NS];
+  for (int i = 0; i < NS; i += 8)  // one transposing reduction for 8 dot products, not one each
+    _mm256_store_ps(sums + i, reduce8(s + i));
   for (int r = 0; r < RR; ++r)
     for (int c = 0; c < SS; ++c) out[r * n + c] = sums[r * SS + c];
 }
@@ -209,13 +212,15 @@ void slice(const Args& a, const float* qs, const int64_t* limit, int64_t rows, c
   std::vector<float> p(static_cast<size_t>(rows * n));
   K += j0 * D, V += j0 * D;
   const bool vectors = D % (2 * W) == 0;  // (dot tiles: W channels a step; value passes: 2 W)
-  if (vectors) {  // q.K in tiles of 2 rows x 4 slots over blocks of 16 key rows (in L1 for all the rows)
+  if (vectors) {  // q.K in tiles of kRowTile rows x 4 slots over blocks of 16 key rows (in L1 for all the rows)
     constexpr int64_t KB = 16;
     for (int64_t jb = 0; jb < n; jb += KB) {
       const int64_t je = std::min(n, jb + KB);
       const char* next = reinterpret_cast<const char*>(K + je * D);  // the next block, while this one computes
       for (int64_t off = 0; off < (std::min(n, je + KB) - je) * D * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
       int64_t r = 0;
+      for (; rows - r >= kRowTile; r += kRowTile)
+        dot_rows<kRowTile>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
       for (; rows - r >= 2; r += 2) dot_rows<2>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
       for (; r < rows; ++r) dot_rows<1>(qs + r * D, K, jb, je, D, p.data() + r * n, n);
     }

@@ -34,6 +34,11 @@ def test_every_benchmark_parses_with_the_one_line_parser():
         (["demo_decode.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
         (["sampling_quality.py", str(ROOT / "docs")], f"error: {ROOT / 'docs'} has no edgeattn.json"),
         (["cpp_vs_python.py", "--artifact", str(ROOT / "docs")], "error: --artifact: "),
+        (["attention_kernel.py", "--artifact", str(ROOT / "docs")], "error: --artifact "),
+        (
+            ["attention_kernel.py", "--artifact", str(ROOT), "--contexts", "a,b"],
+            "error: --contexts and --depths",
+        ),
         # a checkpoint option given something else: named, and the kind it is
         (
             ["weights.py", "--trained", str(ROOT / "docs")],

@@ -30,6 +30,21 @@ from edgeattn.bench.machine import with_cpu
 KERNELS = ("edgeattn", "onnxruntime")
 
 
+def place_state(sess, p: int, rng: np.random.Generator) -> None:
+    """Put ``sess`` at position ``p``: random values in its KV buffers' first ``p`` slots and in its recurrent
+    states (a decode step's time does not depend on them)."""
+    state = sess.get_state()
+    for e in sess.manifest.state:
+        a = state[e.input]
+        if e.name == "position":
+            a[...] = p
+        elif e.shared:  # a KV buffer [B, Hkv, L, D]: its first p slots
+            a[:, :, :p] = rng.standard_normal((*a.shape[:2], p, a.shape[3])).astype(np.float32) * 0.5
+        else:
+            a[...] = rng.standard_normal(a.shape).astype(np.float32) * 0.01
+    sess.set_state(state, position=p)
+
+
 def measure(cfg: dict) -> dict:
     """One process: the artifact's session on the kernel $EDGEATTN_ATTENTION chose."""
     from edgeattn.runtimes import open_session
@@ -38,16 +53,7 @@ def measure(cfg: dict) -> dict:
     rng = np.random.default_rng(0)
 
     def place(p: int) -> None:
-        state = sess.get_state()
-        for e in sess.manifest.state:
-            a = state[e.input]
-            if e.name == "position":
-                a[...] = p
-            elif e.shared:  # a KV buffer [B, Hkv, L, D]: its first p slots
-                a[:, :, :p] = rng.standard_normal((*a.shape[:2], p, a.shape[3])).astype(np.float32) * 0.5
-            else:
-                a[...] = rng.standard_normal(a.shape).astype(np.float32) * 0.01
-        sess.set_state(state, position=p)
+        place_state(sess, p, rng)
 
     token = np.array([[7]], np.int64)
     out = {"attention": sess.attention, "decode_ms": {}, "prefill_tps": {}}

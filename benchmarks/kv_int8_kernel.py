@@ -42,6 +42,7 @@ import numpy as np
 from edgeattn.bench.args import ArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_kernel import place_state  # noqa: E402  (random KV slots and states up to a position)
 from ort_ops import _session  # noqa: E402  (a one-graph CPU session, the custom-op library registered)
 
 from edgeattn.bench.machine import with_cpu
@@ -277,16 +278,7 @@ def decode(art: Path, lib: Path, contexts: list[int], threads: int, rounds: int)
         rng = np.random.default_rng(0)
 
         def place(sess, p: int) -> None:
-            state = sess.get_state()
-            for e in sess.manifest.state:
-                a = state[e.input]
-                if e.name == "position":
-                    a[...] = p
-                elif e.shared:  # a KV buffer [B, Hkv, L, D]: its first p slots
-                    a[:, :, :p] = rng.standard_normal((*a.shape[:2], p, a.shape[3])).astype(np.float32) * 0.5
-                else:
-                    a[...] = rng.standard_normal(a.shape).astype(np.float32) * 0.01
-            sess.set_state(state, position=p)
+            place_state(sess, p, rng)
 
         out = {}
         for c in contexts:

@@ -1,7 +1,7 @@
 """edgeattn's CPU attention kernel for ONNX Runtime sessions (``attention.cc``).
 
 ONNX Runtime's CPU GroupQueryAttention reads each KV head once for every query head of its group (4 times
-a token in Qwen3.5-0.8B) and runs one thread per query head; ``attention.cc`` reads each KV head once for the
+a token in Qwen3.5-0.8B); ``attention.cc`` reads each KV head once for the
 group and splits a long context into slices across the threads. It is a custom-op library registered under
 the op's own domain and name (``com.microsoft.GroupQueryAttention``), so a CPU session that registers it runs
 it in place of ONNX Runtime's kernel for every float32-cache GroupQueryAttention of the graph, and the
@@ -11,7 +11,7 @@ The library is built from the source on first use with the machine's g++ (``-mar
 instructions of the CPU it runs on) against ONNX Runtime's C++ headers (``$ONNXRUNTIME_ROOT/include`` or the
 ones ``scripts/fetch_onnxruntime_headers.sh`` unpacks into the repository's ``.third_party``), and cached in
 ``~/.cache/edgeattn`` by the source's hash, the flags and the CPU's instruction sets. Without g++ or the
-headers, a session runs ONNX Runtime's own kernel and says why (``OrtSession.attention``).
+headers, a session runs ONNX Runtime's own kernel and says why (``OnnxRuntimeSession.attention``).
 ``EDGEATTN_ATTENTION=onnxruntime`` turns it off.
 """
 

@@ -209,7 +209,8 @@ inline void accumulate_rows(const float* V, const float* p, int64_t n, int64_t D
 void slice(const Args& a, const float* qs, const int64_t* limit, int64_t rows, const float* K, const float* V,
            int64_t j0, int64_t j1, float* m_out, float* l_out, float* acc) {
   const int64_t D = a.D, n = j1 - j0;
-  std::vector<float> p(static_cast<size_t>(rows * n));
+  thread_local std::vector<float> p;  // every entry written below: reused across calls, never cleared
+  if (p.size() < static_cast<size_t>(rows * n)) p.resize(static_cast<size_t>(rows * n));
   K += j0 * D, V += j0 * D;
   const bool vectors = D % (2 * W) == 0;  // (dot tiles: W channels a step; value passes: 2 W)
   if (vectors) {  // q.K in tiles of kRowTile rows x 4 slots over blocks of 16 key rows (in L1 for all the rows)
@@ -290,8 +291,10 @@ void run_task(void* data, size_t t) {
   float* m = a.partial + static_cast<int64_t>(t) * task_stride(a);
   float* l = m + rows;
   float* acc = l + rows;
-  std::vector<float> qs(static_cast<size_t>(rows * D));
-  std::vector<int64_t> limit(static_cast<size_t>(rows));
+  thread_local std::vector<float> qs;  // scratch of this thread, reused across calls (no allocation a token)
+  thread_local std::vector<int64_t> limit;
+  if (qs.size() < static_cast<size_t>(rows * D)) qs.resize(static_cast<size_t>(rows * D));
+  if (limit.size() < static_cast<size_t>(rows)) limit.resize(static_cast<size_t>(rows));
   for (int64_t i = 0; i < x.nt; ++i) {
     const int64_t pos = x.past + x.t0 + i;
     for (int64_t g = 0; g < G; ++g) {
@@ -433,7 +436,6 @@ struct GroupQueryAttention {
     const size_t bytes = static_cast<size_t>(a.B * a.Hkv * a.L * a.D) * sizeof(float);
     if (a.ck != past_k.Data()) std::memcpy(a.ck, past_k.Data(), bytes);  // not bound in place: copy first
     if (a.cv != past_v.Data()) std::memcpy(a.cv, past_v.Data(), bytes);
-    std::vector<float> rk(static_cast<size_t>(a.D));
     for (int64_t b = 0; b < a.B; ++b) {
       const int64_t past = static_cast<int64_t>(a.seqlens[b]) + 1 - a.S;
       for (int64_t i = 0; i < a.S; ++i)
@@ -455,7 +457,9 @@ struct GroupQueryAttention {
     if (units < 8 && longest >= 2 * kSlice)
       a.parts = std::max(a.parts, std::min<int64_t>((8 + units - 1) / units, longest / kSlice));
     a.parts = std::max<int64_t>(1, a.parts);
-    std::vector<float> partial(static_cast<size_t>(units * a.parts * task_stride(a)));
+    thread_local std::vector<float> partial;  // every entry written by run_task before merge reads it
+    if (partial.size() < static_cast<size_t>(units * a.parts * task_stride(a)))
+      partial.resize(static_cast<size_t>(units * a.parts * task_stride(a)));
     a.partial = partial.data();
     const size_t tasks = static_cast<size_t>(units * a.parts);
     context.ParallelFor(run_task, tasks, tasks, &a);

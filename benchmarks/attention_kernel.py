@@ -1,5 +1,6 @@
 """edgeattn's CPU GroupQueryAttention kernel (edgeattn/runtimes/attention.cc) against ONNX Runtime's own, on one
-artifact with float32 KV buffers (issue 39): fresh processes alternating the two (``EDGEATTN_ATTENTION``), each
+artifact with float32 KV buffers (issue 39), or with ``--op matmul`` its MatMulNBits kernel (matmul.cc) on an
+int4 artifact: fresh processes alternating the two (``EDGEATTN_ATTENTION`` / ``EDGEATTN_MATMUL``), each
 measuring decode at every ``--contexts`` (the state placed at that context: random KV slots and recurrent
 states, the timing does not depend on their values; the median of ``--steps`` steps) and prefill (``--prefill``
 tokens from an empty state, and ``--chunk`` tokens on top of each ``--depths`` context).
@@ -7,6 +8,7 @@ tokens from an empty state, and ``--chunk`` tokens on top of each ``--depths`` c
     python benchmarks/attention_kernel.py --artifact DIR [--contexts 128,4096,16384] [--depths 8000,16000] \
         [--rounds 3] [--threads 2]
     python -m edgeattn.bench.cpu_as avx2 -- python benchmarks/attention_kernel.py --artifact DIR   # AVX2 kernels
+    python -m edgeattn.bench.cpu_as avx2 -- python benchmarks/attention_kernel.py --op matmul --artifact DIR
 
 Prints a table (median over rounds [min-max]; decode ms a token, prefill tokens/s) and ONE JSON line.
 """
@@ -28,6 +30,7 @@ from edgeattn.bench.args import ArgumentParser
 from edgeattn.bench.machine import with_cpu
 
 KERNELS = ("edgeattn", "onnxruntime")
+OPS = {"attention": "EDGEATTN_ATTENTION", "matmul": "EDGEATTN_MATMUL"}  # --op: the session attribute, its env
 
 
 def place_state(sess, p: int, rng: np.random.Generator) -> None:
@@ -46,7 +49,7 @@ def place_state(sess, p: int, rng: np.random.Generator) -> None:
 
 
 def measure(cfg: dict) -> dict:
-    """One process: the artifact's session on the kernel $EDGEATTN_ATTENTION chose."""
+    """One process: the artifact's session on the kernels $EDGEATTN_ATTENTION and $EDGEATTN_MATMUL chose."""
     from edgeattn.runtimes import open_session
 
     sess = open_session(cfg["artifact"], threads=cfg["threads"])
@@ -56,7 +59,7 @@ def measure(cfg: dict) -> dict:
         place_state(sess, p, rng)
 
     token = np.array([[7]], np.int64)
-    out = {"attention": sess.attention, "decode_ms": {}, "prefill_tps": {}}
+    out = {"attention": sess.attention, "matmul": sess.matmul, "decode_ms": {}, "prefill_tps": {}}
     for c in cfg["contexts"]:
         place(c)
         sess.step(token)  # untimed
@@ -91,6 +94,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--op", choices=sorted(OPS), default="attention", help="whose two kernels race")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measuring process
     args = ap.parse_args()
     if args.worker is not None:
@@ -113,7 +117,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in KERNELS}
     for r in range(args.rounds):
         for kernel in KERNELS:  # alternating, a fresh process each
-            env = {**os.environ, "EDGEATTN_ATTENTION": kernel}
+            env = {**os.environ, OPS[args.op]: kernel}
             proc = subprocess.run(
                 [sys.executable, __file__, "--worker", json.dumps(cfg)],
                 capture_output=True,
@@ -124,8 +128,8 @@ def main() -> None:
                 last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
                 sys.exit(f"attention_kernel: the {kernel} worker failed: {last}")
             res = json.loads(proc.stdout.strip().splitlines()[-1])
-            if res["attention"]["kernel"] != kernel:
-                sys.exit(f"attention_kernel: asked for {kernel}, the session ran {res['attention']}")
+            if res[args.op]["kernel"] != kernel:
+                sys.exit(f"attention_kernel: asked for {kernel} {args.op}, the session ran {res[args.op]}")
             runs[kernel].append(res)
             print(f"round {r + 1} {kernel}: {res['decode_ms']} {res['prefill_tps']}", file=sys.stderr)
 
@@ -136,8 +140,8 @@ def main() -> None:
     cols = [("decode_ms", str(c), f"decode ms @{c}") for c in contexts]
     cols += [("prefill_tps", "0", f"prefill {args.prefill} tok/s")]
     cols += [("prefill_tps", str(d), f"{args.chunk} on {d} tok/s") for d in depths]
-    print(f"\n{args.artifact}, {args.threads} threads, {args.rounds} rounds: median [min-max]\n")
-    print("| kernel | " + " | ".join(c[2] for c in cols) + " |")
+    print(f"\n{args.artifact}, {args.op}, {args.threads} threads, {args.rounds} rounds: median [min-max]\n")
+    print(f"| {args.op} kernel | " + " | ".join(c[2] for c in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for kernel in KERNELS:
         cells = [cell(kernel, k, c) for k, c, _ in cols]
@@ -155,6 +159,7 @@ def main() -> None:
             with_cpu(
                 {
                     "benchmark": "attention_kernel",
+                    "op": args.op,
                     **cfg,
                     "rounds": args.rounds,
                     "runs": runs,

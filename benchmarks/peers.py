@@ -435,8 +435,10 @@ def _measure(runner, cfg: dict) -> dict:
     size's. With each figure the disturbance: other processes' CPU in cores while it was timed
     (``disturbance``)."""
     out = {"rss_load": _rss(), "contexts": {}}
-    if hasattr(getattr(runner, "sess", None), "attention"):  # edgeattn: which GroupQueryAttention kernel ran
-        out["attention"] = runner.sess.attention
+    if hasattr(
+        getattr(runner, "sess", None), "attention"
+    ):  # edgeattn: its GroupQueryAttention, MatMulNBits kernels
+        out["attention"], out["matmul"] = runner.sess.attention, runner.sess.matmul
     for c in cfg["contexts"]:
         runner.context(c)
         runner.step(3)  # untimed: first touch after the load
@@ -515,8 +517,10 @@ def serve(cfg: dict) -> None:
         answer({"error": f"load failed: {type(e).__name__}: {e}"})
         return
     ready = {"ready": True, "rss": _rss()}
-    if hasattr(getattr(runner, "sess", None), "attention"):  # edgeattn: which GroupQueryAttention kernel ran
-        ready["attention"] = runner.sess.attention
+    if hasattr(
+        getattr(runner, "sess", None), "attention"
+    ):  # edgeattn: its GroupQueryAttention, MatMulNBits kernels
+        ready["attention"], ready["matmul"] = runner.sess.attention, runner.sess.matmul
     answer(ready)
     token = 0
     while line := sys.stdin.readline():
@@ -641,8 +645,9 @@ def measure_pair(
         for w in workers:
             ready = w.answer()
             res[w.name]["rss_load"] = ready["rss"]
-            if "attention" in ready:
-                res[w.name]["attention"] = ready["attention"]
+            for k in ("attention", "matmul"):
+                if k in ready:
+                    res[w.name][k] = ready[k]
         for c in contexts:
             for w in workers:  # one after the other: a context's prefill (genai) takes the cores
                 w.ask("context", c=c)

@@ -39,6 +39,7 @@ def test_every_benchmark_parses_with_the_one_line_parser():
             ["attention_kernel.py", "--artifact", str(ROOT), "--contexts", "a,b"],
             "error: --contexts and --depths",
         ),
+        (["attention_kernel.py", "--op", "softmax"], "error: argument --op: invalid choice: 'softmax'"),
         # a checkpoint option given something else: named, and the kind it is
         (
             ["weights.py", "--trained", str(ROOT / "docs")],

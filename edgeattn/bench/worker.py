@@ -239,8 +239,10 @@ def bench(cfg: dict) -> dict:
         "backend": cfg["backend"],
         "device": device,
         "threads": cfg.get("threads"),
-        # which GroupQueryAttention kernel ran (edgeattn/runtimes/attention.py), and why not edgeattn's
+        # which GroupQueryAttention and MatMulNBits kernels ran (edgeattn/runtimes/attention.py), and why not
+        # edgeattn's
         "attention": getattr(sess, "attention", None),
+        "matmul": getattr(sess, "matmul", None),
         "pid": os.getpid(),
         "load_s": load_s,
         "rss_after_load_bytes": rss_load,

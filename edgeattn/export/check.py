@@ -42,6 +42,7 @@ class CheckReport:
     cpu: dict = field(default_factory=dict)
     # which GroupQueryAttention kernel the session ran (edgeattn/runtimes/attention.py): {"kernel", "why"}
     attention: dict | None = None
+    matmul: dict | None = None  # and which MatMulNBits kernel, the same way
     notes: list[str] = field(default_factory=list)  # what the figures depend on besides the artifact
 
     @property
@@ -209,6 +210,14 @@ def check_artifact(
             "GroupQueryAttention ran on edgeattn's CPU kernel (EDGEATTN_ATTENTION=onnxruntime runs ONNX Runtime's)"
             if kernel["kernel"] == "edgeattn"
             else f"GroupQueryAttention ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
+        )
+    report.matmul = getattr(art, "matmul", None)
+    if report.matmul and m.precision == "int4":  # MatMulNBits
+        kernel = report.matmul
+        report.notes.append(
+            "MatMulNBits ran on edgeattn's CPU kernel (EDGEATTN_MATMUL=onnxruntime runs ONNX Runtime's)"
+            if kernel["kernel"] == "edgeattn"
+            else f"MatMulNBits ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
         )
     if m.prefill_logits == "last" and not m.logits_count:
         report.notes.append(

@@ -471,21 +471,50 @@ struct GroupQueryAttention {
   float scale_ = 0.0f;
 };
 
-std::once_flag once;
-std::unique_ptr<Ort::CustomOpDomain> domain;
-std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gqa;
+std::mutex lock;
+std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gqa, matmul;
+std::unique_ptr<Ort::CustomOpDomain> domains[4];  // by the ops they hold: 1 GroupQueryAttention, 2 MatMulNBits
 
 }  // namespace
 
+Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits();  // matmul.cc
+
+// The ops a session gets: its config entry "edgeattn.ops" (comma-separated GroupQueryAttention, MatMulNBits),
+// GroupQueryAttention alone without it.
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   try {
-    std::call_once(once, [] {
-      domain = std::make_unique<Ort::CustomOpDomain>("com.microsoft");
-      gqa.reset(Ort::Custom::CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
-      domain->Add(gqa.get());
-    });
-    Ort::UnownedSessionOptions(options).Add(*domain);
+    Ort::UnownedSessionOptions so(options);
+    std::string ops = "GroupQueryAttention";
+    if (so.HasConfigEntry("edgeattn.ops")) ops = so.GetConfigEntry("edgeattn.ops");
+    int want = 0;
+    size_t start = 0;
+    while (start <= ops.size()) {
+      const size_t end = std::min(ops.find(',', start), ops.size());
+      const std::string op = ops.substr(start, end - start);
+      if (op == "GroupQueryAttention")
+        want |= 1;
+      else if (op == "MatMulNBits")
+        want |= 2;
+      else if (!op.empty())
+        return Ort::Status(("edgeattn kernels: no kernel for " + op).c_str(), ORT_INVALID_ARGUMENT).release();
+      start = end + 1;
+    }
+    if (want == 0) return nullptr;
+    std::lock_guard<std::mutex> guard(lock);
+    if (!domains[want]) {
+      auto d = std::make_unique<Ort::CustomOpDomain>("com.microsoft");
+      if (want & 1) {
+        if (!gqa) gqa.reset(Ort::Custom::CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
+        d->Add(gqa.get());
+      }
+      if (want & 2) {
+        if (!matmul) matmul.reset(edgeattn_matmul_nbits());
+        d->Add(matmul.get());
+      }
+      domains[want] = std::move(d);
+    }
+    so.Add(*domains[want]);
   } catch (const Ort::Exception& e) {
     return Ort::Status(e).release();
   }

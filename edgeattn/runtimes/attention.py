@@ -13,6 +13,14 @@ ones ``scripts/fetch_onnxruntime_headers.sh`` unpacks into the repository's ``.t
 ``~/.cache/edgeattn`` by the source's hash, the flags and the CPU's instruction sets. Without g++ or the
 headers, a session runs ONNX Runtime's own kernel and says why (``OnnxRuntimeSession.attention``).
 ``EDGEATTN_ATTENTION=onnxruntime`` turns it off.
+
+The same library holds a kernel for ``com.microsoft.MatMulNBits`` (``matmul.cc``) in the form edgeattn's int4
+exports take (4 bits, symmetric, blocks of 32-256, accuracy level 4): it reads the weights as ONNX Runtime
+stores them, prefetched, where ONNX Runtime's AVX2 kernel decodes a token at about half the memory's read
+rate. A session registers it where the CPU has AVX2 but not AVX-512 (there ONNX Runtime's own AVX-512 kernels
+prefill faster, benchmarks/RESULTS.md) and every MatMulNBits of its graphs has that form;
+``EDGEATTN_MATMUL=edgeattn`` or ``onnxruntime`` overrides the CPU's choice. The session config entry
+``edgeattn.ops`` tells the library which of its kernels a session registers.
 """
 
 from __future__ import annotations
@@ -26,9 +34,15 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("attention.cc")
+SOURCES = (SOURCE, Path(__file__).with_name("matmul.cc"))  # one library
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=c++17"]
 ENV = "EDGEATTN_ATTENTION"
 CHOICES = ("edgeattn", "onnxruntime")
+MATMUL_ENV = "EDGEATTN_MATMUL"
+BLOCK_SIZES = (32, 64, 128, 256)  # the MatMulNBits block sizes matmul.cc takes (K a multiple of 64 too)
+# the ones a session gets it for unless EDGEATTN_MATMUL=edgeattn: with blocks of 32 it prefills slower than
+# ONNX Runtime's AVX2 kernel (0.73x, benchmarks/RESULTS.md), though it decodes faster
+DEFAULT_BLOCK_SIZES = (64, 128, 256)
 
 _lock = threading.Lock()
 _built: dict[str, tuple[Path | None, str]] = {}
@@ -67,7 +81,7 @@ def library(cache: Path | None = None) -> tuple[Path | None, str]:
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None:
         return None, "no C++ compiler (g++ or $CXX) to build it"
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(src + " ".join([cxx, *FLAGS, str(inc), *cpu_flags(only=None)]).encode()).hexdigest()[
         :16
     ]
@@ -84,7 +98,7 @@ def library(cache: Path | None = None) -> tuple[Path | None, str]:
             with tempfile.TemporaryDirectory(dir=root) as tmp:
                 part = Path(tmp) / out.name
                 res = subprocess.run(
-                    [cxx, *FLAGS, f"-I{inc}", str(SOURCE), "-o", str(part)],
+                    [cxx, *FLAGS, f"-I{inc}", *map(str, SOURCES), "-o", str(part)],
                     capture_output=True,
                     text=True,
                     timeout=300,
@@ -116,3 +130,77 @@ def for_session(manifest, device: str) -> tuple[Path | None, str]:
     if other:
         return None, f"the KV buffer is {other[0]} (the kernel takes float32)"
     return library()
+
+
+def matmul_chosen() -> tuple[str, str]:
+    """(kernel, why) for MatMulNBits: ``$EDGEATTN_MATMUL`` (edgeattn or onnxruntime), else edgeattn's where the
+    CPU has AVX2 without AVX-512 and ONNX Runtime's elsewhere."""
+    from edgeattn._cpu import cpu_flags
+
+    value = os.environ.get(MATMUL_ENV, "").strip().lower()
+    if value:
+        if value not in CHOICES:
+            raise ValueError(f"{MATMUL_ENV} must be one of {', '.join(CHOICES)}, got {value!r}")
+        return value, f"{MATMUL_ENV}={value}"
+    have = set(cpu_flags(only=None))
+    if "avx512f" in have:
+        return (
+            "onnxruntime",
+            "an AVX-512 CPU: ONNX Runtime's AVX-512 kernels prefill faster (EDGEATTN_MATMUL=edgeattn)",
+        )
+    if not {"avx2", "fma"} <= have:
+        return "onnxruntime", "the CPU lacks AVX2 or FMA"
+    return "edgeattn", ""
+
+
+def matmul_unsupported(path: Path, blocks: tuple[int, ...] = BLOCK_SIZES) -> str | None:
+    """Why ``matmul.cc`` cannot take a MatMulNBits of the graph at ``path`` (None: it takes every one, and the
+    graph has at least one), with block sizes ``blocks``. Reads the graph without its weights."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # a graph ONNX Runtime will refuse anyway: its own error, later
+        return f"cannot read {Path(path).name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    if not nodes:
+        return "no MatMulNBits in the graph"
+    for n in nodes:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+        bs, k = a.get("block_size", 0), a.get("K", 0)
+        if a.get("bits", 4) != 4:
+            return f"{n.name}: {a.get('bits')} bits (the kernel takes 4)"
+        if bs not in blocks or k <= 0 or k % bs or k % 64:
+            why = f"{n.name}: block_size {bs} with K {k} (the kernel takes {blocks} dividing K, K of 64s)"
+            if bs in BLOCK_SIZES and bs not in blocks and k % bs == 0 and k % 64 == 0:
+                why = f"{n.name}: blocks of {bs}: ONNX Runtime's kernel prefills them faster ({MATMUL_ENV}=edgeattn)"
+            return why
+        if a.get("accuracy_level", 0) != 4:
+            return (
+                f"{n.name}: accuracy_level {a.get('accuracy_level', 0)} (the kernel quantizes activations: 4)"
+            )
+        if len([i for i in n.input if i]) != 3 or len(n.input) != 3:
+            return f"{n.name}: zero points, g_idx or bias (the kernel takes symmetric weights alone)"
+    return None
+
+
+def kernels_for_session(manifest, device: str, graphs) -> tuple[Path | None, dict, dict]:
+    """(library, attention, matmul) for a session of ``manifest`` on ``device`` over the graph files
+    ``graphs``: the library where one of its kernels applies (else None), and for each op {"kernel":
+    "edgeattn"} or {"kernel": "onnxruntime", "why": ...}."""
+    lib, why = for_session(manifest, device)
+    attention = {"kernel": "edgeattn"} if lib is not None else {"kernel": "onnxruntime", "why": why}
+    kind, why = matmul_chosen()
+    if manifest.precision != "int4":
+        kind, why = "onnxruntime", f"no MatMulNBits (precision {manifest.precision})"
+    elif kind == "edgeattn" and device != "cpu":
+        kind, why = "onnxruntime", f"runs on {device}"
+    if kind == "edgeattn":
+        blocks = BLOCK_SIZES if why else DEFAULT_BLOCK_SIZES  # why: $EDGEATTN_MATMUL asked for it
+        why = next((w for w in (matmul_unsupported(p, blocks) for p in dict.fromkeys(graphs)) if w), "")
+        kind = "onnxruntime" if why else kind
+    if kind == "edgeattn" and lib is None:  # the library for MatMulNBits alone (built once either way)
+        lib, why = library()
+        kind = "edgeattn" if lib is not None else "onnxruntime"
+    matmul = {"kernel": "edgeattn"} if kind == "edgeattn" else {"kernel": "onnxruntime", "why": why}
+    return lib, attention, matmul

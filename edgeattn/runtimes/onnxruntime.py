@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeattn.artifact.manifest import Manifest
-from edgeattn.runtimes.attention import for_session
+from edgeattn.runtimes.attention import kernels_for_session
 from edgeattn.runtimes.base import Session, _locked, kv_from_float, kv_to_float, kv_zeros
 
 
@@ -171,7 +171,7 @@ class OnnxRuntimeSession(Session):
         if share_weights and shared and self.device == "cpu" and not one:
             self._weights = shared_initializers(manifest)
 
-        def options(library=None):
+        def options(library=None, ops=()):
             so = ort.SessionOptions()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             so.log_severity_level = 3  # errors only: fp16 graphs make the optimizer chatty
@@ -183,19 +183,34 @@ class OnnxRuntimeSession(Session):
                 for name, value in self._weights.items():
                     so.add_initializer(name, value)
             if library is not None:
+                so.add_session_config_entry("edgeattn.ops", ",".join(ops))
                 so.register_custom_ops_library(str(library))
             return so
 
-        # edgeattn's GroupQueryAttention kernel over float32 KV buffers on CPU (edgeattn/runtimes/attention.py);
-        # ONNX Runtime's own where it does not apply, cannot be built, or the graph will not load with it
-        lib, why = for_session(manifest, self.device)
-        self.attention = {"kernel": "edgeattn"} if lib is not None else {"kernel": "onnxruntime", "why": why}
-        self.sessions = None
-        if lib is not None:
+        # edgeattn's GroupQueryAttention kernel over float32 KV buffers on CPU and its MatMulNBits kernel on AVX2
+        # CPUs (edgeattn/runtimes/attention.py); ONNX Runtime's own where they do not apply, cannot be built, or
+        # the graph will not load with them
+        lib, self.attention, self.matmul = kernels_for_session(manifest, self.device, paths.values())
+        ops = [
+            op
+            for op, k in (("GroupQueryAttention", self.attention), ("MatMulNBits", self.matmul))
+            if k["kernel"] == "edgeattn"
+        ]
+        self.sessions, errors = None, {}
+        # all of them, else one at a time (the first that loads), else none
+        for attempt in [ops, *([op] for op in ops)] if len(ops) > 1 else [ops] if ops else []:
             try:
-                self.sessions = self._load(paths, options(lib), providers)
-            except Exception as e:  # a form of the op the kernel does not take: ONNX Runtime's kernel
-                self.attention = {"kernel": "onnxruntime", "why": str(e).strip().splitlines()[0][:300]}
+                self.sessions = self._load(paths, options(lib, attempt), providers)
+                break
+            except Exception as e:  # a form of an op the kernels do not take: ONNX Runtime's kernel
+                errors[tuple(attempt)] = str(e).strip().splitlines()[0][:300]
+        for op in ops:
+            if self.sessions is None or op not in attempt:
+                why = errors.get((op,)) or errors.get(tuple(ops), "")
+                if op == "GroupQueryAttention":
+                    self.attention = {"kernel": "onnxruntime", "why": why}
+                else:
+                    self.matmul = {"kernel": "onnxruntime", "why": why}
         try:
             if self.sessions is None:
                 self.sessions = self._load(paths, options(), providers)

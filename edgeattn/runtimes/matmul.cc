@@ -1,0 +1,372 @@
+// edgeattn's CPU kernel for ONNX Runtime's com.microsoft.MatMulNBits in the form edgeattn's int4 exports take
+// (4 bits, symmetric: no zero points, blocks of 32, 64, 128 or 256 along K, K a multiple of 64, float32 A and scales, accuracy_level 4,
+// no g_idx or bias; anything else refuses at load). Built into the same custom-op library as attention.cc and
+// registered under the op's own domain and name when the session asks for it (edgeattn/runtimes/attention.py).
+//
+// Y = A B^T with B [N, K/bs, bs/2] bytes in MatMulNBits' own layout (element 2j of a block in the low nibble of
+// byte j, 2j+1 in the high one; the value is nibble - 8) times one float scale per block. Like ONNX Runtime's
+// accuracy level 4 it quantizes each row of A to int8 per block (scale = max |a| / 127, rounded to nearest) and
+// sums products of integers: nibble x int8 with vpmaddubsw (vpdpbusd where the CPU has VNNI), the -8 taken out
+// once per block through the sum of the quantized activations. It reads B as ONNX Runtime stores it (no packed
+// copy) straight from memory, prefetched ahead of the loads: a token's decode reads every weight once and is
+// bound by memory, which is where ONNX Runtime's AVX2 kernel fell short (benchmarks/RESULTS.md, issue 39).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Ort::Custom::Tensor;
+
+constexpr int64_t kAhead = 6144;  // bytes of B prefetched ahead of the loads (measured: 2048-16384 within 5%)
+constexpr int64_t kCols = 64;     // columns a task
+constexpr int TR = 4, TC = 2;     // rows x columns a tile where A has more than one row (measured: 4x2 and 4x3 best)
+
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// The integer dot products of 64 weights (one 32-byte load: lo holds elements 0, 2, .., 62, hi 1, 3, .., 63)
+// with 64 activations stored evens first: acc += lo . a_even + hi . a_odd, in int32 lanes.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define EDGEATTN_VNNI 1
+inline __m256i dot64(__m256i acc, __m256i lo, __m256i hi, const int8_t* a) {
+#if defined(__AVXVNNI__)
+  acc = _mm256_dpbusd_avx_epi32(acc, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  return _mm256_dpbusd_avx_epi32(acc, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32)));
+#else
+  acc = _mm256_dpbusd_epi32(acc, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  return _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32)));
+#endif
+}
+#else
+// vpmaddubsw: pairs of nibble (0..15) x int8 (-127..127) summed into int16, at most 3810: two of them
+// (128 weights) fit an int16 lane before vpmaddwd widens them
+inline __m256i dot64_16(__m256i lo, __m256i hi, const int8_t* a) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))));
+}
+#endif
+
+struct Args {
+  const float* a;
+  const uint8_t* b;
+  const float* s;
+  float* y;
+  int64_t M, N, K, bs, nb;
+  int8_t* q;
+  float *qs, *qc;
+};
+
+// quantize row m of A: per block the scale max |a| / 127 (qs) and 8 x scale x the sum of its int8s (qc, the
+// nibbles' offset of 8 taken out once), the int8s of each 64 stored evens first, then odds
+void quantize(void* data, size_t m) {
+  const Args& g = *static_cast<const Args*>(data);
+  const float* x = g.a + static_cast<int64_t>(m) * g.K;
+  int8_t* q = g.q + static_cast<int64_t>(m) * g.K;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < g.nb; ++b) {
+    const float* xb = x + b * g.bs;
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = 0; i < g.bs; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    g.qs[b * g.M + m] = amax / 127.0f;
+    g.qc[b * g.M + m] = amax > 0.0f ? 127.0f / amax : 0.0f;  // the inverse until the sums are in
+  }
+  thread_local std::vector<int32_t> sums;
+  sums.assign(static_cast<size_t>(g.nb), 0);
+  for (int64_t u = 0; u < g.K; u += 64) {
+    __m256i ev[4], od[4];
+    for (int j = 0; j < 4; ++j) {  // 16 floats -> 8 evens, 8 odds (of one block: blocks are 32 or more)
+      const int64_t b = (u + 16 * j) / g.bs;
+      const __m256 inv = _mm256_set1_ps(g.qc[b * g.M + m]);
+      const __m256 x0 = _mm256_loadu_ps(x + u + 16 * j), x1 = _mm256_loadu_ps(x + u + 16 * j + 8);
+      const __m256 e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
+      const __m256 o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
+      ev[j] = _mm256_cvtps_epi32(_mm256_mul_ps(e, inv));
+      od[j] = _mm256_cvtps_epi32(_mm256_mul_ps(o, inv));
+      const __m256i sum = _mm256_add_epi32(ev[j], od[j]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      sums[static_cast<size_t>(b)] += _mm_cvtsi128_si32(s4);
+    }
+    const __m256i e8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(ev[0], ev[1]), _mm256_packs_epi32(ev[2], ev[3])), order);
+    const __m256i o8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(od[0], od[1]), _mm256_packs_epi32(od[2], od[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u), e8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u + 32), o8);
+  }
+  for (int64_t b = 0; b < g.nb; ++b)
+    g.qc[b * g.M + m] = 8.0f * g.qs[b * g.M + m] * static_cast<float>(sums[static_cast<size_t>(b)]);
+}
+
+inline void split(const uint8_t* w, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+// the int32 sums of 64 weights with 64 activations (lanes 0-3 from the first 32 of each, 4-7 the second)
+inline __m256i dot(__m256i lo, __m256i hi, const int8_t* a) {
+#ifdef EDGEATTN_VNNI
+  return dot64(_mm256_setzero_si256(), lo, hi, a);
+#else
+  return _mm256_madd_epi16(dot64_16(lo, hi, a), _mm256_set1_epi16(1));
+#endif
+}
+
+// one row (m), C consecutive columns from n: the decode form, each column's bytes read once
+template <int BS, int C>
+void row_cols(const Args& g, int64_t m, int64_t n) {
+  const int8_t* q = g.q + m * g.K;
+  const int64_t col = g.nb * BS / 2;  // bytes a column
+  const uint8_t* w0 = g.b + n * col;
+  __m256 acc[C];
+  float corr[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), corr[c] = 0.0f;
+  if constexpr (BS == 32) {  // a 32-byte load holds two blocks: int32 lanes 0-3 the first, 4-7 the second
+    for (int64_t u = 0; u < g.K; u += 64) {
+      const int64_t b = u / 32;
+      const float q0 = g.qs[b * g.M + m], q1 = g.qs[(b + 1) * g.M + m];
+      const float c0 = g.qc[b * g.M + m], c1 = g.qc[(b + 1) * g.M + m];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* w = w0 + c * col + u / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
+        __m256i lo, hi;
+        split(w, lo, hi);
+        const __m256i d = dot(lo, hi, q + u);
+        const float* sc = g.s + (n + c) * g.nb + b;
+        const __m256 f = _mm256_set_m128(_mm_set1_ps(sc[1] * q1), _mm_set1_ps(sc[0] * q0));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[c]);
+        corr[c] += sc[0] * c0 + sc[1] * c1;
+      }
+    }
+  } else {
+  for (int64_t b = 0; b < g.nb; ++b) {
+    __m256i d[C];
+    for (int c = 0; c < C; ++c) d[c] = _mm256_setzero_si256();
+    for (int64_t u = 0; u < BS; u += 128) {  // 128 weights: two 32-byte loads a column
+      const int64_t units = std::min<int64_t>(2, (BS - u) / 64);
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* w = w0 + c * col + (b * BS + u) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
+        __m256i lo, hi;
+#ifdef EDGEATTN_VNNI
+        for (int64_t i = 0; i < units; ++i) {
+          split(w + 32 * i, lo, hi);
+          d[c] = dot64(d[c], lo, hi, q + b * BS + u + 64 * i);
+        }
+#else
+        split(w, lo, hi);
+        __m256i s16 = dot64_16(lo, hi, q + b * BS + u);
+        if (units == 2) {
+          split(w + 32, lo, hi);
+          s16 = _mm256_add_epi16(s16, dot64_16(lo, hi, q + b * BS + u + 64));
+        }
+        d[c] = _mm256_add_epi32(d[c], _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const float sc = g.s[(n + c) * g.nb + b];
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[c]), _mm256_set1_ps(sc * g.qs[b * g.M + m]), acc[c]);
+      corr[c] += sc * g.qc[b * g.M + m];
+    }
+  }
+  }
+  for (int c = 0; c < C; ++c) g.y[m * g.N + n + c] = hsum8(acc[c]) - corr[c];
+}
+
+// R rows from m, C columns from n: the prefill form, each column's weights split once for R rows and each row's
+// activations loaded once for C columns
+template <int BS, int R, int C>
+void rows_cols(const Args& g, int64_t m, int64_t n) {
+  const int64_t col = g.nb * BS / 2;
+  const uint8_t* w0 = g.b + n * col;
+  __m256 acc[R][C];
+  float corr[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), corr[r][c] = 0.0f;
+  if constexpr (BS == 32) {  // two blocks a 32-byte load, as in row_cols
+    for (int64_t u = 0; u < g.K; u += 64) {
+      const int64_t b = u / 32;
+      __m256i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* w = w0 + c * col + u / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
+        split(w, lo[c], hi[c]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = g.q + (m + r) * g.K + u;
+        const float q0 = g.qs[b * g.M + m + r], q1 = g.qs[(b + 1) * g.M + m + r];
+        const float c0 = g.qc[b * g.M + m + r], c1 = g.qc[(b + 1) * g.M + m + r];
+        for (int c = 0; c < C; ++c) {
+          const float* sc = g.s + (n + c) * g.nb + b;
+          const __m256 f = _mm256_set_m128(_mm_set1_ps(sc[1] * q1), _mm_set1_ps(sc[0] * q0));
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(lo[c], hi[c], q)), f, acc[r][c]);
+          corr[r][c] += sc[0] * c0 + sc[1] * c1;
+        }
+      }
+    }
+  } else {
+  for (int64_t b = 0; b < g.nb; ++b) {
+    __m256i d[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) d[r][c] = _mm256_setzero_si256();
+    for (int64_t u = 0; u < BS; u += 64) {
+      __m256i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* w = w0 + c * col + (b * BS + u) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
+        split(w, lo[c], hi[c]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = g.q + (m + r) * g.K + b * BS + u;
+#ifdef EDGEATTN_VNNI
+        for (int c = 0; c < C; ++c) d[r][c] = dot64(d[r][c], lo[c], hi[c], q);
+#else
+        const __m256i ae = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i ao = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+        for (int c = 0; c < C; ++c)
+          d[r][c] = _mm256_add_epi32(d[r][c], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[c], ae),
+                                                                                 _mm256_maddubs_epi16(hi[c], ao)),
+                                                                _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    const float* qs = g.qs + b * g.M + m;
+    const float* qc = g.qc + b * g.M + m;
+    for (int c = 0; c < C; ++c) {
+      const float sc = g.s[(n + c) * g.nb + b];
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][c]), _mm256_set1_ps(sc * qs[r]), acc[r][c]);
+        corr[r][c] += sc * qc[r];
+      }
+    }
+  }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) g.y[(m + r) * g.N + n + c] = hsum8(acc[r][c]) - corr[r][c];
+}
+
+// task t: columns [t kCols, (t + 1) kCols) for every row
+template <int BS>
+void cols(const Args& g, size_t t) {
+  const int64_t n0 = static_cast<int64_t>(t) * kCols, n1 = std::min(g.N, n0 + kCols);
+  int64_t n = n0;
+  if (g.M == 1) {
+    for (; n + 4 <= n1; n += 4) row_cols<BS, 4>(g, 0, n);
+    for (; n < n1; ++n) row_cols<BS, 1>(g, 0, n);
+    return;
+  }
+  for (; n + TC <= n1; n += TC) {
+    int64_t m = 0;
+    for (; m + TR <= g.M; m += TR) rows_cols<BS, TR, TC>(g, m, n);
+    for (; m < g.M; ++m) rows_cols<BS, 1, TC>(g, m, n);
+  }
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= g.M; m += 4) rows_cols<BS, 4, 1>(g, m, n);
+    for (; m < g.M; ++m) rows_cols<BS, 1, 1>(g, m, n);
+  }
+}
+
+void run_cols(void* data, size_t t) {
+  const Args& g = *static_cast<const Args*>(data);
+  if (g.bs == 32)
+    cols<32>(g, t);
+  else if (g.bs == 64)
+    cols<64>(g, t);
+  else if (g.bs == 128)
+    cols<128>(g, t);
+  else
+    cols<256>(g, t);
+}
+
+int64_t attr_int(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
+  try {
+    return ki.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+struct MatMulNBits {
+  MatMulNBits(const OrtApi*, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    K_ = attr_int(ki, "K", 0);
+    N_ = attr_int(ki, "N", 0);
+    bs_ = attr_int(ki, "block_size", 0);
+    const char* unsupported = nullptr;
+    if (attr_int(ki, "bits", 4) != 4)
+      unsupported = "bits other than 4";
+    else if (bs_ != 32 && bs_ != 64 && bs_ != 128 && bs_ != 256)
+      unsupported = "block_size other than 32, 64, 128 or 256";
+    else if (K_ <= 0 || N_ <= 0 || K_ % bs_ != 0 || K_ % 64 != 0)
+      unsupported = "K not a multiple of block_size and of 64";
+    else if (attr_int(ki, "accuracy_level", 0) != 4)
+      unsupported = "accuracy_level other than 4 (int8 activations)";
+    else if (ki.GetInputCount() != 3 || ki.GetOutputCount() != 1)
+      unsupported = "zero points, g_idx or bias";
+    if (unsupported)
+      ORT_CXX_API_THROW(std::string("edgeattn MatMulNBits: unsupported: ") + unsupported, ORT_NOT_IMPLEMENTED);
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& a, const Tensor<uint8_t>& b,
+                      const Tensor<float>& scales, Tensor<float>& y) {
+    const auto& as = a.Shape();
+    const int64_t nb = K_ / bs_;
+    if (as.empty() || as.back() != K_)
+      return Ort::Status("MatMulNBits: A's last dimension is not K", ORT_INVALID_ARGUMENT);
+    if (b.NumberOfElement() != N_ * nb * bs_ / 2 || scales.NumberOfElement() != N_ * nb)
+      return Ort::Status("MatMulNBits: B or scales do not hold N x K / block_size blocks", ORT_INVALID_ARGUMENT);
+    std::vector<int64_t> ys(as.begin(), as.end());
+    ys.back() = N_;
+    Args g{};
+    g.M = a.NumberOfElement() / K_, g.N = N_, g.K = K_, g.bs = bs_, g.nb = nb;
+    g.a = a.Data(), g.b = b.Data(), g.s = scales.Data();
+    g.y = y.Allocate(ys);
+    if (g.M == 0) return Ort::Status{nullptr};
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> qf;
+    if (q.size() < static_cast<size_t>(g.M * K_)) q.resize(static_cast<size_t>(g.M * K_));
+    if (qf.size() < static_cast<size_t>(2 * g.M * nb)) qf.resize(static_cast<size_t>(2 * g.M * nb));
+    g.q = q.data(), g.qs = qf.data(), g.qc = qf.data() + g.M * nb;
+    Ort::KernelContext context(ctx);
+    if (g.M >= 16)
+      context.ParallelFor(quantize, static_cast<size_t>(g.M), static_cast<size_t>(g.M), &g);
+    else
+      for (int64_t m = 0; m < g.M; ++m) quantize(&g, static_cast<size_t>(m));
+    const size_t tasks = static_cast<size_t>((N_ + kCols - 1) / kCols);
+    context.ParallelFor(run_cols, tasks, tasks, &g);
+    return Ort::Status{nullptr};
+  }
+
+  int64_t K_ = 0, N_ = 0, bs_ = 0;
+};
+
+}  // namespace
+
+Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits() {
+  return Ort::Custom::CreateLiteCustomOp<MatMulNBits>("MatMulNBits", "CPUExecutionProvider");
+}

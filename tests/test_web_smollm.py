@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tests.browser import Browser, browser_missing
-from tests.smollm import MAX_LENGTH
 
 QUESTION = "What is the capital of France?"
 MISSING = browser_missing()
@@ -15,16 +14,9 @@ MISSING = browser_missing()
 
 @pytest.fixture(scope="module")
 def int4(smollm_gguf, smollm_root):
-    from edgeattn.export import export_model
+    from tests.smollm import export_int4
 
-    return export_model(
-        smollm_gguf,
-        smollm_root / "int4",
-        precision="int4",
-        quantization={"block_size": 32},
-        max_length=MAX_LENGTH,
-        include_checkpoint=False,
-    )
+    return export_int4(smollm_gguf, smollm_root / "int4", 32)
 
 
 def test_site_carries_the_chat_template_around_one_message(int4, tmp_path):

@@ -207,3 +207,35 @@ def test_the_cpus_kind_chooses_and_the_environment_overrides(monkeypatch):
     monkeypatch.setenv(attention.MATMUL_ENV, "mlas")
     with pytest.raises(ValueError, match="EDGEATTN_MATMUL must be one of edgeattn, onnxruntime, got 'mlas'"):
         attention.matmul_chosen()
+
+
+def test_check_runs_an_int4_export_on_it_against_pytorch(kernels_library, tmp_path, monkeypatch):
+    """`edgeattn export --precision int4` of a small random Linear Transformer (128 wide, MLP 384: blocks of
+    128), then `edgeattn check` (the artifact against the PyTorch checkpoint) on each MatMulNBits kernel: the
+    report says which kernel ran, and ours is no further from PyTorch than ONNX Runtime's (random weights at
+    int4 are far from float32 on either, about 0.4 of the largest logit, so the tolerance is set past it;
+    accuracy is the tests above and tests/test_smollm.py)."""
+    from typer.testing import CliRunner
+
+    from edgeattn.cli.main import app
+    from tests.export_helpers import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", "linear", seed=0, d_model=128, mlp_ratio=3.0)  # blocks of 128
+    r = CliRunner().invoke(app, ["export", str(ckpt), "--out", str(tmp_path / "a"), "--precision", "int4"])
+    assert r.exit_code == 0, r.output
+    from edgeattn.export.check import check_artifact
+
+    diffs = {}
+    for kernel, note in [
+        ("edgeattn", "MatMulNBits ran on edgeattn's CPU kernel"),
+        ("onnxruntime", "MatMulNBits ran on ONNX Runtime's kernel: EDGEATTN_MATMUL=onnxruntime"),
+    ]:
+        monkeypatch.setenv(attention.MATMUL_ENV, kernel)
+        cmd = ["check", str(tmp_path / "a"), "--tokens", "40", "--tolerance", "2"]
+        r = CliRunner().invoke(app, cmd, terminal_width=300)
+        assert r.exit_code == 0, r.output
+        assert note in " ".join(r.output.split()), r.output
+        report = check_artifact(tmp_path / "a", tokens=40, tolerance=2.0)
+        assert report.matmul["kernel"] == kernel
+        diffs[kernel] = max(g["rel"] for g in report.graphs.values() if g["tokens"])
+    assert diffs["edgeattn"] <= 1.1 * diffs["onnxruntime"], diffs

@@ -61,6 +61,15 @@ inline __m256i dot64_16(__m256i lo, __m256i hi, const int8_t* a) {
 }
 #endif
 
+// the int32 sums of 64 weights with 64 activations (lanes 0-3 from the first 32 of each, 4-7 the second)
+inline __m256i dot(__m256i lo, __m256i hi, const int8_t* a) {
+#ifdef EDGEATTN_VNNI
+  return dot64(_mm256_setzero_si256(), lo, hi, a);
+#else
+  return _mm256_madd_epi16(dot64_16(lo, hi, a), _mm256_set1_epi16(1));
+#endif
+}
+
 struct Args {
   const float* a;
   const uint8_t* b;
@@ -69,6 +78,10 @@ struct Args {
   int64_t M, N, K, bs, nb;
   int8_t* q;
   float *qs, *qc;
+  // blocks of 32, per row and 64 activations: the offset's integer sums (8 x the activations each int32 lane
+  // of a dot product covers) and the two blocks' scales, 4 lanes each
+  int32_t* z;
+  float* qv;
 };
 
 // quantize row m of A: per block the scale max |a| / 127 (qs) and 8 x scale x the sum of its int8s (qc, the
@@ -117,6 +130,15 @@ void quantize(void* data, size_t m) {
   }
   for (int64_t b = 0; b < g.nb; ++b)
     g.qc[b * g.M + m] = 8.0f * g.qs[b * g.M + m] * static_cast<float>(sums[static_cast<size_t>(b)]);
+  if (g.bs == 32) {
+    const __m256i eights = _mm256_set1_epi8(8);
+    for (int64_t u = 0; u < g.K; u += 64) {
+      const int64_t i = (static_cast<int64_t>(m) * (g.K / 64) + u / 64) * 8;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.z + i), dot(eights, eights, q + u));
+      const int64_t b = u / 32;
+      _mm256_storeu_ps(g.qv + i, _mm256_set_m128(_mm_set1_ps(g.qs[(b + 1) * g.M + m]), _mm_set1_ps(g.qs[b * g.M + m])));
+    }
+  }
 }
 
 inline void split(const uint8_t* w, __m256i& lo, __m256i& hi) {
@@ -124,15 +146,6 @@ inline void split(const uint8_t* w, __m256i& lo, __m256i& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   lo = _mm256_and_si256(v, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-}
-
-// the int32 sums of 64 weights with 64 activations (lanes 0-3 from the first 32 of each, 4-7 the second)
-inline __m256i dot(__m256i lo, __m256i hi, const int8_t* a) {
-#ifdef EDGEATTN_VNNI
-  return dot64(_mm256_setzero_si256(), lo, hi, a);
-#else
-  return _mm256_madd_epi16(dot64_16(lo, hi, a), _mm256_set1_epi16(1));
-#endif
 }
 
 // one row (m), C consecutive columns from n: the decode form, each column's bytes read once
@@ -146,19 +159,18 @@ void row_cols(const Args& g, int64_t m, int64_t n) {
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), corr[c] = 0.0f;
   if constexpr (BS == 32) {  // a 32-byte load holds two blocks: int32 lanes 0-3 the first, 4-7 the second
     for (int64_t u = 0; u < g.K; u += 64) {
-      const int64_t b = u / 32;
-      const float q0 = g.qs[b * g.M + m], q1 = g.qs[(b + 1) * g.M + m];
-      const float c0 = g.qc[b * g.M + m], c1 = g.qc[(b + 1) * g.M + m];
+      const int64_t b = u / 32, i = (m * (g.K / 64) + u / 64) * 8;
+      const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + i));
+      const __m256 qv = _mm256_loadu_ps(g.qv + i);
       for (int c = 0; c < C; ++c) {
         const uint8_t* w = w0 + c * col + u / 2;
         _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
         __m256i lo, hi;
         split(w, lo, hi);
-        const __m256i d = dot(lo, hi, q + u);
+        const __m256i d = _mm256_sub_epi32(dot(lo, hi, q + u), z);  // the nibbles less 8, exactly
         const float* sc = g.s + (n + c) * g.nb + b;
-        const __m256 f = _mm256_set_m128(_mm_set1_ps(sc[1] * q1), _mm_set1_ps(sc[0] * q0));
+        const __m256 f = _mm256_mul_ps(_mm256_set_m128(_mm_broadcast_ss(sc + 1), _mm_broadcast_ss(sc)), qv);
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[c]);
-        corr[c] += sc[0] * c0 + sc[1] * c1;
       }
     }
   } else {
@@ -216,15 +228,19 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
         _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
         split(w, lo[c], hi[c]);
       }
+      __m256 sv[C];
+      for (int c = 0; c < C; ++c) {
+        const float* sc = g.s + (n + c) * g.nb + b;
+        sv[c] = _mm256_set_m128(_mm_broadcast_ss(sc + 1), _mm_broadcast_ss(sc));
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* q = g.q + (m + r) * g.K + u;
-        const float q0 = g.qs[b * g.M + m + r], q1 = g.qs[(b + 1) * g.M + m + r];
-        const float c0 = g.qc[b * g.M + m + r], c1 = g.qc[(b + 1) * g.M + m + r];
+        const int64_t i = ((m + r) * (g.K / 64) + u / 64) * 8;
+        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + i));
+        const __m256 qv = _mm256_loadu_ps(g.qv + i);
         for (int c = 0; c < C; ++c) {
-          const float* sc = g.s + (n + c) * g.nb + b;
-          const __m256 f = _mm256_set_m128(_mm_set1_ps(sc[1] * q1), _mm_set1_ps(sc[0] * q0));
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(lo[c], hi[c], q)), f, acc[r][c]);
-          corr[r][c] += sc[0] * c0 + sc[1] * c1;
+          const __m256i d = _mm256_sub_epi32(dot(lo[c], hi[c], q), z);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv[c], qv), acc[r][c]);
         }
       }
     }
@@ -352,6 +368,13 @@ struct MatMulNBits {
     if (q.size() < static_cast<size_t>(g.M * K_)) q.resize(static_cast<size_t>(g.M * K_));
     if (qf.size() < static_cast<size_t>(2 * g.M * nb)) qf.resize(static_cast<size_t>(2 * g.M * nb));
     g.q = q.data(), g.qs = qf.data(), g.qc = qf.data() + g.M * nb;
+    if (bs_ == 32) {
+      thread_local std::vector<int32_t> z;
+      thread_local std::vector<float> qv;
+      const size_t lanes = static_cast<size_t>(g.M * (K_ / 64) * 8);
+      if (z.size() < lanes) z.resize(lanes), qv.resize(lanes);
+      g.z = z.data(), g.qv = qv.data();
+    }
     Ort::KernelContext context(ctx);
     if (g.M >= 16)
       context.ParallelFor(quantize, static_cast<size_t>(g.M), static_cast<size_t>(g.M), &g);

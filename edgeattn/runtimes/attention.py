@@ -41,7 +41,7 @@ CHOICES = ("edgeattn", "onnxruntime")
 MATMUL_ENV = "EDGEATTN_MATMUL"
 BLOCK_SIZES = (32, 64, 128, 256)  # the MatMulNBits block sizes matmul.cc takes (K a multiple of 64 too)
 # the ones a session gets it for unless EDGEATTN_MATMUL=edgeattn: with blocks of 32 it prefills slower than
-# ONNX Runtime's AVX2 kernel (0.73x, benchmarks/RESULTS.md), though it decodes faster
+# ONNX Runtime's AVX2 kernel (0.86x at 256 rows, benchmarks/RESULTS.md), though it decodes faster
 DEFAULT_BLOCK_SIZES = (64, 128, 256)
 
 _lock = threading.Lock()

@@ -272,3 +272,53 @@ def test_streams_refuse_a_reduced_kv_buffer(generate, root):
     )
     assert "streams take fixed-size recurrent state only" in lines[0]
     assert run_ids(generate, art, PROMPT, "-n", 2).tokens is not None
+
+
+def test_cpp_runs_edgeattns_kernels_as_python_does(generate, art, tmp_path, kernels_library):
+    """``generate --kernels LIB`` (edgeattn's CPU kernels library, ``python -m edgeattn.runtimes.attention``):
+    edgeattn's GroupQueryAttention over the float32 buffer, ONNX Runtime's over float16/int8 (and it says why),
+    the same greedy tokens and logits as Python's session on the same kernels."""
+    kv = kv_entries(art)[0].dtype
+    logits_file = tmp_path / "logits.npy"
+    res = run_ids(generate, art, PROMPT, "-n", N, "--dump-logits", logits_file, "--kernels", kernels_library)
+    assert res.report["kernels"] == ("GroupQueryAttention" if kv == "float32" else "")
+    if kv != "float32":
+        assert (
+            "GroupQueryAttention,MatMulNBits: not in this artifact in the form the kernels take" in res.stderr
+        )
+    sess = open_session(art, threads=1)
+    assert sess.attention["kernel"] == ("edgeattn" if kv == "float32" else "onnxruntime")
+    tokens, rows = greedy_logits(sess, PROMPT, N)
+    assert res.tokens == tokens
+    assert rel_err(np.load(logits_file), rows) <= 1e-5
+
+
+def test_cpp_kernels_on_int4(generate, root, tmp_path, kernels_library, monkeypatch):
+    """int4 exports (MatMulNBits) with ``--kernels``. A Linear Transformer 128 wide (every K a multiple of 64,
+    blocks of 128): edgeattn's MatMulNBits kernel, the same greedy tokens and logits as Python's session on it
+    (``EDGEATTN_MATMUL=edgeattn``: on any CPU). The tiny Qwen3.5 (96-wide attention output): a form the
+    MatMulNBits kernel refuses, so the session loads with the attention kernel alone and says why. A library that
+    is not there: one error line."""
+    from edgeattn.export import export_model
+    from tests.export_helpers import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", "linear", seed=0, d_model=128, mlp_ratio=3.0)
+    art = export_model(ckpt, tmp_path / "int4", precision="int4", prefill_chunk=PREFILL)
+    prompt = [t % 256 for t in PROMPT]  # its vocabulary: bytes
+    logits_file = tmp_path / "logits.npy"
+    res = run_ids(generate, art, prompt, "-n", N, "--dump-logits", logits_file, "--kernels", kernels_library)
+    assert res.report["kernels"] == "MatMulNBits", res.stderr
+    monkeypatch.setenv("EDGEATTN_MATMUL", "edgeattn")
+    sess = open_session(art, threads=1)
+    assert sess.matmul == {"kernel": "edgeattn"}
+    tokens, rows = greedy_logits(sess, prompt, N)
+    assert res.tokens == tokens
+    assert rel_err(np.load(logits_file), rows) <= 1e-5
+    qwen = export(root, "float32", precision="int4")
+    res = run_ids(generate, qwen, PROMPT, "-n", 4, "--kernels", kernels_library)
+    assert res.report["kernels"] == "GroupQueryAttention"
+    assert "did not load with GroupQueryAttention,MatMulNBits" in res.stderr
+    assert "edgeattn MatMulNBits: unsupported: K not a multiple of block_size" in res.stderr
+    bad = run_ids(generate, art, prompt, "--kernels", tmp_path / "nothing.so", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert "cannot load the kernels library" in bad.stderr

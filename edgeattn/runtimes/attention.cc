@@ -505,7 +505,8 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     if (!domains[want]) {
       auto d = std::make_unique<Ort::CustomOpDomain>("com.microsoft");
       if (want & 1) {
-        if (!gqa) gqa.reset(Ort::Custom::CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
+        if (!gqa)
+          gqa.reset(Ort::Custom::CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
         d->Add(gqa.get());
       }
       if (want & 2) {

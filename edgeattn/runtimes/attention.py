@@ -204,3 +204,12 @@ def kernels_for_session(manifest, device: str, graphs) -> tuple[Path | None, dic
         kind = "edgeattn" if lib is not None else "onnxruntime"
     matmul = {"kernel": "edgeattn"} if kind == "edgeattn" else {"kernel": "onnxruntime", "why": why}
     return lib, attention, matmul
+
+
+if __name__ == "__main__":  # python -m edgeattn.runtimes.attention: build the library, print its path
+    import sys
+
+    path, why = library()
+    if path is None:
+        sys.exit(f"error: {why}")
+    print(path)

@@ -1,7 +1,8 @@
 // edgeattn's CPU kernel for ONNX Runtime's com.microsoft.MatMulNBits in the form edgeattn's int4 exports take
-// (4 bits, symmetric: no zero points, blocks of 32, 64, 128 or 256 along K, K a multiple of 64, float32 A and scales, accuracy_level 4,
-// no g_idx or bias; anything else refuses at load). Built into the same custom-op library as attention.cc and
-// registered under the op's own domain and name when the session asks for it (edgeattn/runtimes/attention.py).
+// (4 bits, symmetric: no zero points, blocks of 32, 64, 128 or 256 along K, K a multiple of 64, float32 A and
+// scales, accuracy_level 4, no g_idx or bias; anything else refuses at load). Built into the same custom-op
+// library as attention.cc and registered under the op's own domain and name when the session asks for it
+// (edgeattn/runtimes/attention.py).
 //
 // Y = A B^T with B [N, K/bs, bs/2] bytes in MatMulNBits' own layout (element 2j of a block in the low nibble of
 // byte j, 2j+1 in the high one; the value is nibble - 8) times one float scale per block. Like ONNX Runtime's

@@ -2,6 +2,10 @@
 //
 //   generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy] [--no-share-weights]
+//            [--kernels LIB]
+//
+// --kernels: edgeattn's CPU kernels library (`python -m edgeattn.runtimes.attention` builds it for this CPU and prints
+// its path), registered for the ops this artifact has in the forms it takes (stderr and the JSON line say which).
 //
 // Byte-level artifacts (no "tokenizer" in the manifest): the prompt's bytes are the token ids and each generated
 // token is printed as one byte (vocab <= 256). Artifacts with a Hugging Face tokenizer.json: this example takes and
@@ -38,7 +42,7 @@ namespace {
 
 const char* kUsage =
     "usage: generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
-    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE] [--no-share-weights]";
+    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE] [--no-share-weights] [--kernels LIB]";
 
 bool g_printed = false;  // stdout has text without a final newline
 
@@ -51,10 +55,10 @@ using example::UsageError;
 // The options that take a value (--flag VALUE or --flag=VALUE); any other option is unknown.
 const std::set<std::string> kValueOptions = {"--prompt",      "--prompt-ids", "-n",        "--temperature",
                                              "--top-k",       "--top-p",      "--seed",    "--state-in",
-                                             "--state-out",   "--threads",    "--dump-logits"};
+                                             "--state-out",   "--threads",    "--dump-logits", "--kernels"};
 
 struct Args {
-  std::string artifact, prompt, state_in, state_out, dump_logits;
+  std::string artifact, prompt, state_in, state_out, dump_logits, kernels;
   bool has_prompt = false;
   std::vector<int64_t> prompt_ids;  // --prompt-ids
   int64_t n = 200;
@@ -117,6 +121,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--state-out") a.state_out = value;
     else if (flag == "--threads") a.threads = parse_number<int>(flag, value);
     else if (flag == "--dump-logits") a.dump_logits = value;
+    else if (flag == "--kernels") a.kernels = value;
   }
   if (a.artifact.empty()) throw UsageError("missing ARTIFACT_DIR");
   if (a.has_prompt && !a.prompt_ids.empty()) throw UsageError("give --prompt or --prompt-ids, not both");
@@ -187,7 +192,11 @@ int run(const Args& a) {
   edgeattn::SessionOptions options;
   options.threads = a.threads;
   options.share_weights = a.share_weights;
+  options.kernels_library = a.kernels;
   edgeattn::Session sess(a.artifact, options);
+  if (!a.kernels.empty())
+    std::fprintf(stderr, "edgeattn's kernels: %s%s%s\n", sess.kernels().empty() ? "none" : sess.kernels().c_str(),
+                 sess.kernels_why().empty() ? "" : "; ", sess.kernels_why().c_str());
   const edgeattn::TokenizerInfo& tok = sess.manifest().tokenizer;
   const bool text = a.has_prompt;  // bytes in and out; else token ids in and out
   if (text && !tok.byte_level())
@@ -267,10 +276,12 @@ int run(const Args& a) {
   std::fprintf(stderr,
                "{\"tokens\": %lld, \"prompt_tokens\": %zu, \"decode_s\": %.6f, \"prefill_s\": %.6f, "
                "\"tokens_per_s\": %.2f, \"us_per_token\": %.3f, \"peak_bytes_at_128\": %s, \"peak_bytes_at_last\": %s, "
-               "\"rss_bytes_start\": %s, \"rss_bytes_last\": %s, \"position\": %lld, \"stopped_at_eos\": %s}\n",
+               "\"rss_bytes_start\": %s, \"rss_bytes_last\": %s, \"position\": %lld, \"stopped_at_eos\": %s, "
+               "\"kernels\": \"%s\"}\n",
                static_cast<long long>(generated), prompt.size(), decode_s, prefill_s, tps, us,
                json_int(peak_at_128).c_str(), json_int(peak_last).c_str(), json_int(rss_start).c_str(),
-               json_int(rss_last).c_str(), static_cast<long long>(sess.position()), stopped_at_eos ? "true" : "false");
+               json_int(rss_last).c_str(), static_cast<long long>(sess.position()), stopped_at_eos ? "true" : "false",
+               sess.kernels().c_str());
   return 0;
 }
 

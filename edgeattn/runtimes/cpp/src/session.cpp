@@ -239,6 +239,8 @@ void Session::load_state(const std::string& path) {
 int64_t Session::position() const { return impl_->position; }
 int64_t Session::vocab_size() const { return impl_->manifest.vocab_size; }
 const Manifest& Session::manifest() const { return impl_->manifest; }
+const std::string& Session::kernels() const { return impl_->kernels; }
+const std::string& Session::kernels_why() const { return impl_->kernels_why; }
 
 MemoryStats Session::memory_stats() const {
   MemoryStats out;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -147,6 +148,35 @@ struct Session::Impl {
   std::vector<Ort::Value> state[2];
   int cur = 0;  // state[cur] holds the current state
   int64_t position = 0;
+  std::string kernels, kernels_why;  // Session::kernels(), Session::kernels_why()
+
+  // The ops of options.kernel_ops that this manifest has in the forms edgeattn's kernels take (as Python's
+  // kernels_for_session: GroupQueryAttention over float32 KV buffers only, MatMulNBits in int4 artifacts).
+  std::string kernel_ops(const SessionOptions& options) {
+    bool kv = false, kv_float = true;
+    for (const auto& e : manifest.state)
+      if (e.shared) kv = true, kv_float = kv_float && e.dtype == "float32";
+    std::string ops, skipped;
+    size_t start = 0;
+    const std::string& all = options.kernel_ops;
+    while (start <= all.size()) {
+      const size_t end = std::min(all.find(',', start), all.size());
+      const std::string op = all.substr(start, end - start);
+      start = end + 1;
+      if (op.empty()) continue;
+      bool take = false;
+      if (op == "GroupQueryAttention")
+        take = kv && kv_float;
+      else if (op == "MatMulNBits")
+        take = manifest.precision == "int4";
+      else
+        throw std::invalid_argument("kernel_ops: no edgeattn kernel for " + op +
+                                    " (GroupQueryAttention, MatMulNBits)");
+      (take ? ops : skipped) += (take ? ops : skipped).empty() ? op : "," + op;
+    }
+    if (!skipped.empty()) kernels_why = skipped + ": not in this artifact in the form the kernels take";
+    return ops;
+  }
 
   size_t item_bytes(size_t i) const { return detail::state_item_bytes(manifest.state[i].dtype); }
   size_t bytes(size_t i) const { return static_cast<size_t>(detail::numel(shapes[i])) * item_bytes(i); }
@@ -195,19 +225,58 @@ struct Session::Impl {
       g.logits = detail::zeros<float>(g.allocator, {1, logit_rows(g), manifest.vocab_size});
       return;
     }
-    Ort::SessionOptions so;
-    so.SetIntraOpNumThreads(options.threads);
-    so.SetInterOpNumThreads(1);
-    so.SetExecutionMode(ORT_SEQUENTIAL);
-    so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
-    so.EnableCpuMemArena();
-    so.SetLogSeverityLevel(options.log_level);
-    for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
+    auto make = [&](const std::string& ops) {
+      Ort::SessionOptions so;
+      so.SetIntraOpNumThreads(options.threads);
+      so.SetInterOpNumThreads(1);
+      so.SetExecutionMode(ORT_SEQUENTIAL);
+      so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
+      so.EnableCpuMemArena();
+      so.SetLogSeverityLevel(options.log_level);
+      for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
+      if (!ops.empty()) {
+        so.AddConfigEntry("edgeattn.ops", ops.c_str());
+        try {
+          so.RegisterCustomOpsLibrary(options.kernels_library.c_str());
+        } catch (const Ort::Exception& e) {
+          throw std::runtime_error("cannot load the kernels library " + options.kernels_library + ": " +
+                                   detail::one_line(e.what()));
+        }
+      }
+      return so;
+    };
     const std::string path = manifest.dir + "/" + info.path;
-    try {
-      g.own = prepacked ? Ort::Session(env, path.c_str(), so, prepacked) : Ort::Session(env, path.c_str(), so);
-    } catch (const Ort::Exception& e) {
-      throw ManifestError("ONNX Runtime cannot load " + path + ": " + detail::one_line(e.what()));
+    // edgeattn's kernels where asked for and they apply (the step graph decides for both); a graph that does not
+    // load with them loads with ONNX Runtime's
+    const std::string ops = options.kernels_library.empty() ? "" : &g == &step ? kernel_ops(options) : kernels;
+    // all of them, else one at a time (the first that loads), else none: as Python's OnnxRuntimeSession
+    std::vector<std::string> attempts;
+    if (!ops.empty()) attempts.push_back(ops);
+    for (size_t at = 0, comma = 0; ops.find(',') != std::string::npos && at <= ops.size(); at = comma + 1) {
+      comma = std::min(ops.find(',', at), ops.size());
+      attempts.push_back(ops.substr(at, comma - at));
+    }
+    bool loaded = false;
+    for (const std::string& attempt : attempts) {
+      Ort::SessionOptions so = make(attempt);
+      try {
+        g.own = prepacked ? Ort::Session(env, path.c_str(), so, prepacked) : Ort::Session(env, path.c_str(), so);
+        loaded = true;
+        if (&g == &step) kernels = attempt;  // (the prefill graph loads with the step graph's, or alone without)
+        break;
+      } catch (const Ort::Exception& e) {
+        if (kernels_why.find(" did not load with ") == std::string::npos)
+          kernels_why = info.path + " did not load with " + attempt + ": " + detail::one_line(e.what());
+      }
+    }
+    if (&g == &step && !loaded) kernels.clear();
+    if (!loaded) {
+      Ort::SessionOptions so = make("");
+      try {
+        g.own = prepacked ? Ort::Session(env, path.c_str(), so, prepacked) : Ort::Session(env, path.c_str(), so);
+      } catch (const Ort::Exception& e) {
+        throw ManifestError("ONNX Runtime cannot load " + path + ": " + detail::one_line(e.what()));
+      }
     }
     g.session = &g.own;
     detail::check_io(g, manifest, shapes);

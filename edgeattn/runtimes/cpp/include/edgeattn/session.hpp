@@ -141,6 +141,13 @@ struct SessionOptions {
   // fp32 artifacts with a shared weights file: map it once, hand each tensor to both graphs' sessions and prepack
   // each matrix once for both (Ort::PrepackedWeightsContainer). false: each session loads and prepacks its own copy.
   bool share_weights = true;
+  // edgeattn's CPU kernels library (edgeattn/runtimes/attention.cc + matmul.cc; `python -m
+  // edgeattn.runtimes.attention` builds it for this CPU and prints its path). Non-empty: registered on the sessions
+  // for the ops of kernel_ops that the manifest has in the forms they take (GroupQueryAttention over float32 KV
+  // buffers, MatMulNBits in an int4 artifact); a graph that does not load with it loads without it
+  // (Session::kernels() says which). Empty: ONNX Runtime's kernels.
+  std::string kernels_library;
+  std::string kernel_ops = "GroupQueryAttention,MatMulNBits";
 };
 
 // The ONNX Runtime CPU arena's statistics, summed over the step and prefill sessions. `available` is false when
@@ -180,6 +187,10 @@ class Session {
   int64_t vocab_size() const;
   const Manifest& manifest() const;
   MemoryStats memory_stats() const;
+  // The ops edgeattn's kernels library runs in this session, comma-separated ("" for none: ONNX Runtime's), and
+  // kernels_why() why not where SessionOptions::kernels_library was given.
+  const std::string& kernels() const;
+  const std::string& kernels_why() const;
 
  private:
   friend class Streams;

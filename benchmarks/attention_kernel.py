@@ -85,7 +85,10 @@ def measure(cfg: dict) -> dict:
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--artifact", type=Path, default=None, help="an edgeattn artifact with float32 KV buffers"
+        "--artifact",
+        type=Path,
+        default=None,
+        help="an edgeattn artifact: with float32 KV buffers (--op attention), int4 (--op matmul)",
     )
     ap.add_argument("--contexts", default="128,4096,16384")
     ap.add_argument("--depths", default="8000,16000", help="contexts a --chunk-token prefill is measured on")

@@ -204,21 +204,17 @@ def check_artifact(
     )
     report.cpu = cpu_record()
     report.attention = getattr(art, "attention", None)
-    if report.attention and any(e.shared for e in m.state):  # a KV buffer: GroupQueryAttention
-        kernel = report.attention
-        report.notes.append(
-            "GroupQueryAttention ran on edgeattn's CPU kernel (EDGEATTN_ATTENTION=onnxruntime runs ONNX Runtime's)"
-            if kernel["kernel"] == "edgeattn"
-            else f"GroupQueryAttention ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
-        )
     report.matmul = getattr(art, "matmul", None)
-    if report.matmul and m.precision == "int4":  # MatMulNBits
-        kernel = report.matmul
-        report.notes.append(
-            "MatMulNBits ran on edgeattn's CPU kernel (EDGEATTN_MATMUL=onnxruntime runs ONNX Runtime's)"
-            if kernel["kernel"] == "edgeattn"
-            else f"MatMulNBits ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
-        )
+    for op, kernel, env, in_graph in (  # a KV buffer: GroupQueryAttention; int4: MatMulNBits
+        ("GroupQueryAttention", report.attention, "EDGEATTN_ATTENTION", any(e.shared for e in m.state)),
+        ("MatMulNBits", report.matmul, "EDGEATTN_MATMUL", m.precision == "int4"),
+    ):
+        if kernel and in_graph:
+            report.notes.append(
+                f"{op} ran on edgeattn's CPU kernel ({env}=onnxruntime runs ONNX Runtime's)"
+                if kernel["kernel"] == "edgeattn"
+                else f"{op} ran on ONNX Runtime's kernel: {kernel.get('why', '')}"
+            )
     if m.prefill_logits == "last" and not m.logits_count:
         report.notes.append(
             "prefill_logits last without a logits_count input (an older export): each prefill call returns its "

@@ -16,6 +16,7 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 
@@ -30,6 +31,8 @@
 
 namespace {
 
+using edgeattn_kernels::attr;
+using edgeattn_kernels::hsum;
 using Ort::Custom::Tensor;
 
 constexpr int64_t kSlice = 2048;           // slots a task at least, when a context is split across tasks
@@ -61,12 +64,6 @@ inline void rotate(const float* x, float* y, const float* cos, const float* sin,
   for (int64_t i = R; i < D; ++i) y[i] = x[i];
 }
 
-inline float hsum(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 // The dot products and the value sums in the widest vectors the compiler targets (-march=native: AVX-512 where
 // the CPU has it, else AVX2): W floats a vector.
@@ -342,51 +339,27 @@ void merge(void* data, size_t u) {
   }
 }
 
-std::string attr_string(const Ort::ConstKernelInfo& ki, const char* name) {
-  try {
-    return ki.GetAttribute<std::string>(name);
-  } catch (const Ort::Exception&) {
-    return "";
-  }
-}
-
-int64_t attr_int(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
-  try {
-    return ki.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
-}
-
-float attr_float(const Ort::ConstKernelInfo& ki, const char* name, float fallback) {
-  try {
-    return ki.GetAttribute<float>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
-}
-
 struct GroupQueryAttention {
   GroupQueryAttention(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    heads_ = attr_int(ki, "num_heads", 0);
-    kv_heads_ = attr_int(ki, "kv_num_heads", 0);
-    scale_ = attr_float(ki, "scale", 0.0f);
-    rotary_ = attr_int(ki, "do_rotary", 0);
+    heads_ = attr<int64_t>(ki, "num_heads", 0);
+    kv_heads_ = attr<int64_t>(ki, "kv_num_heads", 0);
+    scale_ = attr<float>(ki, "scale", 0.0f);
+    rotary_ = attr<int64_t>(ki, "do_rotary", 0);
     const char* unsupported = nullptr;
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0)
       unsupported = "num_heads a multiple of kv_num_heads";
-    else if (attr_int(ki, "rotary_interleaved", 0) != 0)
+    else if (attr<int64_t>(ki, "rotary_interleaved", 0) != 0)
       unsupported = "rotary_interleaved";
-    else if (attr_int(ki, "local_window_size", -1) != -1)
+    else if (attr<int64_t>(ki, "local_window_size", -1) != -1)
       unsupported = "local_window_size";
-    else if (attr_float(ki, "softcap", 0.0f) != 0.0f)
+    else if (attr<float>(ki, "softcap", 0.0f) != 0.0f)
       unsupported = "softcap";
-    else if (attr_int(ki, "smooth_softmax", 0) != 0)
+    else if (attr<int64_t>(ki, "smooth_softmax", 0) != 0)
       unsupported = "smooth_softmax";
-    else if (attr_int(ki, "qk_output", 0) != 0)
+    else if (attr<int64_t>(ki, "qk_output", 0) != 0)
       unsupported = "qk_output";
-    else if (!attr_string(ki, "k_quant_type").empty() && attr_string(ki, "k_quant_type") != "NONE")
+    else if (const std::string k = attr<std::string>(ki, "k_quant_type", ""); !k.empty() && k != "NONE")
       unsupported = "a quantized cache";
     else if (ki.GetInputCount() > 9 || ki.GetOutputCount() != 3)
       unsupported = "inputs past sin_cache (position ids, attention bias, head sink, scales) or a qk output";
@@ -505,8 +478,8 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     if (!domains[want]) {
       auto d = std::make_unique<Ort::CustomOpDomain>("com.microsoft");
       if (want & 1) {
-        if (!gqa)
-          gqa.reset(Ort::Custom::CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
+        using Ort::Custom::CreateLiteCustomOp;
+        if (!gqa) gqa.reset(CreateLiteCustomOp<GroupQueryAttention>("GroupQueryAttention", "CPUExecutionProvider"));
         d->Add(gqa.get());
       }
       if (want & 2) {

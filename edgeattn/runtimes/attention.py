@@ -35,6 +35,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("attention.cc")
 SOURCES = (SOURCE, Path(__file__).with_name("matmul.cc"))  # one library
+HEADERS = (Path(__file__).with_name("kernels.h"),)  # what they share (part of the build's key)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=c++17"]
 ENV = "EDGEATTN_ATTENTION"
 CHOICES = ("edgeattn", "onnxruntime")
@@ -81,7 +82,7 @@ def library(cache: Path | None = None) -> tuple[Path | None, str]:
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None:
         return None, "no C++ compiler (g++ or $CXX) to build it"
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + " ".join([cxx, *FLAGS, str(inc), *cpu_flags(only=None)]).encode()).hexdigest()[
         :16
     ]

@@ -8,13 +8,15 @@
 // byte j, 2j+1 in the high one; the value is nibble - 8) times one float scale per block. Like ONNX Runtime's
 // accuracy level 4 it quantizes each row of A to int8 per block (scale = max |a| / 127, rounded to nearest) and
 // sums products of integers: nibble x int8 with vpmaddubsw (vpdpbusd where the CPU has VNNI), the -8 taken out
-// once per block through the sum of the quantized activations. It reads B as ONNX Runtime stores it (no packed
-// copy) straight from memory, prefetched ahead of the loads: a token's decode reads every weight once and is
-// bound by memory, which is where ONNX Runtime's AVX2 kernel fell short (benchmarks/RESULTS.md, issue 39).
+// of each block's integer sums through the quantized activations' sums (exactly, before scaling). It reads B as
+// ONNX Runtime stores it (no packed copy) straight from memory, prefetched ahead of the loads: a token's decode
+// reads every weight once and is bound by memory, which is where ONNX Runtime's AVX2 kernel fell short
+// (benchmarks/RESULTS.md, issue 39).
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 
@@ -27,18 +29,14 @@
 
 namespace {
 
+using edgeattn_kernels::attr;
+using edgeattn_kernels::hsum;
 using Ort::Custom::Tensor;
 
 constexpr int64_t kAhead = 6144;  // bytes of B prefetched ahead of the loads (measured: 2048-16384 within 5%)
 constexpr int64_t kCols = 64;     // columns a task
 constexpr int TR = 4, TC = 2;     // rows x columns a tile where A has more than one row (measured: 4x2 and 4x3 best)
 
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 // The integer dot products of 64 weights (one 32-byte load: lo holds elements 0, 2, .., 62, hi 1, 3, .., 63)
 // with 64 activations stored evens first: acc += lo . a_even + hi . a_odd, in int32 lanes.
@@ -78,21 +76,26 @@ struct Args {
   float* y;
   int64_t M, N, K, bs, nb;
   int8_t* q;
-  float *qs, *qc;
-  // blocks of 32, per row and 64 activations: the offset's integer sums (8 x the activations each int32 lane
-  // of a dot product covers) and the two blocks' scales, 4 lanes each
+  float* qs;  // per block and row ([nb][M]): the activations' scale
+  // per row and group of max(bs, 64) activations (a block, or 64 holding two blocks of 32), 8 lanes: the
+  // nibbles' offset as integer sums (8 x the activations each int32 lane of the group's dot products covers),
+  // taken from a dot product before it is scaled; with blocks of 32 also the two blocks' scales, 4 lanes each
   int32_t* z;
   float* qv;
 };
 
-// quantize row m of A: per block the scale max |a| / 127 (qs) and 8 x scale x the sum of its int8s (qc, the
-// nibbles' offset of 8 taken out once), the int8s of each 64 stored evens first, then odds
+inline int64_t group(const Args& g) { return std::max<int64_t>(g.bs, 64); }
+
+// quantize row m of A: per block the scale max |a| / 127 (qs), the int8s of each 64 stored evens first, then
+// odds, and the offset's sums (z, qv)
 void quantize(void* data, size_t m) {
   const Args& g = *static_cast<const Args*>(data);
   const float* x = g.a + static_cast<int64_t>(m) * g.K;
   int8_t* q = g.q + static_cast<int64_t>(m) * g.K;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  thread_local std::vector<float> inv;
+  inv.resize(static_cast<size_t>(g.nb));
   for (int64_t b = 0; b < g.nb; ++b) {
     const float* xb = x + b * g.bs;
     __m256 mx = _mm256_setzero_ps();
@@ -102,25 +105,18 @@ void quantize(void* data, size_t m) {
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
     g.qs[b * g.M + m] = amax / 127.0f;
-    g.qc[b * g.M + m] = amax > 0.0f ? 127.0f / amax : 0.0f;  // the inverse until the sums are in
+    inv[static_cast<size_t>(b)] = amax > 0.0f ? 127.0f / amax : 0.0f;
   }
-  thread_local std::vector<int32_t> sums;
-  sums.assign(static_cast<size_t>(g.nb), 0);
   for (int64_t u = 0; u < g.K; u += 64) {
     __m256i ev[4], od[4];
     for (int j = 0; j < 4; ++j) {  // 16 floats -> 8 evens, 8 odds (of one block: blocks are 32 or more)
       const int64_t b = (u + 16 * j) / g.bs;
-      const __m256 inv = _mm256_set1_ps(g.qc[b * g.M + m]);
+      const __m256 f = _mm256_set1_ps(inv[static_cast<size_t>(b)]);
       const __m256 x0 = _mm256_loadu_ps(x + u + 16 * j), x1 = _mm256_loadu_ps(x + u + 16 * j + 8);
       const __m256 e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
       const __m256 o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
-      ev[j] = _mm256_cvtps_epi32(_mm256_mul_ps(e, inv));
-      od[j] = _mm256_cvtps_epi32(_mm256_mul_ps(o, inv));
-      const __m256i sum = _mm256_add_epi32(ev[j], od[j]);
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      sums[static_cast<size_t>(b)] += _mm_cvtsi128_si32(s4);
+      ev[j] = _mm256_cvtps_epi32(_mm256_mul_ps(e, f));
+      od[j] = _mm256_cvtps_epi32(_mm256_mul_ps(o, f));
     }
     const __m256i e8 = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(ev[0], ev[1]), _mm256_packs_epi32(ev[2], ev[3])), order);
@@ -129,14 +125,15 @@ void quantize(void* data, size_t m) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u), e8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u + 32), o8);
   }
-  for (int64_t b = 0; b < g.nb; ++b)
-    g.qc[b * g.M + m] = 8.0f * g.qs[b * g.M + m] * static_cast<float>(sums[static_cast<size_t>(b)]);
-  if (g.bs == 32) {
-    const __m256i eights = _mm256_set1_epi8(8);
-    for (int64_t u = 0; u < g.K; u += 64) {
-      const int64_t i = (static_cast<int64_t>(m) * (g.K / 64) + u / 64) * 8;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.z + i), dot(eights, eights, q + u));
-      const int64_t b = u / 32;
+  const __m256i eights = _mm256_set1_epi8(8);
+  const int64_t G = group(g);
+  for (int64_t u0 = 0; u0 < g.K; u0 += G) {
+    const int64_t i = (static_cast<int64_t>(m) * (g.K / G) + u0 / G) * 8;
+    __m256i z = _mm256_setzero_si256();
+    for (int64_t u = u0; u < u0 + G; u += 64) z = _mm256_add_epi32(z, dot(eights, eights, q + u));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.z + i), z);
+    if (g.bs == 32) {
+      const int64_t b = u0 / 32;
       _mm256_storeu_ps(g.qv + i, _mm256_set_m128(_mm_set1_ps(g.qs[(b + 1) * g.M + m]), _mm_set1_ps(g.qs[b * g.M + m])));
     }
   }
@@ -156,8 +153,7 @@ void row_cols(const Args& g, int64_t m, int64_t n) {
   const int64_t col = g.nb * BS / 2;  // bytes a column
   const uint8_t* w0 = g.b + n * col;
   __m256 acc[C];
-  float corr[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), corr[c] = 0.0f;
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   if constexpr (BS == 32) {  // a 32-byte load holds two blocks: int32 lanes 0-3 the first, 4-7 the second
     for (int64_t u = 0; u < g.K; u += 64) {
       const int64_t b = u / 32, i = (m * (g.K / 64) + u / 64) * 8;
@@ -200,14 +196,15 @@ void row_cols(const Args& g, int64_t m, int64_t n) {
 #endif
       }
     }
+    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + (m * g.nb + b) * 8));
     for (int c = 0; c < C; ++c) {
       const float sc = g.s[(n + c) * g.nb + b];
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[c]), _mm256_set1_ps(sc * g.qs[b * g.M + m]), acc[c]);
-      corr[c] += sc * g.qc[b * g.M + m];
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(d[c], z)), _mm256_set1_ps(sc * g.qs[b * g.M + m]),
+                               acc[c]);
     }
   }
   }
-  for (int c = 0; c < C; ++c) g.y[m * g.N + n + c] = hsum8(acc[c]) - corr[c];
+  for (int c = 0; c < C; ++c) g.y[m * g.N + n + c] = hsum(acc[c]);
 }
 
 // R rows from m, C columns from n: the prefill form, each column's weights split once for R rows and each row's
@@ -217,9 +214,8 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
   const int64_t col = g.nb * BS / 2;
   const uint8_t* w0 = g.b + n * col;
   __m256 acc[R][C];
-  float corr[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), corr[r][c] = 0.0f;
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   if constexpr (BS == 32) {  // two blocks a 32-byte load, as in row_cols
     for (int64_t u = 0; u < g.K; u += 64) {
       const int64_t b = u / 32;
@@ -272,18 +268,18 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
       }
     }
     const float* qs = g.qs + b * g.M + m;
-    const float* qc = g.qc + b * g.M + m;
-    for (int c = 0; c < C; ++c) {
-      const float sc = g.s[(n + c) * g.nb + b];
-      for (int r = 0; r < R; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][c]), _mm256_set1_ps(sc * qs[r]), acc[r][c]);
-        corr[r][c] += sc * qc[r];
+    for (int r = 0; r < R; ++r) {
+      const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + ((m + r) * g.nb + b) * 8));
+      for (int c = 0; c < C; ++c) {
+        const float sc = g.s[(n + c) * g.nb + b];
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(d[r][c], z)), _mm256_set1_ps(sc * qs[r]),
+                                    acc[r][c]);
       }
     }
   }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) g.y[(m + r) * g.N + n + c] = hsum8(acc[r][c]) - corr[r][c];
+    for (int c = 0; c < C; ++c) g.y[(m + r) * g.N + n + c] = hsum(acc[r][c]);
 }
 
 // task t: columns [t kCols, (t + 1) kCols) for every row
@@ -320,28 +316,20 @@ void run_cols(void* data, size_t t) {
     cols<256>(g, t);
 }
 
-int64_t attr_int(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
-  try {
-    return ki.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
-}
-
 struct MatMulNBits {
   MatMulNBits(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    K_ = attr_int(ki, "K", 0);
-    N_ = attr_int(ki, "N", 0);
-    bs_ = attr_int(ki, "block_size", 0);
+    K_ = attr<int64_t>(ki, "K", 0);
+    N_ = attr<int64_t>(ki, "N", 0);
+    bs_ = attr<int64_t>(ki, "block_size", 0);
     const char* unsupported = nullptr;
-    if (attr_int(ki, "bits", 4) != 4)
+    if (attr<int64_t>(ki, "bits", 4) != 4)
       unsupported = "bits other than 4";
     else if (bs_ != 32 && bs_ != 64 && bs_ != 128 && bs_ != 256)
       unsupported = "block_size other than 32, 64, 128 or 256";
     else if (K_ <= 0 || N_ <= 0 || K_ % bs_ != 0 || K_ % 64 != 0)
       unsupported = "K not a multiple of block_size and of 64";
-    else if (attr_int(ki, "accuracy_level", 0) != 4)
+    else if (attr<int64_t>(ki, "accuracy_level", 0) != 4)
       unsupported = "accuracy_level other than 4 (int8 activations)";
     else if (ki.GetInputCount() != 3 || ki.GetOutputCount() != 1)
       unsupported = "zero points, g_idx or bias";
@@ -364,18 +352,16 @@ struct MatMulNBits {
     g.a = a.Data(), g.b = b.Data(), g.s = scales.Data();
     g.y = y.Allocate(ys);
     if (g.M == 0) return Ort::Status{nullptr};
+    // scratch of the calling thread, reused across calls
     thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> qf;
+    thread_local std::vector<float> qs, qv;
+    thread_local std::vector<int32_t> z;
+    const size_t lanes = static_cast<size_t>(g.M * (K_ / group(g)) * 8);
     if (q.size() < static_cast<size_t>(g.M * K_)) q.resize(static_cast<size_t>(g.M * K_));
-    if (qf.size() < static_cast<size_t>(2 * g.M * nb)) qf.resize(static_cast<size_t>(2 * g.M * nb));
-    g.q = q.data(), g.qs = qf.data(), g.qc = qf.data() + g.M * nb;
-    if (bs_ == 32) {
-      thread_local std::vector<int32_t> z;
-      thread_local std::vector<float> qv;
-      const size_t lanes = static_cast<size_t>(g.M * (K_ / 64) * 8);
-      if (z.size() < lanes) z.resize(lanes), qv.resize(lanes);
-      g.z = z.data(), g.qv = qv.data();
-    }
+    if (qs.size() < static_cast<size_t>(g.M * nb)) qs.resize(static_cast<size_t>(g.M * nb));
+    if (z.size() < lanes) z.resize(lanes);
+    if (bs_ == 32 && qv.size() < lanes) qv.resize(lanes);
+    g.q = q.data(), g.qs = qs.data(), g.z = z.data(), g.qv = qv.data();
     Ort::KernelContext context(ctx);
     if (g.M >= 16)
       context.ParallelFor(quantize, static_cast<size_t>(g.M), static_cast<size_t>(g.M), &g);

@@ -128,6 +128,17 @@ struct Graph {
   Ort::IoBinding binding[2] = {Ort::IoBinding{nullptr}, Ort::IoBinding{nullptr}};
 };
 
+// "a,b,,c" -> {"a", "b", "c"}
+inline std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= s.size();) {
+    const size_t comma = std::min(s.find(',', at), s.size());
+    if (comma > at) out.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
 // Check a graph's inputs and outputs against the manifest before anything runs, so a mismatch names the tensor.
 void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<int64_t>>& shapes);
 
@@ -157,13 +168,7 @@ struct Session::Impl {
     for (const auto& e : manifest.state)
       if (e.shared) kv = true, kv_float = kv_float && e.dtype == "float32";
     std::string ops, skipped;
-    size_t start = 0;
-    const std::string& all = options.kernel_ops;
-    while (start <= all.size()) {
-      const size_t end = std::min(all.find(',', start), all.size());
-      const std::string op = all.substr(start, end - start);
-      start = end + 1;
-      if (op.empty()) continue;
+    for (const std::string& op : detail::split_commas(options.kernel_ops)) {
       bool take = false;
       if (op == "GroupQueryAttention")
         take = kv && kv_float;
@@ -250,12 +255,8 @@ struct Session::Impl {
     // load with them loads with ONNX Runtime's
     const std::string ops = options.kernels_library.empty() ? "" : &g == &step ? kernel_ops(options) : kernels;
     // all of them, else one at a time (the first that loads), else none: as Python's OnnxRuntimeSession
-    std::vector<std::string> attempts;
-    if (!ops.empty()) attempts.push_back(ops);
-    for (size_t at = 0, comma = 0; ops.find(',') != std::string::npos && at <= ops.size(); at = comma + 1) {
-      comma = std::min(ops.find(',', at), ops.size());
-      attempts.push_back(ops.substr(at, comma - at));
-    }
+    std::vector<std::string> attempts = detail::split_commas(ops);
+    if (attempts.size() > 1) attempts.insert(attempts.begin(), ops);
     bool loaded = false;
     for (const std::string& attempt : attempts) {
       Ort::SessionOptions so = make(attempt);

@@ -12,22 +12,11 @@
 // heads, it reads each KV head once for the whole group (Qwen3.5: 4 query heads a KV head) and, in a prefill,
 // for blocks of 16 query tokens; it splits long contexts into slices across the threads (the partial softmaxes
 // merged as flash decoding does).
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
 #include "kernels.h"
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <string>
-#include <vector>
 
 namespace {
 

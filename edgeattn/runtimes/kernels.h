@@ -1,13 +1,21 @@
-// What edgeattn's CPU kernels (attention.cc, matmul.cc: one custom-op library) share: a vector sum and the node
-// attributes read with a fallback where the node does not set them.
+// What edgeattn's CPU kernels (attention.cc, matmul.cc: one custom-op library) share: ONNX Runtime's custom-op
+// headers (the API initialized by RegisterCustomOps), a vector sum, and node attributes read with a fallback where
+// the node does not set them.
 #pragma once
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
-
-#include "onnxruntime_cxx_api.h"
+#include <vector>
 
 namespace edgeattn_kernels {
 

@@ -12,20 +12,7 @@
 // ONNX Runtime stores it (no packed copy) straight from memory, prefetched ahead of the loads: a token's decode
 // reads every weight once and is bound by memory, which is where ONNX Runtime's AVX2 kernel fell short
 // (benchmarks/RESULTS.md, issue 39).
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
 #include "kernels.h"
-
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
 
 namespace {
 
@@ -36,7 +23,6 @@ using Ort::Custom::Tensor;
 constexpr int64_t kAhead = 6144;  // bytes of B prefetched ahead of the loads (measured: 2048-16384 within 5%)
 constexpr int64_t kCols = 64;     // columns a task
 constexpr int TR = 4, TC = 2;     // rows x columns a tile where A has more than one row (measured: 4x2 and 4x3 best)
-
 
 // The integer dot products of 64 weights (one 32-byte load: lo holds elements 0, 2, .., 62, hi 1, 3, .., 63)
 // with 64 activations stored evens first: acc += lo . a_even + hi . a_odd, in int32 lanes.

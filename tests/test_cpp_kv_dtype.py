@@ -12,8 +12,10 @@ The C++ build is tests/artifact_fixture's (shared with tests/test_cpp.py).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -294,11 +296,11 @@ def test_cpp_runs_edgeattns_kernels_as_python_does(generate, art, tmp_path, kern
 
 
 def test_cpp_kernels_on_int4(generate, root, tmp_path, kernels_library, monkeypatch):
-    """int4 exports (MatMulNBits) with ``--kernels``. A Linear Transformer 128 wide (every K a multiple of 64,
-    blocks of 128): edgeattn's MatMulNBits kernel, the same greedy tokens and logits as Python's session on it
-    (``EDGEATTN_MATMUL=edgeattn``: on any CPU). The tiny Qwen3.5 (96-wide attention output): a form the
-    MatMulNBits kernel refuses, so the session loads with the attention kernel alone and says why. A library that
-    is not there: one error line."""
+    """int4 exports (MatMulNBits) with ``--kernels LIB --kernel-ops GroupQueryAttention,MatMulNBits``. A Linear
+    Transformer 128 wide (every K a multiple of 64, blocks of 128): edgeattn's MatMulNBits kernel, the same
+    greedy tokens and logits as Python's session on it (``EDGEATTN_MATMUL=edgeattn``: on any CPU). The tiny
+    Qwen3.5 (96-wide attention output): a form the MatMulNBits kernel refuses, so the session loads with the
+    attention kernel alone and says why. A library that is not there: one error line."""
     from edgeattn.export import export_model
     from tests.export_helpers import make_checkpoint
 
@@ -306,7 +308,8 @@ def test_cpp_kernels_on_int4(generate, root, tmp_path, kernels_library, monkeypa
     art = export_model(ckpt, tmp_path / "int4", precision="int4", prefill_chunk=PREFILL)
     prompt = [t % 256 for t in PROMPT]  # its vocabulary: bytes
     logits_file = tmp_path / "logits.npy"
-    res = run_ids(generate, art, prompt, "-n", N, "--dump-logits", logits_file, "--kernels", kernels_library)
+    ops = ("--kernels", kernels_library, "--kernel-ops", "GroupQueryAttention,MatMulNBits")
+    res = run_ids(generate, art, prompt, "-n", N, "--dump-logits", logits_file, *ops)
     assert res.report["kernels"] == "MatMulNBits", res.stderr
     monkeypatch.setenv("EDGEATTN_MATMUL", "edgeattn")
     sess = open_session(art, threads=1)
@@ -315,10 +318,94 @@ def test_cpp_kernels_on_int4(generate, root, tmp_path, kernels_library, monkeypa
     assert res.tokens == tokens
     assert rel_err(np.load(logits_file), rows) <= 1e-5
     qwen = export(root, "float32", precision="int4")
-    res = run_ids(generate, qwen, PROMPT, "-n", 4, "--kernels", kernels_library)
+    res = run_ids(generate, qwen, PROMPT, "-n", 4, *ops)
     assert res.report["kernels"] == "GroupQueryAttention"
     assert "did not load with GroupQueryAttention,MatMulNBits" in res.stderr
     assert "edgeattn MatMulNBits: unsupported: K not a multiple of block_size" in res.stderr
     bad = run_ids(generate, art, prompt, "--kernels", tmp_path / "nothing.so", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
     assert "cannot load the kernels library" in bad.stderr
+    for args, why in (
+        (
+            ("--kernels", kernels_library, "--kernel-ops", "MatMul"),
+            "kernel_ops: no edgeattn kernel for MatMul",
+        ),
+        (("--kernel-ops", "MatMulNBits"), "--kernel-ops needs --kernels LIB"),
+    ):
+        bad = run_ids(generate, art, prompt, *args, check=False)
+        assert bad.returncode in (1, 2) and why in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 or "usage:" in bad.stderr, bad.stderr
+
+
+CHOOSE = r"""
+import json, sys
+from edgeattn.runtimes import open_session
+print(json.dumps(open_session(sys.argv[1], threads=1).matmul))
+"""
+
+
+def test_cpp_chooses_the_matmul_kernel_as_python_does(generate, tmp_path, kernels_library, monkeypatch):
+    """Without --kernel-ops the C++ runtime makes Python's choice (``kernels_for_session``): edgeattn's
+    MatMulNBits where the CPU has AVX2 and FMA but not AVX-512, and only over blocks of 64 and more (the library
+    refuses blocks of 32 then, and the session loads without it). Checked on this CPU as it is and, where
+    ``edgeattn.bench.cpu_as`` can narrow it, as an AVX2 CPU: both runtimes in processes that see the same CPUID."""
+    from edgeattn.bench import cpu_as
+    from edgeattn.export import export_model
+    from tests.export_helpers import make_checkpoint
+
+    monkeypatch.delenv("EDGEATTN_MATMUL", raising=False)
+    ckpt = make_checkpoint(tmp_path / "ck", "linear", seed=0, d_model=128, mlp_ratio=3.0)
+    arts = {
+        bs: export_model(
+            ckpt,
+            tmp_path / f"int4-{bs}",
+            precision="int4",
+            prefill_chunk=PREFILL,
+            quantization={"block_size": bs},
+        )
+        for bs in (128, 32)
+    }
+    prompt = [t % 256 for t in PROMPT]
+    kinds = [None] + (["avx2"] if cpu_as.unavailable() is None else [])
+    for kind in kinds:
+        env = cpu_as.environ(kind) if kind else dict(os.environ)
+        env.pop("EDGEATTN_MATMUL", None)
+        for bs, art in arts.items():
+            cpp = subprocess.run(
+                [
+                    str(generate),
+                    str(art),
+                    "--prompt-ids",
+                    ",".join(map(str, prompt)),
+                    "-n",
+                    "2",
+                    "--kernels",
+                    str(kernels_library),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert cpp.returncode == 0, cpp.stderr
+            report = json.loads([ln for ln in cpp.stderr.splitlines() if ln.startswith("{")][-1])
+            py = subprocess.run(
+                [sys.executable, "-c", CHOOSE, str(art)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert py.returncode == 0, py.stderr
+            matmul = json.loads(py.stdout.strip().splitlines()[-1])
+            assert (report["kernels"] == "MatMulNBits") == (matmul["kernel"] == "edgeattn"), (
+                kind,
+                bs,
+                cpp.stderr,
+            )
+            if kind == "avx2":  # an AVX2 CPU: the kernel for blocks of 128, not for blocks of 32
+                assert report["kernels"] == ("MatMulNBits" if bs == 128 else ""), cpp.stderr
+                if bs == 32:
+                    assert "blocks of 32" in cpp.stderr and "blocks of 32" in matmul["why"]
+            elif "AVX-512" in matmul.get("why", ""):  # natively on an AVX-512 CPU: ONNX Runtime's on both
+                assert "MatMulNBits: an AVX-512 CPU" in cpp.stderr, cpp.stderr

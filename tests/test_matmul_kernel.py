@@ -69,11 +69,15 @@ def _model(K, N, bs, B, S, *, inputs=3, **attrs) -> bytes:
     return model.SerializeToString()
 
 
-def _session(model: bytes, library=None, threads: int = 2, ops: str = "MatMulNBits"):
+def _session(
+    model: bytes, library=None, threads: int = 2, ops: str = "MatMulNBits", min_block: str | None = None
+):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = threads, 3
     if library is not None:
         so.add_session_config_entry("edgeattn.ops", ops)
+        if min_block is not None:
+            so.add_session_config_entry("edgeattn.matmul.min_block", min_block)
         so.register_custom_ops_library(str(library))
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
@@ -144,6 +148,22 @@ def test_the_library_registers_what_the_session_asks_for(lib):
         _session(model, lib, ops="GroupQueryAttention,MatMulNBits")
     with pytest.raises(Exception, match="no kernel for Softmax"):
         _session(model, lib, ops="MatMulNBits,Softmax")
+    # edgeattn.matmul.min_block 64 (the C++ runtime's choice by CPU): blocks of 32 refuse at load, 64 run on it
+    K, N = 256, 8
+    x = np.random.default_rng(1).standard_normal((1, 3, K)).astype(np.float32)
+    for bs in (32, 64):
+        B, S = _weights(K, N, bs)
+        model = _model(K, N, bs, B, S)
+        if bs == 32:
+            with pytest.raises(Exception, match="blocks of 32 \\(edgeattn.matmul.min_block 64"):
+                _session(model, lib, min_block="64")
+        else:
+            y = _session(model, lib, min_block="64").run(None, {"x": x})[0]
+            ref = _session(model).run(None, {"x": x})[0]
+            assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+        assert _session(model, lib, min_block="32") is not None
+    with pytest.raises(Exception, match="min_block must be 32 or 64, got 16"):
+        _session(model, lib, min_block="16")
 
 
 def test_which_graphs_it_takes(tmp_path):

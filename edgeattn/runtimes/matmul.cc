@@ -302,6 +302,10 @@ void run_cols(void* data, size_t t) {
     cols<256>(g, t);
 }
 
+// MinBlock: the smallest block size the kernel takes (32; 64 where the session's config entry
+// edgeattn.matmul.min_block says so: the runtimes' default choice, since ONNX Runtime's AVX2 kernel prefills
+// blocks of 32 faster, benchmarks/RESULTS.md).
+template <int MinBlock>
 struct MatMulNBits {
   MatMulNBits(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -313,6 +317,10 @@ struct MatMulNBits {
       unsupported = "bits other than 4";
     else if (bs_ != 32 && bs_ != 64 && bs_ != 128 && bs_ != 256)
       unsupported = "block_size other than 32, 64, 128 or 256";
+    else if (bs_ < MinBlock)
+      unsupported = MinBlock == 64 ? "blocks of 32 (edgeattn.matmul.min_block 64: ONNX Runtime's kernel prefills "
+                                     "them faster)"
+                                   : "blocks smaller than edgeattn.matmul.min_block";
     else if (K_ <= 0 || N_ <= 0 || K_ % bs_ != 0 || K_ % 64 != 0)
       unsupported = "K not a multiple of block_size and of 64";
     else if (attr<int64_t>(ki, "accuracy_level", 0) != 4)
@@ -363,6 +371,8 @@ struct MatMulNBits {
 
 }  // namespace
 
-Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits() {
-  return Ort::Custom::CreateLiteCustomOp<MatMulNBits>("MatMulNBits", "CPUExecutionProvider");
+Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits(int min_block) {
+  using Ort::Custom::CreateLiteCustomOp;
+  if (min_block == 64) return CreateLiteCustomOp<MatMulNBits<64>>("MatMulNBits", "CPUExecutionProvider");
+  return CreateLiteCustomOp<MatMulNBits<32>>("MatMulNBits", "CPUExecutionProvider");
 }

@@ -2,10 +2,12 @@
 //
 //   generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //            [--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE.npy] [--no-share-weights]
-//            [--kernels LIB]
+//            [--kernels LIB [--kernel-ops LIST]]
 //
 // --kernels: edgeattn's CPU kernels library (`python -m edgeattn.runtimes.attention` builds it for this CPU and prints
-// its path), registered for the ops this artifact has in the forms it takes (stderr and the JSON line say which).
+// its path), registered for the ops this artifact has in the forms it takes, chosen by the CPU as Python's sessions
+// choose them, or those of --kernel-ops (GroupQueryAttention,MatMulNBits; SessionOptions::kernel_ops) on any CPU
+// (stderr and the JSON line say which).
 //
 // Byte-level artifacts (no "tokenizer" in the manifest): the prompt's bytes are the token ids and each generated
 // token is printed as one byte (vocab <= 256). Artifacts with a Hugging Face tokenizer.json: this example takes and
@@ -42,7 +44,7 @@ namespace {
 
 const char* kUsage =
     "usage: generate ARTIFACT_DIR (--prompt TEXT | --prompt-ids IDS) [-n 200] [--temperature T] [--top-k K] [--top-p P] [--seed S] "
-    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE] [--no-share-weights] [--kernels LIB]";
+    "[--state-in FILE] [--state-out FILE] [--threads N] [--dump-logits FILE] [--no-share-weights] [--kernels LIB [--kernel-ops LIST]]";
 
 bool g_printed = false;  // stdout has text without a final newline
 
@@ -55,10 +57,11 @@ using example::UsageError;
 // The options that take a value (--flag VALUE or --flag=VALUE); any other option is unknown.
 const std::set<std::string> kValueOptions = {"--prompt",      "--prompt-ids", "-n",        "--temperature",
                                              "--top-k",       "--top-p",      "--seed",    "--state-in",
-                                             "--state-out",   "--threads",    "--dump-logits", "--kernels"};
+                                             "--state-out",   "--threads",    "--dump-logits", "--kernels",
+                                             "--kernel-ops"};
 
 struct Args {
-  std::string artifact, prompt, state_in, state_out, dump_logits, kernels;
+  std::string artifact, prompt, state_in, state_out, dump_logits, kernels, kernel_ops;
   bool has_prompt = false;
   std::vector<int64_t> prompt_ids;  // --prompt-ids
   int64_t n = 200;
@@ -122,8 +125,10 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--threads") a.threads = parse_number<int>(flag, value);
     else if (flag == "--dump-logits") a.dump_logits = value;
     else if (flag == "--kernels") a.kernels = value;
+    else if (flag == "--kernel-ops") a.kernel_ops = value;
   }
   if (a.artifact.empty()) throw UsageError("missing ARTIFACT_DIR");
+  if (!a.kernel_ops.empty() && a.kernels.empty()) throw UsageError("--kernel-ops needs --kernels LIB");
   if (a.has_prompt && !a.prompt_ids.empty()) throw UsageError("give --prompt or --prompt-ids, not both");
   if ((!a.has_prompt || a.prompt.empty()) && a.prompt_ids.empty())
     throw UsageError("--prompt TEXT or --prompt-ids IDS is required (generation starts from the logits of its last token)");
@@ -193,6 +198,7 @@ int run(const Args& a) {
   options.threads = a.threads;
   options.share_weights = a.share_weights;
   options.kernels_library = a.kernels;
+  options.kernel_ops = a.kernel_ops;
   edgeattn::Session sess(a.artifact, options);
   if (!a.kernels.empty())
     std::fprintf(stderr, "edgeattn's kernels: %s%s%s\n", sess.kernels().empty() ? "none" : sess.kernels().c_str(),

@@ -20,6 +20,10 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "edgeattn/session.hpp"
 
 namespace edgeattn {
@@ -139,6 +143,31 @@ inline std::vector<std::string> split_commas(const std::string& s) {
   return out;
 }
 
+// Why edgeattn's MatMulNBits kernel is not this CPU's choice ("": it is), as Python's
+// edgeattn.runtimes.attention.matmul_chosen: it is where the CPU has AVX2 and FMA but not AVX-512 (ONNX Runtime's
+// AVX-512 kernels prefill faster, benchmarks/RESULTS.md). Read from CPUID and XCR0 (what the OS saves), so a process
+// run through edgeattn.bench.cpu_as sees the narrowed CPU, as Python's does.
+inline std::string matmul_not_chosen() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0, b7 = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return "the CPU lacks AVX2 or FMA";
+  const bool avx = c & bit_AVX, fma = c & bit_FMA;
+  uint64_t xcr0 = 0;
+  if (c & bit_OSXSAVE) {
+    uint32_t lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  if (__get_cpuid_max(0, nullptr) >= 7) __cpuid_count(7, 0, a, b7, c, d);
+  if ((b7 & bit_AVX512F) && (xcr0 & 0xe6) == 0xe6)
+    return "an AVX-512 CPU: ONNX Runtime's AVX-512 kernels prefill faster (name it in kernel_ops to run it anyway)";
+  if (!avx || !fma || !(b7 & bit_AVX2) || (xcr0 & 6) != 6) return "the CPU lacks AVX2 or FMA";
+  return "";
+#else
+  return "not an x86 CPU (the kernel is AVX2 code)";
+#endif
+}
+
 // Check a graph's inputs and outputs against the manifest before anything runs, so a mismatch names the tensor.
 void check_io(const Graph& g, const Manifest& m, const std::vector<std::vector<int64_t>>& shapes);
 
@@ -160,26 +189,38 @@ struct Session::Impl {
   int cur = 0;  // state[cur] holds the current state
   int64_t position = 0;
   std::string kernels, kernels_why;  // Session::kernels(), Session::kernels_why()
+  const char* min_block = "32";       // the library's edgeattn.matmul.min_block
 
   // The ops of options.kernel_ops that this manifest has in the forms edgeattn's kernels take (as Python's
-  // kernels_for_session: GroupQueryAttention over float32 KV buffers only, MatMulNBits in int4 artifacts).
+  // kernels_for_session: GroupQueryAttention over float32 KV buffers only, MatMulNBits in int4 artifacts); an
+  // empty kernel_ops: both where they apply, MatMulNBits only where it is the CPU's choice and with blocks of 64
+  // and more (the library refuses blocks of 32 then), as Python's sessions choose.
   std::string kernel_ops(const SessionOptions& options) {
+    const bool by_cpu = options.kernel_ops.empty();
+    min_block = by_cpu ? "64" : "32";
     bool kv = false, kv_float = true;
     for (const auto& e : manifest.state)
       if (e.shared) kv = true, kv_float = kv_float && e.dtype == "float32";
-    std::string ops, skipped;
-    for (const std::string& op : detail::split_commas(options.kernel_ops)) {
+    std::string ops, skipped, cpu_why;
+    for (const std::string& op :
+         detail::split_commas(by_cpu ? std::string("GroupQueryAttention,MatMulNBits") : options.kernel_ops)) {
       bool take = false;
-      if (op == "GroupQueryAttention")
+      if (op == "GroupQueryAttention") {
         take = kv && kv_float;
-      else if (op == "MatMulNBits")
+      } else if (op == "MatMulNBits") {
         take = manifest.precision == "int4";
-      else
+        if (take && by_cpu && !(cpu_why = detail::matmul_not_chosen()).empty()) {
+          cpu_why = "MatMulNBits: " + cpu_why;
+          continue;
+        }
+      } else {
         throw std::invalid_argument("kernel_ops: no edgeattn kernel for " + op +
                                     " (GroupQueryAttention, MatMulNBits)");
+      }
       (take ? ops : skipped) += (take ? ops : skipped).empty() ? op : "," + op;
     }
     if (!skipped.empty()) kernels_why = skipped + ": not in this artifact in the form the kernels take";
+    if (!cpu_why.empty()) kernels_why += (kernels_why.empty() ? "" : "; ") + cpu_why;
     return ops;
   }
 
@@ -239,8 +280,9 @@ struct Session::Impl {
       so.EnableCpuMemArena();
       so.SetLogSeverityLevel(options.log_level);
       for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
-      if (!ops.empty()) {
+      if (!options.kernels_library.empty()) {  // loaded even for no op, so that a bad path is an error
         so.AddConfigEntry("edgeattn.ops", ops.c_str());
+        so.AddConfigEntry("edgeattn.matmul.min_block", min_block);
         try {
           so.RegisterCustomOpsLibrary(options.kernels_library.c_str());
         } catch (const Ort::Exception& e) {
@@ -267,7 +309,8 @@ struct Session::Impl {
         break;
       } catch (const Ort::Exception& e) {
         if (kernels_why.find(" did not load with ") == std::string::npos)
-          kernels_why = info.path + " did not load with " + attempt + ": " + detail::one_line(e.what());
+          kernels_why += (kernels_why.empty() ? "" : "; ") + info.path + " did not load with " + attempt + ": " +
+                         detail::one_line(e.what());
       }
     }
     if (&g == &step && !loaded) kernels.clear();

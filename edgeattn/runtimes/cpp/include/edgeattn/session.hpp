@@ -145,9 +145,12 @@ struct SessionOptions {
   // edgeattn.runtimes.attention` builds it for this CPU and prints its path). Non-empty: registered on the sessions
   // for the ops of kernel_ops that the manifest has in the forms they take (GroupQueryAttention over float32 KV
   // buffers, MatMulNBits in an int4 artifact); a graph that does not load with it loads without it
-  // (Session::kernels() says which). Empty: ONNX Runtime's kernels.
+  // (Session::kernels() says which, kernels_why() why not). Empty: ONNX Runtime's kernels.
   std::string kernels_library;
-  std::string kernel_ops = "GroupQueryAttention,MatMulNBits";
+  // "" (the default): the choice Python's sessions make, GroupQueryAttention, and MatMulNBits with blocks of 64 and
+  // more where the CPU has AVX2 and FMA but not AVX-512. A comma list (GroupQueryAttention, MatMulNBits): those
+  // ops, on any CPU and block size the kernels take (as EDGEATTN_MATMUL=edgeattn).
+  std::string kernel_ops;
 };
 
 // The ONNX Runtime CPU arena's statistics, summed over the step and prefill sessions. `available` is false when

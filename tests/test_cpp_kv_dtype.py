@@ -346,8 +346,8 @@ print(json.dumps(open_session(sys.argv[1], threads=1).matmul))
 
 def test_cpp_chooses_the_matmul_kernel_as_python_does(generate, tmp_path, kernels_library, monkeypatch):
     """Without --kernel-ops the C++ runtime makes Python's choice (``kernels_for_session``): edgeattn's
-    MatMulNBits where the CPU has AVX2 and FMA but not AVX-512, and only over blocks of 64 and more (the library
-    refuses blocks of 32 then, and the session loads without it). Checked on this CPU as it is and, where
+    MatMulNBits where the CPU has AVX2 and FMA but not AVX-512, in the forms it takes (blocks of 16: the library
+    refuses them at load and the session loads without it). Checked on this CPU as it is and, where
     ``edgeattn.bench.cpu_as`` can narrow it, as an AVX2 CPU: both runtimes in processes that see the same CPUID."""
     from edgeattn.bench import cpu_as
     from edgeattn.export import export_model
@@ -363,7 +363,7 @@ def test_cpp_chooses_the_matmul_kernel_as_python_does(generate, tmp_path, kernel
             prefill_chunk=PREFILL,
             quantization={"block_size": bs},
         )
-        for bs in (128, 32)
+        for bs in (128, 32, 16)
     }
     prompt = [t % 256 for t in PROMPT]
     kinds = [None] + (["avx2"] if cpu_as.unavailable() is None else [])
@@ -403,9 +403,9 @@ def test_cpp_chooses_the_matmul_kernel_as_python_does(generate, tmp_path, kernel
                 bs,
                 cpp.stderr,
             )
-            if kind == "avx2":  # an AVX2 CPU: the kernel for blocks of 128, not for blocks of 32
-                assert report["kernels"] == ("MatMulNBits" if bs == 128 else ""), cpp.stderr
-                if bs == 32:
-                    assert "blocks of 32" in cpp.stderr and "blocks of 32" in matmul["why"]
+            if kind == "avx2":  # an AVX2 CPU: the kernel for blocks of 128 and 32, not for blocks of 16
+                assert report["kernels"] == ("MatMulNBits" if bs != 16 else ""), cpp.stderr
+                if bs == 16:
+                    assert "unsupported: block_size" in cpp.stderr and "block_size 16" in matmul["why"]
             elif "AVX-512" in matmul.get("why", ""):  # natively on an AVX-512 CPU: ONNX Runtime's on both
                 assert "MatMulNBits: an AVX-512 CPU" in cpp.stderr, cpp.stderr

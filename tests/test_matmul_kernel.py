@@ -6,12 +6,19 @@ the exact float product of the dequantized weights; which sessions get it (the C
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from edgeattn._cpu import cpu_flags
+from edgeattn.bench import cpu_as
 from edgeattn.runtimes import attention
 
 # (K, N, block_size, A's leading dims): one token (decode), 2-7 rows (batched decode, speculative checks), a
@@ -69,15 +76,11 @@ def _model(K, N, bs, B, S, *, inputs=3, **attrs) -> bytes:
     return model.SerializeToString()
 
 
-def _session(
-    model: bytes, library=None, threads: int = 2, ops: str = "MatMulNBits", min_block: str | None = None
-):
+def _session(model: bytes, library=None, threads: int = 2, ops: str = "MatMulNBits"):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = threads, 3
     if library is not None:
         so.add_session_config_entry("edgeattn.ops", ops)
-        if min_block is not None:
-            so.add_session_config_entry("edgeattn.matmul.min_block", min_block)
         so.register_custom_ops_library(str(library))
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
@@ -119,6 +122,51 @@ def test_kernel_output_does_not_depend_on_threads(lib):
         assert np.array_equal(one, two)
 
 
+@pytest.mark.skipif(
+    cpu_as.unavailable() is not None
+    or not {"avx512f", "avx512_vnni", "avx_vnni"} & set(cpu_flags(only=None)),
+    reason="natively this CPU already runs the AVX2 build, or edgeattn.bench.cpu_as cannot narrow it",
+)
+def test_the_avx2_build_equals_onnxruntimes_avx2_kernel(lib):
+    """The code an AVX2 CPU (the AMD EPYC of issue 39) builds, vpmaddubsw with no VNNI: the comparisons above
+    rerun in a process whose CPUID shows an AVX2 CPU (edgeattn.bench.cpu_as), where the library is built for
+    AVX2 (no vpdpbusd in it, as there is in this CPU's own build) and ONNX Runtime runs its AVX2 kernels."""
+    env = {**cpu_as.environ("avx2"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    probe = "from edgeattn.runtimes import attention; print(attention.library()[0])"
+    built = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert built.returncode == 0 and built.stdout.strip() != "None", built.stderr[-2000:]
+    avx2 = built.stdout.strip().splitlines()[-1]
+    assert avx2 != str(lib)
+    if shutil.which("objdump"):
+        code = {
+            p: subprocess.run(["objdump", "-d", p], capture_output=True, text=True).stdout
+            for p in (lib, avx2)
+        }
+        assert "vpdpbusd" not in code[avx2] and "vpmaddubsw" in code[avx2]
+        assert "vpdpbusd" in code[lib]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "equals_onnx or threads",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert f"{len(CASES) + 1} passed" in res.stdout, res.stdout[-1000:]
+
+
 @pytest.mark.parametrize(
     "form, why",
     [
@@ -148,22 +196,6 @@ def test_the_library_registers_what_the_session_asks_for(lib):
         _session(model, lib, ops="GroupQueryAttention,MatMulNBits")
     with pytest.raises(Exception, match="no kernel for Softmax"):
         _session(model, lib, ops="MatMulNBits,Softmax")
-    # edgeattn.matmul.min_block 64 (the C++ runtime's choice by CPU): blocks of 32 refuse at load, 64 run on it
-    K, N = 256, 8
-    x = np.random.default_rng(1).standard_normal((1, 3, K)).astype(np.float32)
-    for bs in (32, 64):
-        B, S = _weights(K, N, bs)
-        model = _model(K, N, bs, B, S)
-        if bs == 32:
-            with pytest.raises(Exception, match="blocks of 32 \\(edgeattn.matmul.min_block 64"):
-                _session(model, lib, min_block="64")
-        else:
-            y = _session(model, lib, min_block="64").run(None, {"x": x})[0]
-            ref = _session(model).run(None, {"x": x})[0]
-            assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
-        assert _session(model, lib, min_block="32") is not None
-    with pytest.raises(Exception, match="min_block must be 32 or 64, got 16"):
-        _session(model, lib, min_block="16")
 
 
 def test_which_graphs_it_takes(tmp_path):
@@ -186,11 +218,6 @@ def test_which_graphs_it_takes(tmp_path):
         path.write_bytes(_model(k, N, bs, B, S, **form))
         got = attention.matmul_unsupported(path)
         assert got is None if why is None else why in got, (name, got)
-    # unless asked for, a session does not get it for blocks of 32 (they prefill slower on it)
-    assert "blocks of 32: ONNX Runtime's kernel prefills them faster (EDGEATTN_MATMUL=edgeattn)" in (
-        attention.matmul_unsupported(tmp_path / "b32.onnx", attention.DEFAULT_BLOCK_SIZES)
-    )
-    assert attention.matmul_unsupported(tmp_path / "ok.onnx", attention.DEFAULT_BLOCK_SIZES) is None
     (tmp_path / "none.onnx").write_bytes(
         helper.make_model(
             helper.make_graph(

@@ -434,17 +434,15 @@ struct GroupQueryAttention {
 };
 
 std::mutex lock;
-std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gqa, matmul[2];  // matmul[1]: blocks of 64 and more
-// by the ops they hold: 1 GroupQueryAttention, 2 MatMulNBits, 4 MatMulNBits of blocks of 64 and more only
-std::unique_ptr<Ort::CustomOpDomain> domains[8];
+std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gqa, matmul;
+std::unique_ptr<Ort::CustomOpDomain> domains[4];  // by the ops they hold: 1 GroupQueryAttention, 2 MatMulNBits
 
 }  // namespace
 
-Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits(int min_block);  // matmul.cc
+Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits();  // matmul.cc
 
 // The ops a session gets: its config entry "edgeattn.ops" (comma-separated GroupQueryAttention, MatMulNBits),
-// GroupQueryAttention alone without it. "edgeattn.matmul.min_block" 64: MatMulNBits refuses blocks of 32 at load
-// (32, the default: it takes them).
+// GroupQueryAttention alone without it.
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   try {
@@ -465,15 +463,6 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       start = end + 1;
     }
     if (want == 0) return nullptr;
-    if (so.HasConfigEntry("edgeattn.matmul.min_block")) {
-      const std::string min_block = so.GetConfigEntry("edgeattn.matmul.min_block");
-      if (min_block == "64")
-        want |= (want & 2) ? 4 : 0;
-      else if (min_block != "32")
-        return Ort::Status(("edgeattn kernels: edgeattn.matmul.min_block must be 32 or 64, got " + min_block).c_str(),
-                           ORT_INVALID_ARGUMENT)
-            .release();
-    }
     std::lock_guard<std::mutex> guard(lock);
     if (!domains[want]) {
       auto d = std::make_unique<Ort::CustomOpDomain>("com.microsoft");
@@ -483,9 +472,8 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
         d->Add(gqa.get());
       }
       if (want & 2) {
-        const int wide = (want & 4) ? 1 : 0;
-        if (!matmul[wide]) matmul[wide].reset(edgeattn_matmul_nbits(wide ? 64 : 32));
-        d->Add(matmul[wide].get());
+        if (!matmul) matmul.reset(edgeattn_matmul_nbits());
+        d->Add(matmul.get());
       }
       domains[want] = std::move(d);
     }

@@ -41,9 +41,6 @@ ENV = "EDGEATTN_ATTENTION"
 CHOICES = ("edgeattn", "onnxruntime")
 MATMUL_ENV = "EDGEATTN_MATMUL"
 BLOCK_SIZES = (32, 64, 128, 256)  # the MatMulNBits block sizes matmul.cc takes (K a multiple of 64 too)
-# the ones a session gets it for unless EDGEATTN_MATMUL=edgeattn: with blocks of 32 it prefills slower than
-# ONNX Runtime's AVX2 kernel (0.86x at 256 rows, benchmarks/RESULTS.md), though it decodes faster
-DEFAULT_BLOCK_SIZES = (64, 128, 256)
 
 _lock = threading.Lock()
 _built: dict[str, tuple[Path | None, str]] = {}
@@ -154,9 +151,9 @@ def matmul_chosen() -> tuple[str, str]:
     return "edgeattn", ""
 
 
-def matmul_unsupported(path: Path, blocks: tuple[int, ...] = BLOCK_SIZES) -> str | None:
+def matmul_unsupported(path: Path) -> str | None:
     """Why ``matmul.cc`` cannot take a MatMulNBits of the graph at ``path`` (None: it takes every one, and the
-    graph has at least one), with block sizes ``blocks``. Reads the graph without its weights."""
+    graph has at least one). Reads the graph without its weights."""
     import onnx
 
     try:
@@ -171,11 +168,10 @@ def matmul_unsupported(path: Path, blocks: tuple[int, ...] = BLOCK_SIZES) -> str
         bs, k = a.get("block_size", 0), a.get("K", 0)
         if a.get("bits", 4) != 4:
             return f"{n.name}: {a.get('bits')} bits (the kernel takes 4)"
-        if bs not in blocks or k <= 0 or k % bs or k % 64:
-            why = f"{n.name}: block_size {bs} with K {k} (the kernel takes {blocks} dividing K, K of 64s)"
-            if bs in BLOCK_SIZES and bs not in blocks and k % bs == 0 and k % 64 == 0:
-                why = f"{n.name}: blocks of {bs}: ONNX Runtime's kernel prefills them faster ({MATMUL_ENV}=edgeattn)"
-            return why
+        if bs not in BLOCK_SIZES or k <= 0 or k % bs or k % 64:
+            return (
+                f"{n.name}: block_size {bs} with K {k} (the kernel takes {BLOCK_SIZES} dividing K, K of 64s)"
+            )
         if a.get("accuracy_level", 0) != 4:
             return (
                 f"{n.name}: accuracy_level {a.get('accuracy_level', 0)} (the kernel quantizes activations: 4)"
@@ -197,8 +193,7 @@ def kernels_for_session(manifest, device: str, graphs) -> tuple[Path | None, dic
     elif kind == "edgeattn" and device != "cpu":
         kind, why = "onnxruntime", f"runs on {device}"
     if kind == "edgeattn":
-        blocks = BLOCK_SIZES if why else DEFAULT_BLOCK_SIZES  # why: $EDGEATTN_MATMUL asked for it
-        why = next((w for w in (matmul_unsupported(p, blocks) for p in dict.fromkeys(graphs)) if w), "")
+        why = next((w for w in (matmul_unsupported(p) for p in dict.fromkeys(graphs)) if w), "")
         kind = "onnxruntime" if why else kind
     if kind == "edgeattn" and lib is None:  # the library for MatMulNBits alone (built once either way)
         lib, why = library()

@@ -65,8 +65,11 @@ struct Args {
   float* qs;  // per block and row ([nb][M]): the activations' scale
   // per row and group of max(bs, 64) activations (a block, or 64 holding two blocks of 32), 8 lanes: the
   // nibbles' offset as integer sums (8 x the activations each int32 lane of the group's dot products covers),
-  // taken from a dot product before it is scaled; with blocks of 32 also the two blocks' scales, 4 lanes each
+  // taken from a dot product before it is scaled
   int32_t* z;
+  // with blocks of 32, per row and 64 activations (two blocks), 16 floats: the two blocks' scales, 4 lanes each,
+  // then the offset's sums scaled by them (z x scale), so that a dot product d adds (d scale - z scale) x the
+  // weights' scale in two fused multiply-adds
   float* qv;
 };
 
@@ -120,7 +123,9 @@ void quantize(void* data, size_t m) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.z + i), z);
     if (g.bs == 32) {
       const int64_t b = u0 / 32;
-      _mm256_storeu_ps(g.qv + i, _mm256_set_m128(_mm_set1_ps(g.qs[(b + 1) * g.M + m]), _mm_set1_ps(g.qs[b * g.M + m])));
+      const __m256 qv = _mm256_set_m128(_mm_set1_ps(g.qs[(b + 1) * g.M + m]), _mm_set1_ps(g.qs[b * g.M + m]));
+      _mm256_storeu_ps(g.qv + 2 * i, qv);
+      _mm256_storeu_ps(g.qv + 2 * i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(z), qv));
     }
   }
 }
@@ -143,17 +148,15 @@ void row_cols(const Args& g, int64_t m, int64_t n) {
   if constexpr (BS == 32) {  // a 32-byte load holds two blocks: int32 lanes 0-3 the first, 4-7 the second
     for (int64_t u = 0; u < g.K; u += 64) {
       const int64_t b = u / 32, i = (m * (g.K / 64) + u / 64) * 8;
-      const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + i));
-      const __m256 qv = _mm256_loadu_ps(g.qv + i);
+      const __m256 qv = _mm256_loadu_ps(g.qv + 2 * i), zf = _mm256_loadu_ps(g.qv + 2 * i + 8);
       for (int c = 0; c < C; ++c) {
         const uint8_t* w = w0 + c * col + u / 2;
         _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
         __m256i lo, hi;
         split(w, lo, hi);
-        const __m256i d = _mm256_sub_epi32(dot(lo, hi, q + u), z);  // the nibbles less 8, exactly
+        const __m256 d = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot(lo, hi, q + u)), qv, zf);  // the nibbles less 8
         const float* sc = g.s + (n + c) * g.nb + b;
-        const __m256 f = _mm256_mul_ps(_mm256_set_m128(_mm_broadcast_ss(sc + 1), _mm_broadcast_ss(sc)), qv);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[c]);
+        acc[c] = _mm256_fmadd_ps(d, _mm256_set_m128(_mm_broadcast_ss(sc + 1), _mm_broadcast_ss(sc)), acc[c]);
       }
     }
   } else {
@@ -219,11 +222,10 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
       for (int r = 0; r < R; ++r) {
         const int8_t* q = g.q + (m + r) * g.K + u;
         const int64_t i = ((m + r) * (g.K / 64) + u / 64) * 8;
-        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + i));
-        const __m256 qv = _mm256_loadu_ps(g.qv + i);
+        const __m256 qv = _mm256_loadu_ps(g.qv + 2 * i), zf = _mm256_loadu_ps(g.qv + 2 * i + 8);
         for (int c = 0; c < C; ++c) {
-          const __m256i d = _mm256_sub_epi32(dot(lo[c], hi[c], q), z);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv[c], qv), acc[r][c]);
+          const __m256 d = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot(lo[c], hi[c], q)), qv, zf);
+          acc[r][c] = _mm256_fmadd_ps(d, sv[c], acc[r][c]);
         }
       }
     }
@@ -244,15 +246,20 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
 #ifdef EDGEATTN_VNNI
         for (int c = 0; c < C; ++c) d[r][c] = dot64(d[r][c], lo[c], hi[c], q);
 #else
+        // int16 sums over up to 256 weights (4 x 2 x 3810 fits), widened once a block of up to 256
         const __m256i ae = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
         const __m256i ao = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
-        for (int c = 0; c < C; ++c)
-          d[r][c] = _mm256_add_epi32(d[r][c], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[c], ae),
-                                                                                 _mm256_maddubs_epi16(hi[c], ao)),
-                                                                _mm256_set1_epi16(1)));
+        for (int c = 0; c < C; ++c) {
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], ae), _mm256_maddubs_epi16(hi[c], ao));
+          d[r][c] = u == 0 ? t : _mm256_add_epi16(d[r][c], t);
+        }
 #endif
       }
     }
+#ifndef EDGEATTN_VNNI
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) d[r][c] = _mm256_madd_epi16(d[r][c], _mm256_set1_epi16(1));
+#endif
     const float* qs = g.qs + b * g.M + m;
     for (int r = 0; r < R; ++r) {
       const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.z + ((m + r) * g.nb + b) * 8));
@@ -278,15 +285,16 @@ void cols(const Args& g, size_t t) {
     for (; n < n1; ++n) row_cols<BS, 1>(g, 0, n);
     return;
   }
-  for (; n + TC <= n1; n += TC) {
-    int64_t m = 0;
-    for (; m + TR <= g.M; m += TR) rows_cols<BS, TR, TC>(g, m, n);
-    for (; m < g.M; ++m) rows_cols<BS, 1, TC>(g, m, n);
+  // rows outer: a tile's rows of A stay in L1 across the task's columns, whose weights stay in L2
+  const int64_t pairs = n0 + (n1 - n0) / TC * TC;
+  int64_t m = 0;
+  for (; m + TR <= g.M; m += TR) {
+    for (n = n0; n < pairs; n += TC) rows_cols<BS, TR, TC>(g, m, n);
+    for (; n < n1; ++n) rows_cols<BS, TR, 1>(g, m, n);
   }
-  for (; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= g.M; m += 4) rows_cols<BS, 4, 1>(g, m, n);
-    for (; m < g.M; ++m) rows_cols<BS, 1, 1>(g, m, n);
+  for (; m < g.M; ++m) {
+    for (n = n0; n < pairs; n += TC) rows_cols<BS, 1, TC>(g, m, n);
+    for (; n < n1; ++n) rows_cols<BS, 1, 1>(g, m, n);
   }
 }
 
@@ -302,10 +310,6 @@ void run_cols(void* data, size_t t) {
     cols<256>(g, t);
 }
 
-// MinBlock: the smallest block size the kernel takes (32; 64 where the session's config entry
-// edgeattn.matmul.min_block says so: the runtimes' default choice, since ONNX Runtime's AVX2 kernel prefills
-// blocks of 32 faster, benchmarks/RESULTS.md).
-template <int MinBlock>
 struct MatMulNBits {
   MatMulNBits(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -317,10 +321,6 @@ struct MatMulNBits {
       unsupported = "bits other than 4";
     else if (bs_ != 32 && bs_ != 64 && bs_ != 128 && bs_ != 256)
       unsupported = "block_size other than 32, 64, 128 or 256";
-    else if (bs_ < MinBlock)
-      unsupported = MinBlock == 64 ? "blocks of 32 (edgeattn.matmul.min_block 64: ONNX Runtime's kernel prefills "
-                                     "them faster)"
-                                   : "blocks smaller than edgeattn.matmul.min_block";
     else if (K_ <= 0 || N_ <= 0 || K_ % bs_ != 0 || K_ % 64 != 0)
       unsupported = "K not a multiple of block_size and of 64";
     else if (attr<int64_t>(ki, "accuracy_level", 0) != 4)
@@ -354,7 +354,7 @@ struct MatMulNBits {
     if (q.size() < static_cast<size_t>(g.M * K_)) q.resize(static_cast<size_t>(g.M * K_));
     if (qs.size() < static_cast<size_t>(g.M * nb)) qs.resize(static_cast<size_t>(g.M * nb));
     if (z.size() < lanes) z.resize(lanes);
-    if (bs_ == 32 && qv.size() < lanes) qv.resize(lanes);
+    if (bs_ == 32 && qv.size() < 2 * lanes) qv.resize(2 * lanes);
     g.q = q.data(), g.qs = qs.data(), g.z = z.data(), g.qv = qv.data();
     Ort::KernelContext context(ctx);
     if (g.M >= 16)
@@ -371,8 +371,6 @@ struct MatMulNBits {
 
 }  // namespace
 
-Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits(int min_block) {
-  using Ort::Custom::CreateLiteCustomOp;
-  if (min_block == 64) return CreateLiteCustomOp<MatMulNBits<64>>("MatMulNBits", "CPUExecutionProvider");
-  return CreateLiteCustomOp<MatMulNBits<32>>("MatMulNBits", "CPUExecutionProvider");
+Ort::Custom::OrtLiteCustomOp* edgeattn_matmul_nbits() {
+  return Ort::Custom::CreateLiteCustomOp<MatMulNBits>("MatMulNBits", "CPUExecutionProvider");
 }

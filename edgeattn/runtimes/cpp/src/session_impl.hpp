@@ -189,15 +189,13 @@ struct Session::Impl {
   int cur = 0;  // state[cur] holds the current state
   int64_t position = 0;
   std::string kernels, kernels_why;  // Session::kernels(), Session::kernels_why()
-  const char* min_block = "32";       // the library's edgeattn.matmul.min_block
 
   // The ops of options.kernel_ops that this manifest has in the forms edgeattn's kernels take (as Python's
   // kernels_for_session: GroupQueryAttention over float32 KV buffers only, MatMulNBits in int4 artifacts); an
-  // empty kernel_ops: both where they apply, MatMulNBits only where it is the CPU's choice and with blocks of 64
-  // and more (the library refuses blocks of 32 then), as Python's sessions choose.
+  // empty kernel_ops: both where they apply, MatMulNBits only where it is the CPU's choice, as Python's sessions
+  // choose (a form the library does not take refuses at load: the graph loads without it).
   std::string kernel_ops(const SessionOptions& options) {
     const bool by_cpu = options.kernel_ops.empty();
-    min_block = by_cpu ? "64" : "32";
     bool kv = false, kv_float = true;
     for (const auto& e : manifest.state)
       if (e.shared) kv = true, kv_float = kv_float && e.dtype == "float32";
@@ -282,7 +280,6 @@ struct Session::Impl {
       for (const auto& [name, value] : weights) so.AddInitializer(name.c_str(), value);
       if (!options.kernels_library.empty()) {  // loaded even for no op, so that a bad path is an error
         so.AddConfigEntry("edgeattn.ops", ops.c_str());
-        so.AddConfigEntry("edgeattn.matmul.min_block", min_block);
         try {
           so.RegisterCustomOpsLibrary(options.kernels_library.c_str());
         } catch (const Ort::Exception& e) {

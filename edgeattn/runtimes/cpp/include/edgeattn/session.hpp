@@ -147,9 +147,9 @@ struct SessionOptions {
   // buffers, MatMulNBits in an int4 artifact); a graph that does not load with it loads without it
   // (Session::kernels() says which, kernels_why() why not). Empty: ONNX Runtime's kernels.
   std::string kernels_library;
-  // "" (the default): the choice Python's sessions make, GroupQueryAttention, and MatMulNBits with blocks of 64 and
-  // more where the CPU has AVX2 and FMA but not AVX-512. A comma list (GroupQueryAttention, MatMulNBits): those
-  // ops, on any CPU and block size the kernels take (as EDGEATTN_MATMUL=edgeattn).
+  // "" (the default): the choice Python's sessions make, GroupQueryAttention, and MatMulNBits where the CPU has AVX2
+  // and FMA but not AVX-512. A comma list (GroupQueryAttention, MatMulNBits): those ops on any CPU (as
+  // EDGEATTN_MATMUL=edgeattn).
   std::string kernel_ops;
 };
 

@@ -8,10 +8,10 @@
 // byte j, 2j+1 in the high one; the value is nibble - 8) times one float scale per block. Like ONNX Runtime's
 // accuracy level 4 it quantizes each row of A to int8 per block (scale = max |a| / 127, rounded to nearest) and
 // sums products of integers: nibble x int8 with vpmaddubsw (vpdpbusd where the CPU has VNNI), the -8 taken out
-// of each block's integer sums through the quantized activations' sums (exactly, before scaling). It reads B as
-// ONNX Runtime stores it (no packed copy) straight from memory, prefetched ahead of the loads: a token's decode
-// reads every weight once and is bound by memory, which is where ONNX Runtime's AVX2 kernel fell short
-// (benchmarks/RESULTS.md, issue 39).
+// of each block's integer sums through the quantized activations' sums (exactly, before scaling; with blocks of 32
+// in the fused multiply-subtract that scales them). It reads B as ONNX Runtime stores it (no packed copy)
+// straight from memory, prefetched ahead of the loads: a token's decode reads every weight once and is bound by
+// memory, which is where ONNX Runtime's AVX2 kernel fell short (benchmarks/RESULTS.md, issue 39).
 #include "kernels.h"
 
 namespace {
@@ -22,7 +22,7 @@ using Ort::Custom::Tensor;
 
 constexpr int64_t kAhead = 6144;  // bytes of B prefetched ahead of the loads (measured: 2048-16384 within 5%)
 constexpr int64_t kCols = 64;     // columns a task
-constexpr int TR = 4, TC = 2;     // rows x columns a tile where A has more than one row (measured: 4x2 and 4x3 best)
+constexpr int TR = 4, TC = 2;     // rows x columns a tile where A has more than one row (measured: 4x2, 4x3 and 6x2 best)
 
 // The integer dot products of 64 weights (one 32-byte load: lo holds elements 0, 2, .., 62, hi 1, 3, .., 63)
 // with 64 activations stored evens first: acc += lo . a_even + hi . a_odd, in int32 lanes.

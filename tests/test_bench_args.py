@@ -41,7 +41,10 @@ def test_every_benchmark_parses_with_the_one_line_parser():
         ),
         (["attention_kernel.py", "--op", "softmax"], "error: argument --op: invalid choice: 'softmax'"),
         (["matmul_op.py", "--shapes", "1024x7x2"], "error: --shapes takes KxN,..."),
-        (["matmul_op.py", "--shapes", "96x64", "--blocks", "64"], "error: 96x64 with blocks of 64: the kernel"),
+        (
+            ["matmul_op.py", "--shapes", "96x64", "--blocks", "64"],
+            "error: 96x64 with blocks of 64: the kernel",
+        ),
         (["matmul_op.py", "--rows", "0"], "error: --repeats, --threads and --rows must be >= 1"),
         # a checkpoint option given something else: named, and the kind it is
         (

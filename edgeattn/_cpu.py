@@ -109,8 +109,9 @@ ISA_FLAGS = (
 
 def cpu_flags(path: str = "/proc/cpuinfo", only: tuple[str, ...] | None = ISA_FLAGS) -> list[str]:
     """The CPU's ISA_FLAGS (all its flags with ``only=None``) that the kernel reports (x86 ``flags``, ARM
-    ``Features``), in ISA_FLAGS' (the kernel's) order; under ``cpu_as`` less what it hides."""
-    hidden = HIDDEN.get(cpu_as(), frozenset())
+    ``Features``), in ISA_FLAGS' (the kernel's) order; under ``cpu_as`` less what it hides (this CPU's own
+    /proc/cpuinfo only: another file describes another CPU)."""
+    hidden = HIDDEN.get(cpu_as(), frozenset()) if path == "/proc/cpuinfo" else frozenset()
     try:
         with open(path) as f:
             for line in f:

@@ -26,6 +26,7 @@ import pytest
 from edgeattn.bench import cpu_as, machine
 from edgeattn.export.check import default_text, run_logits
 from edgeattn.export.exporter import export_model
+from edgeattn.export.precision import S8_SATURATES
 from edgeattn.runtimes import open_session
 from tests.export_helpers import PREFILL, make_checkpoint
 
@@ -250,9 +251,15 @@ def test_cli_check_names_the_cpu_and_export_takes_int8_weights(tmp_path):
     import onnx
 
     assert int8_weights(onnx.load(str(tmp_path / "a" / "step.onnx"), load_external_data=False).graph) == "s8"
-    r = CliRunner().invoke(app, ["check", str(tmp_path / "a"), "--tokens", "40"], terminal_width=200)
+    # on a CPU kind whose int8 kernel saturates with signed weights (AVX2, AVX-512 without VNNI) the s8 artifact
+    # is further from PyTorch than check's default 0.3 accepts: the report says why (the tolerance lets it pass)
+    saturates = machine.cpu_kind() in S8_SATURATES
+    cmd = ["check", str(tmp_path / "a"), "--tokens", "40", *(["--tolerance", "5"] if saturates else [])]
+    r = CliRunner().invoke(app, cmd, terminal_width=200)
     assert r.exit_code == 0, r.output
-    assert f"({machine.cpu_kind()})" in " ".join(r.output.split())
+    out = " ".join(r.output.split())
+    assert f"({machine.cpu_kind()})" in out
+    assert ("ONNX Runtime multiplies them with 16-bit saturating sums" in out) == saturates, out
     r = CliRunner().invoke(app, ["export", str(ckpt), "--out", str(tmp_path / "b"), "--int8-weights", "s4"])
     assert r.exit_code == 2 and "s4" in r.output and not (tmp_path / "b").exists()
 

@@ -237,16 +237,19 @@ def test_the_cpus_kind_chooses_and_the_environment_overrides(monkeypatch):
     import edgeattn._cpu as cpu
 
     monkeypatch.delenv(attention.MATMUL_ENV, raising=False)
-    flags = {
-        "avx2": ["sse4_2", "avx2", "fma"],
-        "avx512": ["avx2", "fma", "avx512f", "avx512bw"],
-        "old": ["sse4_2"],
+    vnni512 = ["avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512_vnni"]
+    flags = {  # kind: (flags, the kernel, why not)
+        "avx2": (["sse4_2", "avx2", "fma"], "edgeattn", ""),
+        "avx-vnni": (["avx2", "fma", "avx_vnni"], "edgeattn", ""),
+        "avx512-vnni": (vnni512, "edgeattn", ""),
+        "avx512": (["avx2", "fma", "avx512f", "avx512bw"], "onnxruntime", "AVX-512 without VNNI: not raced"),
+        "amx": ([*vnni512, "amx_tile", "amx_int8"], "onnxruntime", "an AMX CPU: not raced"),
+        "old": (["sse4_2"], "onnxruntime", "the CPU lacks AVX2 or FMA"),
     }
-    for kind, have in flags.items():
+    for kind, (have, want, why_not) in flags.items():
         monkeypatch.setattr(cpu, "cpu_flags", lambda path="/proc/cpuinfo", only=None, have=have: have)
         got, why = attention.matmul_chosen()
-        assert got == ("edgeattn" if kind == "avx2" else "onnxruntime"), (kind, why)
-        assert (why == "") == (kind == "avx2")
+        assert got == want and why.startswith(why_not) and (why == "") == (want == "edgeattn"), (kind, why)
     monkeypatch.setenv(attention.MATMUL_ENV, "edgeattn")
     assert attention.matmul_chosen() == ("edgeattn", "EDGEATTN_MATMUL=edgeattn")  # the AVX-512 CPU above too
     monkeypatch.setenv(attention.MATMUL_ENV, "OnnxRuntime")

@@ -17,8 +17,9 @@ headers, a session runs ONNX Runtime's own kernel and says why (``OnnxRuntimeSes
 The same library holds a kernel for ``com.microsoft.MatMulNBits`` (``matmul.cc``) in the form edgeattn's int4
 exports take (4 bits, symmetric, blocks of 32-256, accuracy level 4): it reads the weights as ONNX Runtime
 stores them, prefetched, where ONNX Runtime's AVX2 kernel decodes a token at about half the memory's read
-rate. A session registers it where the CPU has AVX2 but not AVX-512 (there ONNX Runtime's own AVX-512 kernels
-prefill faster, benchmarks/RESULTS.md) and every MatMulNBits of its graphs has that form;
+rate; on AVX-512 VNNI CPUs its prefill tiles hold two columns a 512-bit register. A session registers it where
+every MatMulNBits of its graphs has that form and the CPU is of a kind it was raced on and won (AVX2 and FMA,
+AVX-VNNI, AVX-512 VNNI; not AMX CPUs or AVX-512 without VNNI, benchmarks/RESULTS.md);
 ``EDGEATTN_MATMUL=edgeattn`` or ``onnxruntime`` overrides the CPU's choice. The session config entry
 ``edgeattn.ops`` tells the library which of its kernels a session registers.
 """
@@ -131,8 +132,10 @@ def for_session(manifest, device: str) -> tuple[Path | None, str]:
 
 
 def matmul_chosen() -> tuple[str, str]:
-    """(kernel, why) for MatMulNBits: ``$EDGEATTN_MATMUL`` (edgeattn or onnxruntime), else edgeattn's where the
-    CPU has AVX2 without AVX-512 and ONNX Runtime's elsewhere."""
+    """(kernel, why) for MatMulNBits: ``$EDGEATTN_MATMUL`` (edgeattn or onnxruntime), else edgeattn's on the CPU
+    kinds it was raced against ONNX Runtime's on and won (AVX2 and FMA without AVX-512, with AVX-VNNI, or with
+    AVX-512 VNNI: benchmarks/RESULTS.md), ONNX Runtime's elsewhere (AMX CPUs and AVX-512 without VNNI: not
+    raced there)."""
     from edgeattn._cpu import cpu_flags
 
     value = os.environ.get(MATMUL_ENV, "").strip().lower()
@@ -141,13 +144,18 @@ def matmul_chosen() -> tuple[str, str]:
             raise ValueError(f"{MATMUL_ENV} must be one of {', '.join(CHOICES)}, got {value!r}")
         return value, f"{MATMUL_ENV}={value}"
     have = set(cpu_flags(only=None))
-    if "avx512f" in have:
-        return (
-            "onnxruntime",
-            "an AVX-512 CPU: ONNX Runtime's AVX-512 kernels prefill faster (EDGEATTN_MATMUL=edgeattn)",
-        )
     if not {"avx2", "fma"} <= have:
         return "onnxruntime", "the CPU lacks AVX2 or FMA"
+    if {"amx_int8", "amx_tile"} & have:
+        return (
+            "onnxruntime",
+            f"an AMX CPU: not raced against ONNX Runtime's kernels there ({MATMUL_ENV}=edgeattn)",
+        )
+    if "avx512f" in have and not {"avx512bw", "avx512dq", "avx512_vnni"} <= have:
+        return (
+            "onnxruntime",
+            f"AVX-512 without VNNI: not raced against ONNX Runtime's kernels there ({MATMUL_ENV}=edgeattn)",
+        )
     return "edgeattn", ""
 
 

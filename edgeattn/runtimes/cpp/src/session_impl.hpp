@@ -144,12 +144,13 @@ inline std::vector<std::string> split_commas(const std::string& s) {
 }
 
 // Why edgeattn's MatMulNBits kernel is not this CPU's choice ("": it is), as Python's
-// edgeattn.runtimes.attention.matmul_chosen: it is where the CPU has AVX2 and FMA but not AVX-512 (ONNX Runtime's
-// AVX-512 kernels prefill faster, benchmarks/RESULTS.md). Read from CPUID and XCR0 (what the OS saves), so a process
-// run through edgeattn.bench.cpu_as sees the narrowed CPU, as Python's does.
+// edgeattn.runtimes.attention.matmul_chosen: it is on the CPU kinds it was raced on and won (AVX2 and FMA without
+// AVX-512, with AVX-VNNI, or with AVX-512 VNNI, BW and DQ), not on AMX CPUs or AVX-512 without VNNI (not raced
+// there). Read from CPUID and XCR0 (what the OS saves), so a process run through edgeattn.bench.cpu_as sees the
+// narrowed CPU, as Python's does.
 inline std::string matmul_not_chosen() {
 #if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c = 0, d = 0, b7 = 0;
+  unsigned a = 0, b = 0, c = 0, d = 0, b7 = 0, c7 = 0, d7 = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return "the CPU lacks AVX2 or FMA";
   const bool avx = c & bit_AVX, fma = c & bit_FMA;
   uint64_t xcr0 = 0;
@@ -158,10 +159,14 @@ inline std::string matmul_not_chosen() {
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
   }
-  if (__get_cpuid_max(0, nullptr) >= 7) __cpuid_count(7, 0, a, b7, c, d);
-  if ((b7 & bit_AVX512F) && (xcr0 & 0xe6) == 0xe6)
-    return "an AVX-512 CPU: ONNX Runtime's AVX-512 kernels prefill faster (name it in kernel_ops to run it anyway)";
+  if (__get_cpuid_max(0, nullptr) >= 7) __cpuid_count(7, 0, a, b7, c7, d7);
   if (!avx || !fma || !(b7 & bit_AVX2) || (xcr0 & 6) != 6) return "the CPU lacks AVX2 or FMA";
+  if (d7 & ((1u << 24) | (1u << 25)))  // AMX-TILE, AMX-INT8
+    return "an AMX CPU: not raced against ONNX Runtime's kernels there (name it in kernel_ops to run it anyway)";
+  const bool avx512 = (b7 & bit_AVX512F) && (xcr0 & 0xe6) == 0xe6;
+  if (avx512 && !((b7 & bit_AVX512BW) && (b7 & bit_AVX512DQ) && (c7 & (1u << 11))))  // AVX512-VNNI
+    return "AVX-512 without VNNI: not raced against ONNX Runtime's kernels there (name it in kernel_ops to run it "
+           "anyway)";
   return "";
 #else
   return "not an x86 CPU (the kernel is AVX2 code)";

@@ -147,9 +147,9 @@ struct SessionOptions {
   // buffers, MatMulNBits in an int4 artifact); a graph that does not load with it loads without it
   // (Session::kernels() says which, kernels_why() why not). Empty: ONNX Runtime's kernels.
   std::string kernels_library;
-  // "" (the default): the choice Python's sessions make, GroupQueryAttention, and MatMulNBits where the CPU has AVX2
-  // and FMA but not AVX-512. A comma list (GroupQueryAttention, MatMulNBits): those ops on any CPU (as
-  // EDGEATTN_MATMUL=edgeattn).
+  // "" (the default): the choice Python's sessions make, GroupQueryAttention, and MatMulNBits on the CPU kinds it
+  // was raced on (AVX2, AVX-VNNI, AVX-512 VNNI; not AMX or AVX-512 without VNNI). A comma list (GroupQueryAttention,
+  // MatMulNBits): those ops on any CPU (as EDGEATTN_MATMUL=edgeattn).
   std::string kernel_ops;
 };
 

@@ -278,6 +278,7 @@ void rows_cols(const Args& g, int64_t m, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define EDGEATTN_ZMM 1
 constexpr int TRZ = 8;  // rows a tile of rows_cols2 (measured: 6 and 8 ahead of 4)
+static_assert(TC == 2, "rows_cols2 takes the tiles' two columns");
 // The prefill form on AVX-512 VNNI: two columns a 512-bit register (column n in lanes 0-7, n + 1 in lanes
 // 8-15), each row's 32 activations broadcast to both halves, so one vpdpbusd serves both columns.
 inline void split2(const uint8_t* w0, const uint8_t* w1, __m512i& lo, __m512i& hi) {

@@ -428,6 +428,12 @@ def disturbance(before: tuple[int, int], after: tuple[int, int], seconds: float)
     return max(0.0, other / hz / max(seconds, 1e-9))
 
 
+def _kernels(runner) -> dict:
+    """Which GroupQueryAttention and MatMulNBits kernels an edgeattn session ran ({} for the peers)."""
+    sess = getattr(runner, "sess", None)
+    return {k: getattr(sess, k) for k in ("attention", "matmul") if hasattr(sess, k)}
+
+
 def _measure(runner, cfg: dict) -> dict:
     """The one-shot worker's measurement: each context, one untimed step, the median of ``steps``, RSS; then
     one prefill of each size in ``cfg["prefill"]`` (an int or a list) and the RSS after the last (its
@@ -435,10 +441,7 @@ def _measure(runner, cfg: dict) -> dict:
     size's. With each figure the disturbance: other processes' CPU in cores while it was timed
     (``disturbance``)."""
     out = {"rss_load": _rss(), "contexts": {}}
-    if hasattr(
-        getattr(runner, "sess", None), "attention"
-    ):  # edgeattn: its GroupQueryAttention, MatMulNBits kernels
-        out["attention"], out["matmul"] = runner.sess.attention, runner.sess.matmul
+    out |= _kernels(runner)
     for c in cfg["contexts"]:
         runner.context(c)
         runner.step(3)  # untimed: first touch after the load
@@ -517,10 +520,7 @@ def serve(cfg: dict) -> None:
         answer({"error": f"load failed: {type(e).__name__}: {e}"})
         return
     ready = {"ready": True, "rss": _rss()}
-    if hasattr(
-        getattr(runner, "sess", None), "attention"
-    ):  # edgeattn: its GroupQueryAttention, MatMulNBits kernels
-        ready["attention"], ready["matmul"] = runner.sess.attention, runner.sess.matmul
+    ready |= _kernels(runner)
     answer(ready)
     token = 0
     while line := sys.stdin.readline():
@@ -774,6 +774,7 @@ def summarize(runs: list[dict]) -> dict:
     out["rss_load_mib"] = statistics.median(r["rss_load"] for r in ok) / MiB
     if all("rss_prefill" in r for r in ok):  # runs logged before this field have none
         out["rss_prefill_mib"] = statistics.median(r["rss_prefill"] for r in ok) / MiB
+    out |= {k: ok[0][k] for k in ("attention", "matmul") if k in ok[0]}  # edgeattn's kernels (_kernels)
     return out
 
 

@@ -32,6 +32,10 @@ def test_peers_quick_measures_edgeattn_and_genai(tmp_path):
         assert set(r["contexts"]) == {"16", "64"}
         assert all(c["ms"] > 0 and c["rss_mib"] > 10 for c in r["contexts"].values())
         assert r["prefill_tps"] > 0
+    # which kernels edgeattn's session ran, with why not its own (GLA at fp32: no KV buffer, no MatMulNBits)
+    kernels = out["results"]["edgeattn-gla@1"]
+    assert kernels["matmul"] == {"kernel": "onnxruntime", "why": "no MatMulNBits (precision fp32)"}
+    assert kernels["attention"]["kernel"] == "onnxruntime" and "matmul" not in out["results"]["genai-llama@1"]
     # equal sizes: the peer's MLP width was chosen to match edgeattn's parameter count within 10%
     assert abs(out["params"]["genai-llama"] / out["params"]["edgeattn-gla"] - 1) < 0.1
     assert "| edgeattn `gla`" in res.stdout and "genai-llama / edgeattn-gla: decode@16" in res.stdout

@@ -187,9 +187,9 @@ class OnnxRuntimeSession(Session):
                 so.register_custom_ops_library(str(library))
             return so
 
-        # edgeattn's GroupQueryAttention kernel over float32 KV buffers on CPU and its MatMulNBits kernel on AVX2
-        # CPUs (edgeattn/runtimes/attention.py); ONNX Runtime's own where they do not apply, cannot be built, or
-        # the graph will not load with them
+        # edgeattn's GroupQueryAttention kernel over float32 KV buffers on CPU and its MatMulNBits kernel on the CPU
+        # kinds it was raced on (edgeattn/runtimes/attention.py); ONNX Runtime's own where they do not apply,
+        # cannot be built, or the graph will not load with them
         lib, self.attention, self.matmul = kernels_for_session(manifest, self.device, paths.values())
         ops = [
             op
